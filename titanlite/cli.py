@@ -1,0 +1,94 @@
+"""`titanlite` command line.
+
+    titanlite train --config configs/debug.toml --training.steps 50
+    titanlite peaks [--device cpu] [--refresh]
+    titanlite export-hf runs/<name> out/hf-model
+
+Bad input ends in one line on stderr and exit status 2, never a traceback wall.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import TitanliteError
+
+
+def _train(args, overrides: list[str]) -> None:
+    from .config import load_config
+    from .train import Trainer
+
+    cfg = load_config(args.config, overrides)
+    trainer = Trainer(cfg)
+    print(f"titanlite: {cfg.model.preset} model, {trainer.model.num_params() / 1e6:.2f}M parameters, "
+          f"on {trainer.device} ({trainer.dtype}); MFU against {trainer.peak.label}")
+    history = trainer.fit()
+    trainer.save_weights(history.run_dir)
+    last = history.train[-1]
+    val = f", val loss {history.val[-1]['val_loss']:.3f}" if history.val else ""
+    print(f"done: {trainer.step} steps, loss {history.train[0]['loss']:.3f} → {last['loss']:.3f}{val}, "
+          f"{last['tokens_per_sec']:,.0f} tokens/s, MFU {100 * last['mfu']:.2f}%")
+    print(f"sample: {history.samples[trainer.step]!r}")
+    print(f"metrics: {history.run_dir / 'metrics.jsonl'}")
+
+
+def _peaks(args, _overrides) -> None:
+    import torch
+
+    from . import hardware
+
+    device = hardware.detect_device(args.device)
+    print(f"device: {hardware.device_name(device)}")
+    for name in ("float32", "bfloat16", "float16"):
+        try:
+            dtype = hardware.resolve_dtype(name, device)
+        except TitanliteError as e:
+            print(f"  {name:9s} unsupported here: {e}")
+            continue
+        peak = hardware.matmul_peak(device, dtype, refresh=args.refresh)
+        sheet = hardware.datasheet_peak(device, dtype)
+        extra = f"   ({sheet.label})" if sheet else ""
+        print(f"  {name:9s} {peak.flops / 1e12:10.4f} TFLOP/s  {peak.label}{extra}")
+    del torch
+
+
+def _export_hf(args, _overrides) -> None:
+    from .models.hf_interop import to_hf
+    from .train import load_weights
+
+    model, tokenizer = load_weights(args.run_dir)
+    out = to_hf(model, args.out_dir, tokenizer=tokenizer)
+    print(f"wrote a Hugging Face LlamaForCausalLM to {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="titanlite", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train a model; any --section.key value overrides the config")
+    p.add_argument("--config", help="TOML file (see configs/)")
+    p.set_defaults(func=_train)
+    p = sub.add_parser("peaks", help="measure (and cache) this device's matmul peaks per dtype")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--refresh", action="store_true", help="measure again instead of using the cache")
+    p.set_defaults(func=_peaks)
+    p = sub.add_parser("export-hf", help="export a finished run's model to a Hugging Face directory")
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
+    p.set_defaults(func=_export_hf)
+
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        args.func(args, rest)
+    except TitanliteError as e:
+        print(f"titanlite: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("titanlite: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

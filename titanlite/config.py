@@ -1,0 +1,257 @@
+"""Run configuration: dataclasses, TOML files, dotted overrides.
+
+    cfg = load_config("configs/debug.toml", ["--training.steps", "50"])
+    cfg = Config(); cfg.training.steps = 50          # the same from Python
+
+Every key is checked: an unknown key names the closest valid ones, a wrong type says which
+type was expected, and impossible values (non-positive steps, ...) are refused before any
+work starts. Sections mirror torchtitan's job config, trimmed to what titanlite teaches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import TitanliteError, closest
+
+
+@dataclass
+class ModelSection:
+    preset: str = "debug"  # debug | small | 125M | 1B | 8B (titanlite.models.PRESETS)
+    # Overrides of the preset; None keeps the preset's value.
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    # None: the tokenizer's vocabulary size (debug/small), or the preset's (125M/1B/8B).
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None
+
+
+@dataclass
+class DataSection:
+    dataset: str = "pydoc"  # pydoc (offline) | tinyshakespeare | file:<path> | hf:<name>[:<config>]
+    path: str | None = None  # local file/folder for dataset="file"
+    tokenizer: str | None = None  # None: train (and cache) a BPE tokenizer on the corpus
+    vocab_size: int = 4096  # of the tokenizer trained when tokenizer is None
+    val_fraction: float = 0.05
+    data_dir: str | None = None  # caches; None: <repo>/data or ~/.cache/titanlite/data
+    max_chars: int | None = None  # cap on the corpus size (for hf: datasets)
+
+
+@dataclass
+class TrainingSection:
+    steps: int = 200
+    batch_size: int = 8  # sequences per step (per process)
+    seq_len: int = 128
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    seed: int = 0
+    deterministic: bool = False  # torch.use_deterministic_algorithms + fixed seeds everywhere
+    device: str = "auto"  # auto (cuda → mps → cpu) | cuda | cuda:N | mps | cpu
+    dtype: str = "float32"  # parameter and compute dtype
+    threads: int | None = None  # CPU intra-op threads; None keeps torch's default
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class SchedulerSection:
+    warmup_steps: int = 20
+    decay: str = "cosine"  # cosine | linear | constant (after warm-up)
+    min_lr_ratio: float = 0.1  # final lr as a fraction of the peak lr
+
+
+@dataclass
+class EvalSection:
+    every: int = 50  # validation loss every N steps (and at the end); 0 disables
+    batches: int = 8  # validation batches per evaluation (the same ones each time)
+    sample_every: int = 0  # print a text sample every N steps; 0: only before and after
+    sample_tokens: int = 48
+    prompt: str = "The "
+
+
+@dataclass
+class MetricsSection:
+    log_dir: str = "runs"
+    run_name: str | None = None  # None: <preset>-<timestamp>
+    log_every: int = 1
+    tensorboard: bool = False
+    progress: bool = True  # tqdm bar in terminals
+    peak: str = "auto"  # MFU denominator: auto | measured | datasheet
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "Config":
+        _check_positive(self, "training.steps", "training.batch_size", "training.seq_len",
+                        "data.vocab_size", "optimizer.lr", "eval.batches", "metrics.log_every")
+        _check_nonnegative(self, "training.grad_clip", "scheduler.warmup_steps", "eval.every",
+                           "eval.sample_every", "optimizer.weight_decay")
+        if not 0 < self.data.val_fraction < 1:
+            raise TitanliteError(f"data.val_fraction must be between 0 and 1, got "
+                                 f"{self.data.val_fraction}: e.g. --data.val_fraction 0.05")
+        _check_choice("scheduler.decay", self.scheduler.decay, ("cosine", "linear", "constant"))
+        _check_choice("metrics.peak", self.metrics.peak, ("auto", "measured", "datasheet"))
+        return self
+
+
+# ----- loading -------------------------------------------------------------------------------
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
+    """A Config from defaults ← TOML file ← overrides (['--a.b', 'v', ...] or {'a.b': v})."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise TitanliteError(f"config file '{p}' does not exist: pass a TOML file, "
+                                 f"e.g. --config configs/debug.toml")
+        try:
+            doc = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise TitanliteError(f"config file '{p}' is not valid TOML ({e}): fix the syntax")
+        for section, values in doc.items():
+            if not isinstance(values, dict):
+                raise TitanliteError(f"'{section}' in {p} must be a [section] table, not a value")
+            for key, value in values.items():
+                set_value(cfg, f"{section}.{key}", value, source=str(p))
+    for key, value in _pairs(overrides):
+        set_value(cfg, key, value, source="command line")
+    return cfg.validate()
+
+
+def _pairs(overrides) -> list[tuple[str, object]]:
+    if overrides is None:
+        return []
+    if isinstance(overrides, dict):
+        return list(overrides.items())
+    pairs, args = [], list(overrides)
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--"):
+            raise TitanliteError(f"unexpected argument '{arg}': overrides look like "
+                                 f"--section.key value (e.g. --training.steps 50)")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        elif args and not args[0].startswith("--"):
+            value = args.pop(0)
+        elif _field_type(Config(), key) is bool:
+            value = "true"  # a bare boolean flag switches it on
+        else:
+            raise TitanliteError(f"option --{key} needs a value, e.g. --{key} <value>")
+        pairs.append((key, value))
+    return pairs
+
+
+def set_value(cfg: Config, dotted: str, value, source: str = "override") -> None:
+    """Set cfg.<section>.<key> = value after checking the key exists and converting the type."""
+    section_name, _, key = dotted.partition(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section_name not in sections or not key:
+        all_keys = [f"{s}.{f.name}" for s in sections for f in dataclasses.fields(getattr(cfg, s))]
+        raise TitanliteError(f"unknown config key '{dotted}' ({source}){closest(dotted, all_keys)}; "
+                             f"sections are {', '.join(sections)}")
+    section = getattr(cfg, section_name)
+    names = [f.name for f in dataclasses.fields(section)]
+    if key not in names:
+        # Near misses in this section, and the same key name in another section
+        # (--training.lr → optimizer.lr).
+        same_name = [f"{s}.{key}" for s in sections
+                     if key in [f.name for f in dataclasses.fields(getattr(cfg, s))]]
+        near = difflib.get_close_matches(dotted, [f"{section_name}.{n}" for n in names], 3, 0.6)
+        hits = same_name + [h for h in near if h not in same_name]
+        hint = f" (did you mean: {', '.join(hits[:3])}?)" if hits else ""
+        raise TitanliteError(f"unknown config key '{dotted}' ({source}){hint}; "
+                             f"valid keys in [{section_name}]: {', '.join(names)}")
+    setattr(section, key, _convert(value, _field_type(cfg, dotted), dotted))
+
+
+def _field_type(cfg: Config, dotted: str):
+    section_name, _, key = dotted.partition(".")
+    section = getattr(cfg, section_name, None)
+    if section is None:
+        return None
+    hints = typing.get_type_hints(type(section))
+    return hints.get(key)
+
+
+def _convert(value, tp, dotted: str):
+    optional = False
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional, tp = True, args[0]
+    if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))):
+        return None
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                return value.lower() in ("true", "1", "yes", "on")
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value) if not isinstance(value, str) else int(value.replace("_", ""))
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if tp is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    else:
+        return value
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    raise TitanliteError(f"{dotted} must be {names.get(tp, tp)}"
+                         f"{' or none' if optional else ''}, got {value!r}")
+
+
+def _get(cfg: Config, dotted: str):
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _check_positive(cfg: Config, *keys: str) -> None:
+    for k in keys:
+        if _get(cfg, k) <= 0:
+            raise TitanliteError(f"{k} must be positive, got {_get(cfg, k)}: e.g. --{k} "
+                                 f"{_get(Config(), k)}")
+
+
+def _check_nonnegative(cfg: Config, *keys: str) -> None:
+    for k in keys:
+        if _get(cfg, k) < 0:
+            raise TitanliteError(f"{k} must be zero or positive, got {_get(cfg, k)}")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise TitanliteError(f"{key}='{value}' is not one of {', '.join(choices)}{closest(value, choices)}")

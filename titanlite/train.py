@@ -1,0 +1,290 @@
+"""The training loop: one readable function per concern, one loop that ties them together.
+
+    from titanlite import Trainer, load_config
+    history = Trainer(load_config("configs/debug.toml")).fit(callbacks=[LivePlot()])
+
+The loop in `fit` is the whole algorithm: take a batch, forward, cross-entropy, backward,
+clip, AdamW step, advance the learning-rate schedule; everything else (timing, MFU,
+validation, samples, logging) watches from the side. Later techniques (accumulation, mixed
+precision, compile, parallelism) plug into the marked places instead of branching the loop.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import hardware
+from .config import Config
+from .data import build_data
+from .errors import TitanliteError
+from .metrics import MetricsLogger
+from .models.llama import ModelArgs, Transformer, build_model
+
+# Presets sized for training here take their vocabulary from the tokenizer; the large ones
+# keep the published vocabulary so their parameter counts stay true.
+_VOCAB_FROM_TOKENIZER = ("debug", "small")
+
+
+@dataclass
+class History:
+    """What `fit()` returns: the records it logged, plus text samples before and after."""
+    train: list[dict] = field(default_factory=list)
+    val: list[dict] = field(default_factory=list)
+    samples: dict[int, str] = field(default_factory=dict)
+    run_dir: Path | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.train]
+
+    @property
+    def val_losses(self) -> list[float]:
+        return [r["val_loss"] for r in self.val]
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds CUDA and MPS generators
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; must be set before first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def lr_lambda(cfg: Config):
+    """Linear warm-up to the peak lr, then cosine/linear decay to min_lr_ratio·peak."""
+    warmup, total = cfg.scheduler.warmup_steps, cfg.training.steps
+    floor, decay = cfg.scheduler.min_lr_ratio, cfg.scheduler.decay
+
+    def factor(step: int) -> float:  # step counts completed optimizer steps (0-based)
+        if step < warmup:
+            return (step + 1) / warmup
+        if decay == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
+        return floor + (1 - floor) * shape
+
+    return factor
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    # Decay matrices only: shrinking norm gains towards zero hurts and regularises nothing.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    o = cfg.optimizer
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def model_args_for(cfg: Config, tokenizer_vocab: int) -> ModelArgs:
+    m = cfg.model
+    args = ModelArgs.preset(m.preset, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
+                            n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
+                            max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings)
+    if m.vocab_size is None and m.preset in _VOCAB_FROM_TOKENIZER:
+        args.vocab_size = tokenizer_vocab
+    if args.vocab_size < tokenizer_vocab:
+        raise TitanliteError(
+            f"the tokenizer has {tokenizer_vocab} tokens but the model's vocab_size is "
+            f"{args.vocab_size}, so token ids would be out of range: set --model.vocab_size "
+            f"{tokenizer_vocab} (or leave it unset), or use a smaller tokenizer")
+    if cfg.training.seq_len > args.max_seq_len:
+        raise TitanliteError(
+            f"training.seq_len={cfg.training.seq_len} exceeds the model's maximum "
+            f"({args.max_seq_len} for preset '{m.preset}'): lower --training.seq_len or raise "
+            f"--model.max_seq_len")
+    return args
+
+
+class Trainer:
+    def __init__(self, cfg: Config | None = None):
+        self.cfg = cfg = (cfg or Config()).validate()
+        t = cfg.training
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        self.device = hardware.detect_device(t.device)
+        self.dtype = hardware.resolve_dtype(t.dtype, self.device)
+        seed_everything(t.seed, t.deterministic)
+
+        d = cfg.data
+        self.data = build_data(d.dataset, path=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+                               seq_len=t.seq_len, batch_size=t.batch_size, val_fraction=d.val_fraction,
+                               seed=t.seed, data_dir=d.data_dir, max_chars=d.max_chars)
+        self.tokenizer = self.data.tokenizer
+        self.model_args = model_args_for(cfg, self.data.vocab_size)
+        self.model: Transformer = build_model(self.model_args, self.device).to(self.dtype)
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.flops_per_token = self.model.flops_per_token(t.seq_len)
+        self.peak = hardware.get_peak(self.device, self.dtype, source=cfg.metrics.peak)
+        self.step = 0
+
+    # ----- the pieces the loop calls --------------------------------------------------------
+    def loss_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.model(x)
+        # fp32 softmax: in low precision the log-sum-exp over the vocabulary loses digits.
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        loss = self.loss_on(x, y)
+        loss.backward()
+        clip = self.cfg.training.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item(), norm.item()  # .item() waits for the device: honest step times
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        losses = [self.loss_on(x.to(self.device), y.to(self.device)).item()
+                  for x, y in self.data.val.eval_batches(self.cfg.eval.batches)]
+        self.model.train()
+        return sum(losses) / len(losses)
+
+    @torch.no_grad()
+    def sample(self, prompt: str | None = None, max_new_tokens: int | None = None,
+               temperature: float = 0.8, top_k: int = 40, seed: int = 1234) -> str:
+        """Continue `prompt` with top-k sampling (own generator: does not disturb training RNG)."""
+        e = self.cfg.eval
+        prompt = e.prompt if prompt is None else prompt
+        ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_token_id or 0]
+        x = torch.tensor([ids], device=self.device)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.model.eval()
+        for _ in range(max_new_tokens or e.sample_tokens):
+            logits = self.model(x[:, -self.model_args.max_seq_len:])[0, -1].float().cpu()
+            logits = logits / max(temperature, 1e-5)
+            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+            probs = torch.softmax(logits.masked_fill(logits < kth, -float("inf")), dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen).to(self.device)
+            x = torch.cat([x, nxt.view(1, 1)], dim=1)
+        self.model.train()
+        return self.tokenizer.decode(x[0].tolist())
+
+    # ----- the loop -------------------------------------------------------------------------
+    def fit(self, callbacks=()) -> History:
+        cfg, t, m = self.cfg, self.cfg.training, self.cfg.metrics
+        run_name = m.run_name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+        history = History(run_dir=Path(m.log_dir) / run_name)
+        logger = MetricsLogger(history.run_dir, tensorboard=m.tensorboard)
+        self._write_run_info(history.run_dir)
+
+        def emit(record: dict) -> None:
+            logger.log(record)
+            (history.train if record["kind"] == "train" else history.val).append(record)
+            for cb in callbacks:
+                cb(record)
+
+        history.samples[0] = self.sample()
+        bar = _progress_bar(t.steps, enabled=m.progress)
+        tokens_per_step = t.batch_size * t.seq_len
+        start = time.perf_counter()
+        try:
+            for _ in range(t.steps):
+                step_start = time.perf_counter()
+                hardware.reset_peak_memory(self.device)
+                x, y = self.data.train.next_batch()
+                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+                lr = self.scheduler.get_last_lr()[0]
+                loss, grad_norm = self.train_step(x, y)
+                self.step += 1
+                dt = time.perf_counter() - step_start
+                if not math.isfinite(loss):
+                    raise TitanliteError(f"loss became {loss} at step {self.step}: lower "
+                                         f"--optimizer.lr (now {cfg.optimizer.lr}) or enable clipping")
+                tps = tokens_per_step / dt
+                if self.step % m.log_every == 0 or self.step == t.steps:
+                    emit({"kind": "train", "step": self.step, "loss": loss, "lr": lr,
+                          "grad_norm": grad_norm, "tokens_per_sec": tps,
+                          "mfu": hardware.mfu(self.flops_per_token * tps, self.peak),
+                          "peak_memory_bytes": hardware.peak_memory_bytes(self.device),
+                          "step_time_s": dt, "elapsed_s": time.perf_counter() - start,
+                          "tokens": self.step * tokens_per_step, "peak_label": self.peak.label})
+                if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == t.steps):
+                    emit({"kind": "val", "step": self.step, "val_loss": self.evaluate(),
+                          "elapsed_s": time.perf_counter() - start})
+                if cfg.eval.sample_every and self.step % cfg.eval.sample_every == 0:
+                    history.samples[self.step] = self.sample()
+                    _say(f"[step {self.step}] {history.samples[self.step]!r}", bar)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+        finally:
+            if bar is not None:
+                bar.close()
+            logger.close()
+        history.samples[self.step] = self.sample()
+        for cb in callbacks:
+            if hasattr(cb, "on_train_end"):
+                cb.on_train_end()
+        return history
+
+    def save_weights(self, run_dir: str | Path) -> Path:
+        """Final weights (safetensors) and tokenizer beside run.json, for `titanlite export-hf`.
+        Full training state (optimizer, data position) is the checkpointing module's job."""
+        from safetensors.torch import save_model
+        run_dir = Path(run_dir)
+        save_model(self.model, str(run_dir / "model.safetensors"))  # dedupes tied weights
+        self.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+        return run_dir
+
+    def _write_run_info(self, run_dir: Path) -> None:
+        import json
+        info = {"config": self.cfg.to_dict(), "model_args": self.model_args.to_dict(),
+                "num_params": self.model.num_params(), "flops_per_token": self.flops_per_token,
+                "device": hardware.device_name(self.device), "dtype": str(self.dtype),
+                "peak_flops": self.peak.flops, "peak_label": self.peak.label,
+                "torch": torch.__version__}
+        (run_dir / "run.json").write_text(json.dumps(info, indent=2))
+
+
+def _in_notebook() -> bool:
+    return "ipykernel" in sys.modules
+
+
+def _progress_bar(total: int, enabled: bool):
+    # In notebooks the live plot is the progress display; a bar there would only add noise.
+    if not enabled or _in_notebook():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _say(text: str, bar) -> None:
+    if bar is not None:
+        bar.write(text)
+    else:
+        print(text)
+
+
+def load_weights(run_dir: str | Path):
+    """(model, tokenizer) saved by `Trainer.save_weights`."""
+    import json
+
+    from safetensors.torch import load_model
+    from transformers import PreTrainedTokenizerFast
+
+    run_dir = Path(run_dir)
+    info, weights = run_dir / "run.json", run_dir / "model.safetensors"
+    for f in (info, weights):
+        if not f.is_file():
+            raise TitanliteError(f"'{f}' is missing: pass the directory of a finished "
+                                 f"`titanlite train` run (runs/<name>)")
+    args = ModelArgs(**json.loads(info.read_text())["model_args"])
+    model = build_model(args, "cpu")
+    load_model(model, str(weights))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(run_dir / "tokenizer"))
+    return model, tokenizer
