@@ -38,6 +38,9 @@ class ModelArgs:
     max_seq_len: int = 256
     tie_embeddings: bool = True
     init_std: float = 0.02
+    # Llama 3.1+ long-context RoPE: {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}, as in HF's config. None: plain.
+    rope_scaling: dict | None = None
 
     @property
     def head_dim(self) -> int:
@@ -65,6 +68,12 @@ class ModelArgs:
                 f"n_heads/n_kv_heads query heads")
         if self.head_dim % 2:
             raise TitanliteError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.rope_scaling is not None:
+            keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+            if self.rope_scaling.get("rope_type") != "llama3" or not keys <= set(self.rope_scaling):
+                raise TitanliteError(
+                    f"model.rope_scaling={self.rope_scaling} is not supported: use None or "
+                    f"{{'rope_type': 'llama3', {', '.join(sorted(keys))}}} (Llama 3.1+)")
         return self
 
     @staticmethod
@@ -113,10 +122,22 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's context extension: slow the low frequencies (wavelengths longer than the
+    original context) by `factor`, keep the high ones, and blend smoothly in between."""
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)  # 0: long waves, 1: short
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
 def rope_cache(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape [max_seq_len, head_dim] in the rotate-half layout HF uses."""
     inv_freq = 1.0 / (args.rope_theta ** (
         torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32) / args.head_dim))
+    if args.rope_scaling:
+        inv_freq = llama3_scaled(inv_freq, args.rope_scaling)
     t = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)

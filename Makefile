@@ -1,0 +1,35 @@
+# Two entry points (see README.md):  make lab   and   make test
+# Both create ./.venv on first use (and again whenever pyproject.toml changes).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup lab train test bench clean-venv
+
+setup: $(VENV)/.installed
+
+# torch is pinned first so pip does not pick an arbitrary (possibly multi-GB) build;
+# the rest comes from pyproject.toml, with the test tools of the `dev` extra.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (titanlite)" >/dev/null
+	touch $@
+
+lab: setup  ## the workbook: JupyterLab on notebooks/
+	$(BIN)/jupyter lab notebooks/
+
+train: setup  ## the quick training run, headless
+	$(BIN)/titanlite train --config configs/debug.toml
+
+test: setup  ## the whole test suite (notebooks in smoke scale, the browser check included)
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python bench/bench_vs_hf.py
+
+clean-venv:
+	rm -rf $(VENV)
