@@ -1,0 +1,58 @@
+"""The command line: a real run end to end, and bad input as one line + exit status 2."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def titanlite(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "titanlite", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def flags(overrides: dict) -> list[str]:
+    return [a for k, v in overrides.items() for a in (f"--{k}", str(v))]
+
+
+def test_train_then_export_to_hugging_face(data_dir, tmp_path):
+    r = titanlite("train", "--config", "configs/debug.toml",
+                  *flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 5})))
+    assert r.returncode == 0, r.stderr
+    assert "done: 5 steps" in r.stdout and "MFU" in r.stdout
+    assert "Failed to load" not in r.stdout + r.stderr  # torchao's CPU noise stays hidden
+    run_dir = tmp_path / "runs" / "t"
+    r = titanlite("export-hf", str(run_dir), str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    from transformers import LlamaForCausalLM
+    assert LlamaForCausalLM.from_pretrained(tmp_path / "hf").config.vocab_size == 512
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--training.stesp", "5"], "unknown config key 'training.stesp'"),
+    (["--training.steps", "many"], "training.steps must be an integer"),
+    (["--training.steps", "0"], "training.steps must be positive"),
+    (["--training.batch_size", "-1"], "training.batch_size must be positive"),
+    (["--training.seq_len", "4096"], "exceeds the model's maximum"),
+    (["--model.vocab_size", "64"], "but the model's vocab_size is 64"),
+    (["--data.dataset", "file", "--data.path", "missing.txt"], "missing.txt"),
+    (["--training.device", "mps" if sys.platform != "darwin" else "cuda"], "requested"),
+    (["--config", "nope.toml"], "config file 'nope.toml' does not exist"),
+])
+def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, args, message):
+    base = flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 2}))
+    r = titanlite("train", *base, *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("titanlite: error:"), r.stderr
+    assert message in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_export_of_a_missing_run_is_one_line(tmp_path):
+    r = titanlite("export-hf", str(tmp_path / "nope"), str(tmp_path / "out"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "is missing" in r.stderr

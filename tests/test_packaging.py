@@ -1,0 +1,38 @@
+"""The project's own files agree with each other: dependencies, README commands, CI."""
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONDA_TO_PYPI = {"pytorch": "torch"}
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[ ;]", requirement.strip(), maxsplit=1)[0].lower()
+
+
+def test_environment_yml_names_the_same_packages_as_pyproject():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    wanted = {_name(d) for d in deps}
+    listed = set()
+    for line in (ROOT / "environment.yml").read_text().splitlines():
+        m = re.match(r"\s*-\s+([A-Za-z][\w.\-]*)", line)
+        if m and m.group(1) not in ("python", "pip", "conda-forge", "-e"):
+            listed.add(CONDA_TO_PYPI.get(m.group(1).lower(), m.group(1).lower()))
+    listed.discard("pip:")
+    assert listed == wanted, f"only in environment.yml: {listed - wanted}; only in pyproject: {wanted - listed}"
+
+
+def test_readme_gives_two_commands_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```(?:bash|sh)?\n(.*?)```", readme, re.S).group(1)
+    commands = [l for l in block.splitlines() if l.strip() and not l.strip().startswith("#")]
+    assert len(commands) == 2, commands
+    test_command = commands[1].strip()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test_command.split("&&")[-1].strip() in ci
+
+
+def test_console_script_is_declared():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["titanlite"] == "titanlite.cli:main"
