@@ -1,0 +1,148 @@
+"""`build_data`: corpus -> tokenizer -> token stream -> train/val split -> batches.
+
+Every expensive step is cached under <data_dir>/cache/, keyed by content hashes, so the
+second call with the same settings only loads files:
+
+    cache/tokenizers/<corpus-id>-bpe<vocab>-<recipe>/   a Hugging Face tokenizer folder
+    cache/tokens/<corpus-id>-<tokenizer-hash>.npz       the token stream + document lengths
+
+Train/validation split. We hold out whole *documents*, chosen evenly through the corpus
+(a document goes to validation whenever that brings the validation share closer to
+val_fraction). Whole documents mean no validation text is ever a window's neighbour in
+training, and spreading them out means validation covers the same kinds of text as
+training. A corpus with too few documents for that (TinyShakespeare is a single one)
+falls back to holding out the last val_fraction of the token stream, as nanoGPT does.
+Either way validation has at least one full window.
+"""
+from __future__ import annotations
+
+import math
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from ..errors import TitanliteError
+from ._cache import atomic_file, build_lock, cache_subdir
+from .corpus import corpus_id as make_corpus_id
+from .corpus import load_corpus, parse_dataset
+from .sampler import TokenBatches, _positive_int, check_rank
+from .tokenizer import encode_documents, get_tokenizer, tokenizer_hash
+
+
+@dataclass
+class DataBundle:
+    """Everything a training loop needs from the data side."""
+    tokenizer: PreTrainedTokenizerFast
+    vocab_size: int  # len(tokenizer): the embedding table needs a row for every id
+    train: TokenBatches  # random windows, resumable via state_dict()
+    val: TokenBatches  # use val.eval_batches(n): the same batches every time
+    corpus_id: str
+    n_train_tokens: int
+    n_val_tokens: int
+    eos_token_id: int  # separates documents; also a good prompt to generate "from scratch"
+    split_by: str  # "documents" or "tokens" (see the module docstring)
+
+    def __repr__(self) -> str:
+        return (f"DataBundle({self.corpus_id}: vocab {self.vocab_size}, "
+                f"train {self.n_train_tokens:,} tokens / {self.train.num_windows:,} windows, "
+                f"val {self.n_val_tokens:,} tokens / {self.val.num_windows:,} windows, "
+                f"split by {self.split_by})")
+
+
+def build_data(dataset: str = "pydoc", path: str | None = None, tokenizer: str | None = None,
+               vocab_size: int = 4096, seq_len: int = 128, batch_size: int = 8,
+               val_fraction: float = 0.05, rank: int = 0, world_size: int = 1, seed: int = 0,
+               data_dir: str | None = None, max_chars: int | None = None, *,
+               max_docs: int | None = None, hf_split: str = "train",
+               text_column: str | None = None, verbose: bool = False) -> DataBundle:
+    """Load a corpus, get its tokenizer and token stream (cached), split, and batch it.
+
+    dataset: "pydoc" | "tinyshakespeare" | "file:<path>" | "hf:<name>[:<config>]" (see
+    `titanlite.data.corpus`). tokenizer: None trains (or reuses) a BPE tokenizer of
+    `vocab_size` on the corpus; else a tokenizer folder or tokenizer.json."""
+    # Check the cheap things first, so a typo fails in milliseconds, not after tokenizing.
+    _positive_int("seq_len", seq_len, 128)
+    _positive_int("batch_size", batch_size)
+    check_rank(rank, world_size)
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) \
+            or not 0 < val_fraction <= 0.5:
+        raise TitanliteError(f"val_fraction must be in (0, 0.5], got {val_fraction!r}; "
+                             "0.05 holds out 5% of the corpus for validation")
+    kind, target = parse_dataset(dataset, path)
+
+    docs = load_corpus(dataset, path, data_dir=data_dir, max_chars=max_chars,
+                       max_docs=max_docs, hf_split=hf_split, text_column=text_column)
+    label = kind if target is None else f"{kind}-{Path(target).name or target}"
+    cid = make_corpus_id(label, docs)
+    tok = get_tokenizer(tokenizer, documents=docs, corpus_id=cid, vocab_size=vocab_size,
+                        data_dir=data_dir, verbose=verbose)
+    tokens, doc_lengths = cached_token_stream(tok, docs, cid, data_dir)
+
+    train_tokens, val_tokens, split_by = split_train_val(tokens, doc_lengths, val_fraction,
+                                                         min_tokens=seq_len + 1)
+    if min(len(train_tokens), len(val_tokens)) < seq_len + 1:
+        fit = len(tokens) // 2 - 1
+        more = f"raise max_chars={max_chars}" if max_chars else "use more text"
+        hint = f"use seq_len <= {fit}, or {more}" if fit >= 1 else more
+        raise TitanliteError(
+            f"corpus {cid} has only {len(tokens):,} tokens, too few for seq_len={seq_len} "
+            f"(train and validation each need at least seq_len+1 = {seq_len + 1}); {hint}")
+    common = dict(rank=rank, world_size=world_size, seed=seed)
+    return DataBundle(
+        tokenizer=tok, vocab_size=len(tok),
+        train=TokenBatches(torch.from_numpy(train_tokens.astype(np.int32)), seq_len,
+                           batch_size, **common),
+        val=TokenBatches(torch.from_numpy(val_tokens.astype(np.int32)), seq_len,
+                         batch_size, **common),
+        corpus_id=cid, n_train_tokens=len(train_tokens), n_val_tokens=len(val_tokens),
+        eos_token_id=tok.eos_token_id, split_by=split_by)
+
+
+def cached_token_stream(tok: PreTrainedTokenizerFast, docs: list[str], cid: str,
+                        data_dir=None) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, doc_lengths) for the corpus, from cache/tokens/ or encoded and saved there."""
+    file = cache_subdir(data_dir, "tokens") / f"{cid}-{tokenizer_hash(tok)}.npz"
+    cached = _read_stream(file)
+    if cached is not None:
+        return cached
+    with build_lock(file):
+        cached = _read_stream(file)  # another rank may have written it while we waited
+        if cached is not None:
+            return cached
+        tokens, doc_lengths = encode_documents(tok, docs)
+        with atomic_file(file) as tmp:
+            with open(tmp, "wb") as f:  # a file object, so numpy does not append ".npz"
+                np.savez(f, tokens=tokens, doc_lengths=doc_lengths)
+    return tokens, doc_lengths
+
+
+def _read_stream(file: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    if not file.is_file():
+        return None
+    try:
+        with np.load(file) as saved:
+            return saved["tokens"], saved["doc_lengths"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None  # unreadable cache (e.g. a disk filled up): rebuild it
+
+
+def split_train_val(tokens: np.ndarray, doc_lengths: np.ndarray, val_fraction: float,
+                    min_tokens: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """(train tokens, val tokens, "documents" | "tokens"); see the module docstring."""
+    is_val = np.zeros(len(doc_lengths), dtype=bool)
+    val_total = seen = 0
+    for i, n in enumerate(doc_lengths.tolist()):
+        seen += n
+        # Take this document if that moves the val share closer to its target.
+        if val_total + n / 2 < val_fraction * seen:
+            is_val[i] = True
+            val_total += n
+    if min_tokens <= val_total <= len(tokens) - min_tokens:
+        owner = np.repeat(is_val, doc_lengths)  # per token: does its document go to val?
+        return tokens[~owner], tokens[owner], "documents"
+    n_val = min(max(math.ceil(val_fraction * len(tokens)), min_tokens), len(tokens))
+    return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], "tokens"
