@@ -4,7 +4,7 @@
     for record in trainer:  plot(record)
     plot.on_train_end()                # final draw (static mode: show once / save PNG)
 
-    LivePlot.from_jsonl(["runs/fp32.jsonl", "runs/bf16.jsonl"])   # overlay finished runs
+    LivePlot.from_jsonl(["runs/fp32", "runs/bf16"])   # overlay finished runs (metrics.jsonl)
 
 Why it looks like this:
 - One `matplotlib.figure.Figure` on the Agg canvas, never pyplot. pyplot keeps every figure
@@ -22,9 +22,9 @@ Why it looks like this:
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
+import textwrap
 import time
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from .errors import TitanliteError, closest
+from .metrics import read_jsonl
 
 MODES = ("widget", "static", "off")
 # metric -> (axis label, scale applied to the raw value). MFU arrives as a fraction.
@@ -42,6 +43,9 @@ AXES = {
     "lr": ("learning rate", 1.0),
     "peak_memory_bytes": ("peak memory (MiB)", 1.0 / 2**20),
     "elapsed_s": ("elapsed (s)", 1.0),
+    "step_time_s": ("step time (s)", 1.0),
+    "grad_norm": ("gradient norm", 1.0),
+    "tokens": ("tokens seen", 1.0),
 }
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
@@ -59,9 +63,11 @@ def resolve_mode(mode: str | None = None) -> str:
     """Explicit `mode`, else env TITANLITE_LIVE_PLOT, else "widget" only for a kernel that a
     Jupyter server started for a live frontend, else "static".
 
-    jupyter_server puts JPY_SESSION_NAME (the notebook's path) into the environment of every
-    kernel it starts for JupyterLab / Notebook 7 / VS Code-on-a-server; nbclient, papermill
-    and plain `jupyter console` do not, and a terminal has no kernel at all.
+    jupyter_server puts JPY_SESSION_NAME (the notebook's path) into the environment of each
+    kernel it starts for a frontend session (JupyterLab, Notebook 7); nbclient, papermill and
+    `jupyter console` do not (they set only JPY_PARENT_PID), and a terminal has no kernel.
+    Other live frontends, or nbclient run from inside a Lab kernel (it inherits the variable):
+    set TITANLITE_LIVE_PLOT.
     """
     mode = mode or os.environ.get("TITANLITE_LIVE_PLOT", "").strip().lower() or None
     if mode is not None:
@@ -76,6 +82,8 @@ def resolve_mode(mode: str | None = None) -> str:
 
 def _num(value) -> float | None:
     """A plottable float, NaN for non-finite (a gap in the line), None for missing/non-numeric."""
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy / torch scalars
+        value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else math.nan
@@ -109,9 +117,10 @@ class LivePlot:
         self._dirty = False
         self._shown_at = None  # (IPython execution_count, points) when we last showed ourselves
         self._ended = False
-        self._fig = Figure(figsize=(3.7 * len(self.metrics), 3.0), dpi=90, layout="constrained")
+        self._fig = Figure(figsize=(3.9 * len(self.metrics), 3.0), dpi=90)
         FigureCanvasAgg(self._fig)  # attaches itself to the figure
         self._axes = self._fig.subplots(1, len(self.metrics), squeeze=False)[0]
+        self._fix_margins()
         self._lines: dict[tuple, object] = {}
         self._box = self._image = self._status = None
         if self.mode == "widget":
@@ -136,12 +145,14 @@ class LivePlot:
 
     @classmethod
     def from_jsonl(cls, paths, labels=None, metrics=("loss", "tokens_per_sec", "mfu"), **kw):
-        """Overlay finished runs from JSONL metric files (one record per line); draws at once."""
+        """Overlay finished runs, each a metrics.jsonl or its run directory; draws at once.
+        Labels default to the run's name (runs/<name>/metrics.jsonl) or the file's stem."""
         paths = [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
-        if labels is None:  # file stems, or parent/stem when stems collide (rank0/metrics.jsonl)
-            stems = [p.stem for p in paths]
-            labels = [f"{p.parent.name}/{p.stem}" if stems.count(p.stem) > 1 else p.stem
+        if labels is None:
+            labels = [p.name if p.is_dir() else p.parent.name if p.stem == "metrics" else p.stem
                       for p in paths]
+            if len(set(labels)) < len(labels):  # e.g. rank0/x.jsonl and rank1/x.jsonl
+                labels = [str(p.with_suffix("")) for p in paths]
         if len(labels) != len(paths):
             raise TitanliteError(f"from_jsonl got {len(paths)} paths but {len(labels)} labels; "
                                  "pass one label per file")
@@ -177,6 +188,16 @@ class LivePlot:
         self._dirty = True
 
     # --- drawing ------------------------------------------------------------------------
+    def _fix_margins(self, title_lines: int = 0) -> None:
+        """Margins fixed in inches. A layout engine (constrained/tight) would re-measure every
+        label on every redraw and double the cost of a frame for no visible gain here."""
+        (w, h), n = self._fig.get_size_inches(), len(self.metrics)
+        left, right, gap, bottom = 0.8, 0.15, 1.0, 0.5
+        top = 0.15 + 0.3 * bool(self.title) + 0.15 * title_lines + 0.1 * bool(title_lines)
+        axis_w = (w - left - right - (n - 1) * gap) / n
+        self._fig.subplots_adjust(left=left / w, right=1 - right / w, bottom=bottom / h,
+                                  top=1 - top / h, wspace=gap / axis_w)
+
     def _draw(self) -> None:
         """Update the persistent Line2D objects in place (cheaper than clearing axes)."""
         for (run, rank), series in self._series.items():
@@ -195,15 +216,20 @@ class LivePlot:
                 line.set_data(xs, ys)
         for metric, ax in zip(self.metrics, self._axes):
             label = AXES.get(metric, (metric, 1.0))[0]
-            if metric == "mfu" and self._peak_labels:
-                label = f"MFU (% of {', '.join(self._peak_labels)})"
             ax.set_ylabel(label)
-            ax.set_xlabel(self.x)
+            if metric == "mfu" and self._peak_labels:  # MFU means nothing without its peak
+                peak = textwrap.wrap(f"% of {', '.join(self._peak_labels)}", 48,
+                                     max_lines=2, placeholder=" …")
+                if ax.get_title() != "\n".join(peak):
+                    ax.set_title("\n".join(peak), fontsize=8)
+                    self._fix_margins(title_lines=len(peak))
+            ax.set_xlabel(AXES.get(self.x, (self.x,))[0])
             ax.grid(True, alpha=0.3)
             ax.relim()
             ax.autoscale_view()
         if len(self._axes[0].get_lines()) > 1:
-            self._axes[0].legend(fontsize=8, loc="best")
+            # "upper right": a falling loss leaves it empty, and "best" costs a search per frame.
+            self._axes[0].legend(fontsize=8, loc="upper right")
         if self.title:
             self._fig.suptitle(self.title)
 
@@ -226,15 +252,14 @@ class LivePlot:
             self._status.value = self._status_html()
 
     def _status_html(self) -> str:
-        r, parts = self._last, []
-        if r.get("run") is not None or r.get("rank") is not None:
-            parts.append(" ".join(str(v) for v in (r.get("run"), r.get("rank")) if v is not None))
-        if "step" in r:
-            parts.append(f"step {r['step']}")
-        for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"),
+        r = self._last
+        rank = None if r.get("rank") is None else f"rank {r['rank']}"
+        parts = [" ".join(str(v) for v in (r.get("run"), rank) if v is not None)]
+        for key, fmt in (("step", "step {:.0f}"), ("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"),
                          ("tokens_per_sec", "{:,.0f} tok/s"), ("mfu", "MFU {:.2%}")):
-            if _num(r.get(key)) is not None:
-                parts.append(fmt.format(r[key]))
+            if (value := _num(r.get(key))) is not None:
+                parts.append(fmt.format(value))
+        parts = [p for p in parts if p]
         return f"<code>{' · '.join(parts) or 'waiting for the first step…'}</code>"
 
     # --- showing ------------------------------------------------------------------------
@@ -264,8 +289,10 @@ class LivePlot:
     def on_train_end(self) -> None:
         """Final draw. Widget: the last points; static: show the figure once; then save."""
         self._ended = True
+        self._draw()  # cheap: updates the artists; rendering to pixels happens on demand
         if self.mode == "widget":
-            self._refresh()
+            if self._dirty:  # points arrived since the last throttled frame
+                self._refresh()
         elif self.mode == "static":
             self._show()
         if self.save_path:
@@ -283,10 +310,13 @@ class LivePlot:
         self._fig.savefig(path)
 
     def _ipython_display_(self) -> None:
-        # `plot` as a cell's last line right after the plot showed itself would show it twice.
+        # `plot` as the last line of the cell where the plot already showed itself would show
+        # it twice: a second live view of the widget, or the same static picture again.
         ip = _ipython()
-        if ip is not None and self._shown_at == (ip.execution_count, self._n_points()):
-            return
+        if ip is not None and self._shown_at is not None:
+            count, points = self._shown_at
+            if count == ip.execution_count and (self.mode == "widget" or points == self._n_points()):
+                return
         self._show()
 
     def _repr_png_(self) -> bytes:
@@ -296,18 +326,3 @@ class LivePlot:
         return (f"LivePlot(mode={self.mode!r}, metrics={self.metrics}, "
                 f"series={len(self._series)}, points={self._n_points()})")
 
-
-def read_jsonl(path) -> list[dict]:
-    """Records from a JSONL metrics file; a bad line is reported with its line number."""
-    path = Path(path)
-    if not path.is_file():
-        raise TitanliteError(f"metrics file {path} does not exist; pass the JSONL the trainer wrote")
-    records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise TitanliteError(f"{path}:{n} is not JSON ({e.msg}); "
-                                     "a metrics file holds one JSON object per line") from None
-    return records
