@@ -1,0 +1,329 @@
+"""titanlite.hardware / datasheet / memory / roofline: devices, dtypes, peaks, MFU, memory, roofline."""
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from titanlite import TitanliteError, hardware, roofline
+from titanlite.hardware import Peak
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_MPS = torch.backends.mps.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+needs_mps = pytest.mark.skipif(not HAS_MPS,
+                               reason="needs Apple MPS (torch.backends.mps.is_available() is False)")
+
+
+# ---- devices -------------------------------------------------------------------------------
+def test_auto_picks_cuda_then_mps_then_cpu():
+    expected = "cuda" if HAS_CUDA else "mps" if HAS_MPS else "cpu"
+    assert hardware.detect_device("auto").type == expected
+    assert hardware.detect_device().type == expected
+    assert hardware.detect_device(" CPU ") == torch.device("cpu")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a CUDA GPU is visible, so requesting cuda succeeds")
+def test_requesting_missing_cuda_is_a_one_line_error():
+    with pytest.raises(TitanliteError) as e:
+        hardware.detect_device("cuda")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "torch.cuda.is_available() is False" in msg and "auto or cpu" in msg
+    with pytest.raises(TitanliteError, match="no CUDA GPU"):
+        hardware.detect_device("cuda:1")
+
+
+@pytest.mark.skipif(HAS_MPS, reason="MPS is available, so requesting mps succeeds")
+def test_requesting_missing_mps_is_a_one_line_error():
+    with pytest.raises(TitanliteError, match="MPS is not available") as e:
+        hardware.detect_device("mps")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("bad, hint", [("cdua", "cuda"), ("cpuu", "cpu"), ("mpss", "mps"), ("atuo", "auto")])
+def test_unknown_device_suggests_the_nearest(bad, hint):
+    with pytest.raises(TitanliteError, match=f"did you mean: {hint}"):
+        hardware.detect_device(bad)
+
+
+def test_malformed_index_is_rejected():
+    with pytest.raises(TitanliteError, match="unknown device"):
+        hardware.detect_device("cuda:x")
+
+
+def test_cpu_name_says_cpu_and_threads():
+    name = hardware.device_name("cpu")
+    assert name.endswith(f"(CPU, {torch.get_num_threads()} threads)") and len(name) > len("(CPU, 1 threads)")
+
+
+# ---- dtypes --------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, dtype", [("float32", torch.float32), ("fp32", torch.float32),
+                                         ("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16),
+                                         ("fp16", torch.float16), (torch.float16, torch.float16)])
+def test_dtype_aliases(name, dtype):
+    assert hardware.resolve_dtype(name, "cpu") is dtype
+
+
+def test_unknown_dtype_suggests_the_nearest():
+    with pytest.raises(TitanliteError, match="did you mean: bfloat16"):
+        hardware.resolve_dtype("bfloat61", "cpu")
+    with pytest.raises(TitanliteError, match="unknown dtype"):
+        hardware.resolve_dtype("int8", "cpu")
+
+
+def test_bf16_on_a_pre_ampere_gpu_is_refused(monkeypatch):
+    # Fake a V100 (sm_70): the capability check must run without a real GPU.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(hardware, "device_name", lambda device: "Tesla V100-SXM2-16GB")
+    with pytest.raises(TitanliteError, match="sm_70.*float16") as e:
+        hardware.resolve_dtype("bf16", torch.device("cuda"))
+    assert "\n" not in str(e.value)
+    assert hardware.resolve_dtype("fp16", torch.device("cuda")) is torch.float16
+
+
+# ---- timing and peaks ----------------------------------------------------------------------
+def test_time_fn_warms_up_and_returns_a_positive_time():
+    calls = []
+    seconds = hardware.time_fn(lambda: calls.append(1), "cpu", budget_s=0.01)
+    assert seconds > 0 and len(calls) >= 2  # warm-up call + at least one timed call
+
+
+def test_measured_peak_is_positive_and_labelled():
+    peak = hardware.measure_matmul_peak("cpu", torch.float32, budget_s=0.2)
+    assert peak.flops > 1e6 and peak.source == "measured"
+    assert peak.label.startswith("measured float32 matmul peak") and "CPU" in peak.label
+
+
+def test_measure_rejects_fp8():
+    with pytest.raises(TitanliteError, match="float32, bfloat16 or float16"):
+        hardware.measure_matmul_peak("cpu", torch.float8_e4m3fn, budget_s=0.1)
+
+
+@pytest.fixture
+def counted_measure(monkeypatch, tmp_path):
+    monkeypatch.setenv("TITANLITE_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake(device, dtype, budget_s=2.0):
+        calls.append(dtype)
+        return Peak(123e9 + len(calls), "measured", f"fake measured {dtype}")
+
+    monkeypatch.setattr(hardware, "measure_matmul_peak", fake)
+    return calls
+
+
+def test_matmul_peak_is_cached_on_disk(counted_measure, tmp_path):
+    first = hardware.matmul_peak("cpu", torch.float32)
+    second = hardware.matmul_peak("cpu", torch.float32)
+    assert len(counted_measure) == 1, "second call must read the cache, not measure"
+    assert second.flops == first.flops and "[cached" in second.label
+    stored = json.loads((tmp_path / "matmul_peaks.json").read_text())
+    assert len(stored) == 1 and torch.__version__ in next(iter(stored))
+    assert [p.name for p in tmp_path.iterdir()] == ["matmul_peaks.json"]  # no temp file left over
+    hardware.matmul_peak("cpu", torch.bfloat16)  # another dtype is another key
+    refreshed = hardware.matmul_peak("cpu", torch.float32, refresh=True)
+    assert len(counted_measure) == 3 and refreshed.flops != first.flops
+
+
+def test_cache_key_includes_threads(counted_measure):
+    hardware.matmul_peak("cpu", torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        hardware.matmul_peak("cpu", torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(counted_measure) == 2
+
+
+def test_corrupt_cache_is_remeasured_not_fatal(counted_measure, tmp_path):
+    (tmp_path / "matmul_peaks.json").write_text("{not json")
+    assert hardware.matmul_peak("cpu", torch.float32).flops > 0
+    assert len(counted_measure) == 1
+
+
+def test_unwritable_cache_warns_but_returns_the_peak(counted_measure, monkeypatch, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("TITANLITE_CACHE_DIR", str(blocker / "cache"))  # a folder inside a file
+    with pytest.warns(RuntimeWarning, match="TITANLITE_CACHE_DIR"):
+        assert hardware.matmul_peak("cpu", torch.float32).flops > 0
+
+
+def test_cache_dir_defaults_to_home(monkeypatch):
+    monkeypatch.delenv("TITANLITE_CACHE_DIR", raising=False)
+    assert hardware.cache_dir() == Path.home() / ".cache" / "titanlite"
+
+
+# ---- datasheet -----------------------------------------------------------------------------
+@pytest.mark.parametrize("gpu, dtype, tf32, tflops, product", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989.5, "H100 SXM"),
+    ("NVIDIA H100 80GB HBM3", torch.float8_e4m3fn, False, 1979, "H100 SXM"),
+    ("NVIDIA H100 PCIe", torch.bfloat16, False, 756, "H100 PCIe"),
+    ("NVIDIA H100 NVL", torch.float16, False, 835.5, "H100 NVL"),
+    ("NVIDIA H200", torch.bfloat16, False, 989.5, "H200 SXM"),
+    ("NVIDIA A100-SXM4-80GB", torch.float32, False, 19.5, "A100"),
+    ("NVIDIA A100-SXM4-80GB", torch.float32, True, 156, "A100"),
+    ("NVIDIA L40S", torch.bfloat16, False, 362.05, "L40S"),
+    ("NVIDIA L40", torch.bfloat16, False, 181.05, "L40"),
+    ("NVIDIA L4", torch.bfloat16, False, 121, "L4"),
+    ("NVIDIA A10G", torch.bfloat16, False, 70, "A10G"),
+    ("NVIDIA A10", torch.bfloat16, False, 125, "A10"),
+    ("NVIDIA GeForce RTX 4090", torch.bfloat16, False, 165.2, "GeForce RTX 4090"),
+    ("Tesla V100-SXM2-16GB", torch.float16, False, 125, "V100 SXM2"),
+    ("Tesla V100-SXM2-16GB", torch.float32, True, 15.7, "V100 SXM2"),  # no TF32 on Volta
+    ("Tesla T4", torch.float16, False, 65, "T4"),
+])
+def test_datasheet_lookup_by_name(gpu, dtype, tf32, tflops, product):
+    peak = hardware.lookup_datasheet(gpu, dtype, tf32=tf32)
+    assert peak is not None and peak.flops == pytest.approx(tflops * 1e12)
+    assert peak.source == "datasheet" and peak.label.startswith("datasheet: ")
+    assert f"NVIDIA {product} dense" in peak.label
+
+
+@pytest.mark.parametrize("gpu, dtype", [("Tesla V100-SXM2-16GB", torch.bfloat16),  # no bf16 units
+                                        ("NVIDIA A100-SXM4-80GB", torch.float8_e4m3fn),
+                                        ("Some Future GPU", torch.bfloat16)])
+def test_datasheet_lookup_misses_return_none(gpu, dtype):
+    assert hardware.lookup_datasheet(gpu, dtype) is None
+
+
+def test_datasheet_peak_for_a_faked_cuda_device(monkeypatch):
+    monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(hardware, "_tf32_enabled", lambda: False)
+    peak = hardware.datasheet_peak(torch.device("cuda"), torch.bfloat16)
+    assert peak.label == "datasheet: NVIDIA H100 SXM dense bf16 989.5 TFLOP/s"
+    assert hardware.datasheet_peak("cpu", torch.float32) is None
+
+
+def test_get_peak_sources(counted_measure, monkeypatch):
+    with pytest.raises(TitanliteError, match="no datasheet peak.*source='measured'"):
+        hardware.get_peak("cpu", torch.float32, source="datasheet")
+    with pytest.raises(TitanliteError, match="did you mean: measured"):
+        hardware.get_peak("cpu", torch.float32, source="measure")
+    assert hardware.get_peak("cpu", torch.float32, "measured").source == "measured"
+    monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    auto = hardware.get_peak(torch.device("cuda"), torch.bfloat16)
+    assert auto.source == "measured" and "datasheet: NVIDIA A100 dense bf16 312" in auto.label
+
+
+# ---- MFU -----------------------------------------------------------------------------------
+def test_mfu_is_a_plain_ratio_below_one():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hardware.mfu(25.0, Peak(100.0, "measured", "test peak below")) == 0.25
+
+
+def test_mfu_above_one_warns_once_and_is_not_clamped():
+    peak = Peak(100.0, "measured", "test peak too low")
+    with pytest.warns(RuntimeWarning, match="test peak too low.*refresh=True"):
+        assert hardware.mfu(150.0, peak) == 1.5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert hardware.mfu(160.0, peak) == 1.6
+    assert not caught
+
+
+def test_mfu_rejects_a_zero_peak():
+    with pytest.raises(TitanliteError, match="refresh=True"):
+        hardware.mfu(1.0, Peak(0.0, "measured", "broken"))
+
+
+# ---- bandwidth and memory ------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["copy", "read", "best"])
+def test_memory_bandwidth_is_positive(kind):
+    assert hardware.measure_memory_bandwidth("cpu", nbytes=4 * 2**20, budget_s=0.05, kind=kind) > 1e6
+
+
+def test_memory_bandwidth_in_another_dtype():
+    assert hardware.measure_memory_bandwidth("cpu", 2 * 2**20, 0.05, kind="read", dtype=torch.bfloat16) > 1e6
+
+
+def test_memory_bandwidth_kind_typo():
+    with pytest.raises(TitanliteError, match="did you mean: copy"):
+        hardware.measure_memory_bandwidth("cpu", nbytes=2**20, kind="cpoy")
+
+
+def test_cpu_peak_memory_is_positive_and_never_falls_without_reset():
+    before = hardware.peak_memory_bytes("cpu")
+    assert before > 0 and set(hardware.MEMORY_METRIC_DOC) == {"cuda", "mps", "cpu"}
+    big = torch.ones(16 * 2**20)
+    del big
+    assert hardware.peak_memory_bytes("cpu") >= before  # a high-water mark, not current use
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak-RSS reset needs Linux clear_refs")
+def test_cpu_peak_memory_sees_a_big_tensor_and_resets_on_linux():
+    hardware.reset_peak_memory("cpu")
+    start = hardware.peak_memory_bytes("cpu")
+    big = torch.ones(64 * 2**20)  # 256 MiB, written so every page is resident
+    high = hardware.peak_memory_bytes("cpu")
+    del big
+    hardware.reset_peak_memory("cpu")
+    after = hardware.peak_memory_bytes("cpu")
+    if after == high:
+        pytest.skip("/proc/self/clear_refs is not writable here; the peak is lifetime-only")
+    assert high >= start + 250 * 2**20
+    assert after <= high - 200 * 2**20
+
+
+# ---- roofline ------------------------------------------------------------------------------
+def test_roofline_math():
+    assert roofline.matmul_cost(2, 3, 4, torch.float32) == (48.0, (8 + 12 + 6) * 4.0)
+    assert roofline.matmul_cost(2, 3, 4, torch.bfloat16)[1] == (8 + 12 + 6) * 2.0
+    assert roofline.ridge_point(100.0, 10.0) == 10.0
+    assert roofline.roofline_bound(1.0, 100.0, 10.0) == 10.0  # memory-bound: intensity x bandwidth
+    assert roofline.roofline_bound(50.0, 100.0, 10.0) == 100.0  # compute-bound: the peak
+    assert roofline.is_memory_bound(5.0, 100.0, 10.0) and not roofline.is_memory_bound(20.0, 100.0, 10.0)
+
+
+def test_roofline_table_rows():
+    points = [roofline.OpPoint("low", flops=10.0, bytes=10.0, seconds=2.0),     # I=1, 5 FLOP/s
+              roofline.OpPoint("high", flops=1000.0, bytes=10.0, seconds=20.0)]  # I=100, 50 FLOP/s
+    low, high = roofline.roofline_table(points, Peak(100.0, "measured", "table peak"), bandwidth=10.0)
+    assert low["memory_bound"] and low["bound"] == 10.0 and low["of_roof"] == 0.5 and low["mfu"] == 0.05
+    assert not high["memory_bound"] and high["bound"] == 100.0 and high["mfu"] == 0.5
+
+
+def test_measured_points_and_plot():
+    mm = roofline.measure_matmul(64, 32, 16, torch.float32, "cpu", budget_s=0.01)
+    add = roofline.measure_add(1024, torch.float32, "cpu", budget_s=0.01)
+    assert mm.flops == 2 * 64 * 32 * 16 and mm.achieved > 0 and mm.name == "matmul 64x16@16x32"
+    assert add.intensity == pytest.approx(1 / 12)  # 1 FLOP per 3 fp32 elements moved
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ax = roofline.plot_roofline([mm, add], Peak(1e12, "measured", "plot peak"), bandwidth=1e10)
+    assert ax.get_xscale() == "log" and len(ax.lines) >= 4  # roof, ridge, two points
+    plt.close(ax.figure)
+
+
+# ---- accelerators (skipped cleanly without one) ----------------------------------------------
+@needs_cuda
+def test_cuda_device_index_out_of_range():
+    with pytest.raises(TitanliteError, match="torch sees"):
+        hardware.detect_device(f"cuda:{torch.cuda.device_count()}")
+
+
+@needs_cuda
+def test_cuda_peak_bandwidth_and_memory():
+    dev = torch.device("cuda")
+    assert hardware.measure_matmul_peak(dev, torch.float32, budget_s=0.3).flops > 1e9
+    assert hardware.measure_memory_bandwidth(dev, nbytes=64 * 2**20, budget_s=0.1) > 1e9
+    hardware.reset_peak_memory(dev)
+    x = torch.empty(2**20, device=dev)
+    assert hardware.peak_memory_bytes(dev) >= x.numel() * 4
+
+
+@needs_mps
+def test_mps_peak_and_memory():
+    dev = torch.device("mps")
+    assert hardware.device_name(dev).startswith("Apple MPS")
+    assert hardware.measure_matmul_peak(dev, torch.float32, budget_s=0.3).flops > 1e9
+    x = torch.ones(2**20, device=dev)
+    assert hardware.peak_memory_bytes(dev) >= x.numel() * 4

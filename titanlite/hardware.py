@@ -1,0 +1,322 @@
+"""What the machine can do: device, dtypes, peak matmul FLOP/s, memory bandwidth, memory use.
+
+MFU (model FLOPs utilisation) = achieved FLOP/s / peak FLOP/s, so it is only as honest as the
+peak. Here the default peak is *measured*: the best square-matmul rate this device reaches in
+this dtype (`matmul_peak`, cached per device/dtype/threads/torch version). Vendor datasheet
+peaks exist for common GPUs (`datasheet_peak`), always labelled "datasheet": they are upper
+bounds that real kernels fall short of, and a CPU has none worth quoting.
+
+Memory: `peak_memory_bytes(device)` reads a different counter per device - the CUDA
+allocator's peak of live tensors, the Metal driver's current allocation on MPS, the process's
+peak RSS on CPU - so the numbers are not comparable across devices. titanlite/memory.py (and
+MEMORY_METRIC_DOC, re-exported here) says exactly what each one counts and why.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import datasheet
+from .errors import TitanliteError, closest
+from .memory import MEMORY_METRIC_DOC, peak_memory_bytes, reset_peak_memory  # noqa: F401
+
+_DEVICE_TYPES = ("auto", "cuda", "mps", "cpu")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def detect_device(requested: str = "auto") -> torch.device:
+    """The torch.device to use: "auto" picks cuda, then mps, then cpu."""
+    text = str(requested).strip().lower()
+    kind, _, index = text.partition(":")
+    if kind not in _DEVICE_TYPES or (index and not index.isdigit()):
+        raise TitanliteError(f"unknown device {requested!r}{closest(kind, _DEVICE_TYPES)}: "
+                             "use auto, cpu, cuda, cuda:N or mps")
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "mps" if _mps_available() else "cpu"
+        return torch.device(kind)
+    fix = "use --training.device auto or cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise TitanliteError(f"device {requested!r} requested but no CUDA GPU is visible to torch "
+                                 f"(torch.cuda.is_available() is False): {fix}")
+        count = torch.cuda.device_count()
+        if index and int(index) >= count:
+            raise TitanliteError(f"device {requested!r} requested but torch sees {count} CUDA GPU(s) "
+                                 f"(cuda:0..cuda:{count - 1}): use one of those or auto")
+    if kind == "mps" and not _mps_available():
+        raise TitanliteError(f"device {requested!r} requested but MPS is not available (needs "
+                             f"Apple Silicon, macOS >= 12.3 and a torch built with MPS): {fix}")
+    return torch.device(text)
+
+
+def _mps_available() -> bool:
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+
+
+def resolve_dtype(name, device) -> torch.dtype:
+    """Map "bf16"/"bfloat16"/... to a torch.dtype, refusing one the device cannot run."""
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    key = str(name).strip().lower()
+    if key not in _DTYPES:
+        raise TitanliteError(f"unknown dtype {name!r}{closest(key, _DTYPES)}: "
+                             "use float32, bfloat16 or float16")
+    dtype, device = _DTYPES[key], torch.device(device)
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:  # bf16 tensor cores arrived with Ampere (sm_80)
+            raise TitanliteError(f"bfloat16 needs a CUDA GPU with compute capability >= 8.0, but "
+                                 f"{device_name(device)} is sm_{major}{minor}: "
+                                 "use --training.dtype float16 (with GradScaler) or float32")
+    if device.type == "mps" and dtype == torch.bfloat16:
+        try:  # Metal gained bf16 in macOS 14; probing is more reliable than parsing versions
+            torch.ones(1, dtype=dtype, device=device)
+        except (RuntimeError, TypeError):
+            raise TitanliteError("bfloat16 is not supported by MPS on this macOS (needs macOS 14+): "
+                                 "use --training.dtype float16 or float32") from None
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        import subprocess
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                  text=True, timeout=5).stdout.strip() or platform.machine()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_name(device) -> str:
+    """Human name: the GPU's marketing name, "Apple MPS (<chip>)", or "<cpu> (CPU, N threads)"."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        chip = _cpu_model() if sys.platform == "darwin" else ""
+        return f"Apple MPS ({chip})" if chip else "Apple MPS"
+    return f"{_cpu_model()} (CPU, {torch.get_num_threads()} threads)"
+
+
+def synchronize(device) -> None:
+    """Wait for queued GPU work: CUDA and MPS run asynchronously, so a timer without this
+    measures only how fast Python can enqueue kernels."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def time_fn(fn, device, budget_s: float = 0.2) -> float:
+    """Best seconds per call of fn(), spending about budget_s (always at least two calls).
+
+    The minimum, not the mean: noise (other processes, clock ramps) only ever adds time, so the
+    fastest run is the best estimate of what the hardware can do."""
+    start = time.perf_counter()
+    fn()  # warm-up: pays for first-touch allocation, kernel selection, cuBLAS handles
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    best = max(time.perf_counter() - t0, 1e-9)
+    # Several calls between syncs, so launch + sync overhead does not swamp a microsecond kernel.
+    iters = max(1, int(budget_s / 5 / best))
+    while time.perf_counter() - start + iters * best <= budget_s:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        synchronize(device)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
+
+
+@dataclass(frozen=True)
+class Peak:
+    flops: float  # FLOP/s
+    source: str   # "measured" or "datasheet"
+    label: str    # says where the number came from, for plots and logs
+
+
+def _tf32_enabled() -> bool:
+    """Whether float32 CUDA matmuls may use TF32 tensor cores (several times the FP32 rate)."""
+    mode = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # torch >= 2.9 API
+    if mode in ("tf32", "ieee"):
+        return mode == "tf32"
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:  # legacy and new precision APIs were mixed
+        return False
+
+
+def _matmul_label(device, dtype) -> str:
+    tf32 = " (TF32 allowed)" if torch.device(device).type == "cuda" and dtype == torch.float32 \
+        and _tf32_enabled() else ""
+    return f"{_dtype_name(dtype)}{tf32}"
+
+
+def measure_matmul_peak(device, dtype, budget_s: float = 2.0) -> Peak:
+    """Best FLOP/s of square matmuls, n = 128 upwards, within about budget_s seconds.
+
+    Small n cannot fill the machine (too little work per launch, data fits in cache) and huge n
+    may not fit the budget: on a CPU without bf16 units a bf16 matmul is emulated, tens of times
+    slower than float32, and n=4096 would take minutes. So we climb in size and stop when the
+    next size, predicted from the last one's rate, would not fit its share of the time left.
+    The peak is the best rate seen at any size: noise only ever slows a run down."""
+    device = torch.device(device)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TitanliteError(f"cannot measure a matmul peak in {dtype}: use float32, bfloat16 or float16")
+    # Small sizes are cheap and keep the peak honest on a busy CPU, where a small matmul that
+    # stays on one thread can beat a big one whose threads wait on each other.
+    sizes = [128, 256, 512, 1024, 2048, 4096] + ([8192] if device.type == "cuda" else [])
+    deadline, best, best_n, last = time.perf_counter() + budget_s, 0.0, 0, 0.0
+    for i, n in enumerate(sizes):
+        share = (deadline - time.perf_counter()) / (len(sizes) - i)
+        # Predict from the previous size's rate (emulated dtypes get *slower* as n grows):
+        # warm-up + one timed call must fit this size's share of the time left.
+        if last and 2 * (2 * n**3 / last) > share:
+            break
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        out = torch.empty(n, n, device=device, dtype=dtype)
+        last = 2 * n**3 / time_fn(lambda: torch.mm(a, b, out=out), device, share)
+        if last > best:
+            best, best_n = last, n
+        del a, b, out
+    return Peak(best, "measured", f"measured {_matmul_label(device, dtype)} matmul peak, "
+                                  f"{device_name(device)} (best at n={best_n})")
+
+
+def cache_dir() -> Path:
+    """Where measured peaks are kept: $TITANLITE_CACHE_DIR, else ~/.cache/titanlite."""
+    return Path(os.environ.get("TITANLITE_CACHE_DIR") or Path.home() / ".cache" / "titanlite")
+
+
+def matmul_peak(device, dtype, refresh: bool = False) -> Peak:
+    """Measured matmul peak, cached on disk: measuring costs seconds, every run needs it."""
+    device = torch.device(device)
+    # Everything that changes the answer is in the key: a new torch or thread count re-measures.
+    key = (f"{device_name(device)} | {_matmul_label(device, dtype)} | "
+           f"threads={torch.get_num_threads()} | torch={torch.__version__}")
+    path = cache_dir() / "matmul_peaks.json"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):  # missing or corrupt: start afresh rather than fail
+        table = {}
+    entry = table.get(key)
+    if not refresh and isinstance(entry, dict) and {"flops", "label", "when"} <= entry.keys():
+        return Peak(entry["flops"], "measured", f"{entry['label']} [cached {entry['when']}]")
+    peak = measure_matmul_peak(device, dtype)
+    table[key] = {"flops": peak.flops, "label": peak.label, "when": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Write-then-rename: a reader (or a crash) never sees half a JSON file.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".matmul_peaks.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home must not stop training; it only costs a re-measure
+        warnings.warn(f"could not cache the matmul peak in {path} ({e}): set TITANLITE_CACHE_DIR "
+                      "to a writable folder", RuntimeWarning, stacklevel=2)
+    return peak
+
+
+def lookup_datasheet(gpu_name: str, dtype: torch.dtype, tf32: bool = False) -> Peak | None:
+    """Datasheet peak for a GPU *name*, so the table is testable without the GPU."""
+    hit = datasheet.lookup(gpu_name, dtype, tf32)
+    return Peak(hit[0], "datasheet", hit[1]) if hit else None
+
+
+def datasheet_peak(device, dtype) -> Peak | None:
+    """Vendor peak for this GPU and dtype; None on CPU, MPS or an unlisted GPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return lookup_datasheet(device_name(device), dtype, tf32=_tf32_enabled())
+
+
+def get_peak(device, dtype, source: str = "auto") -> Peak:
+    """The peak to divide by for MFU: "measured", "datasheet", or "auto" (measured, with the
+    datasheet figure quoted beside it where one exists)."""
+    if source not in ("auto", "measured", "datasheet"):
+        raise TitanliteError(f"unknown peak source {source!r}"
+                             f"{closest(source, ('auto', 'measured', 'datasheet'))}: "
+                             "use auto, measured or datasheet")
+    sheet = datasheet_peak(device, dtype)
+    if source == "datasheet":
+        if sheet is None:
+            raise TitanliteError(f"no datasheet peak for {device_name(device)} in "
+                                 f"{_dtype_name(dtype)}: use source='measured'")
+        return sheet
+    peak = matmul_peak(device, dtype)
+    if source == "auto" and sheet is not None:
+        peak = Peak(peak.flops, peak.source, f"{peak.label}; {sheet.label} "
+                                             f"({peak.flops / sheet.flops:.0%} of it)")
+    return peak
+
+
+_WARNED: set[str] = set()
+
+
+def mfu(achieved_flops_per_s: float, peak: Peak) -> float:
+    """achieved / peak. Above 1 means the peak is wrong (stale cache, noisy measurement), so we
+    say so once per peak - and return the true ratio rather than clamp it out of sight."""
+    if peak.flops <= 0:
+        raise TitanliteError(f"peak of {peak.flops} FLOP/s ({peak.label}) is not positive: "
+                             "re-measure with matmul_peak(device, dtype, refresh=True)")
+    ratio = achieved_flops_per_s / peak.flops
+    if ratio > 1 and peak.label not in _WARNED:
+        _WARNED.add(peak.label)
+        warnings.warn(f"MFU {ratio:.2f} > 1 against '{peak.label}': the peak is too low - "
+                      "re-measure with matmul_peak(..., refresh=True) or use get_peak(..., "
+                      "source='datasheet')", RuntimeWarning, stacklevel=2)
+    return ratio
+
+
+def measure_memory_bandwidth(device, nbytes: int = 256 * 2**20, budget_s: float = 1.0,
+                             kind: str = "copy", dtype: torch.dtype = torch.float32) -> float:
+    """Bytes/s the memory system sustains on nbytes (make it dwarf the last-level cache, tens of
+    MiB, or you time the cache).
+
+    "copy": dst.copy_(src), counting the read and the write (STREAM's convention).
+    "read": stream an nbytes matrix through a matrix-vector product in `dtype` - read-only
+    traffic, the pattern of LLM decoding. On CPUs this beats "copy" because each written cache
+    line is first read in (write-allocate), a transfer the copy count does not see.
+    "best": the larger of the two - the roof to draw on a roofline."""
+    if kind not in ("copy", "read", "best"):
+        raise TitanliteError(f"unknown bandwidth kind {kind!r}{closest(kind, ('copy', 'read', 'best'))}"
+                             ": use copy, read or best")
+    if kind == "best":
+        return max(measure_memory_bandwidth(device, nbytes, budget_s / 2, "copy", dtype),
+                   measure_memory_bandwidth(device, nbytes, budget_s / 2, "read", dtype))
+    device = torch.device(device)
+    size = torch.empty((), dtype=dtype).element_size()
+    if kind == "copy":
+        src = torch.ones(nbytes // size, dtype=dtype, device=device)
+        dst = torch.empty_like(src)
+        return 2 * src.numel() * size / time_fn(lambda: dst.copy_(src), device, budget_s)
+    n = int((nbytes / size) ** 0.5)
+    mat = torch.ones(n, n, dtype=dtype, device=device)
+    vec, out = torch.ones(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device)
+    return n * n * size / time_fn(lambda: torch.mv(mat, vec, out=out), device, budget_s)
