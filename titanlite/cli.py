@@ -20,7 +20,7 @@ def _train(args, overrides: list[str]) -> None:
 
     cfg = load_config(args.config, overrides)
     trainer = Trainer(cfg)
-    print(f"titanlite: {cfg.model.preset} model, {trainer.model.num_params() / 1e6:.2f}M parameters, "
+    print(f"titanlite: {cfg.model.preset} model, {trainer.num_params / 1e6:.2f}M parameters, "
           f"on {trainer.device} ({trainer.dtype}); MFU against {trainer.peak.label}")
     history = trainer.fit()
     trainer.save_weights(history.run_dir)

@@ -47,14 +47,17 @@ class DataSection:
 
 @dataclass
 class TrainingSection:
-    steps: int = 200
-    batch_size: int = 8  # sequences per step (per process)
+    steps: int = 200  # optimizer steps
+    batch_size: int = 8  # micro-batch: sequences per forward/backward (per process)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    global_batch_size: int | None = None  # alternative: micro × accum × dp; accum is derived
     seq_len: int = 128
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     seed: int = 0
     deterministic: bool = False  # torch.use_deterministic_algorithms + fixed seeds everywhere
     device: str = "auto"  # auto (cuda → mps → cpu) | cuda | cuda:N | mps | cpu
-    dtype: str = "float32"  # parameter and compute dtype
+    dtype: str = "float32"  # parameter (and optimizer state) dtype
+    mixed_precision: str = "fp32"  # autocast compute dtype: fp32 | bf16 | fp16 (+ GradScaler)
     threads: int | None = None  # CPU intra-op threads; None keeps torch's default
 
 
@@ -72,6 +75,27 @@ class SchedulerSection:
     warmup_steps: int = 20
     decay: str = "cosine"  # cosine | linear | constant (after warm-up)
     min_lr_ratio: float = 0.1  # final lr as a fraction of the peak lr
+
+
+@dataclass
+class ActivationCheckpointSection:
+    mode: str = "none"  # none | full | selective (every N-th block) | op (save matmuls only)
+    every: int = 2  # selective: checkpoint blocks 0, N, 2N, ...
+
+
+@dataclass
+class CompileSection:
+    enable: bool = False
+    scope: str = "regional"  # regional (each transformer block) | model (the whole model)
+    fallback: bool = True  # if compiling fails here, warn once and train eagerly
+
+
+@dataclass
+class Float8Section:
+    enable: bool = False
+    recipe: str = "tensorwise"  # tensorwise | rowwise (torchao recipe names)
+    min_dim: int = 64  # skip Linear layers with a side below this: too small to gain from FP8
+    emulate: str = "auto"  # auto (real on CUDA SM >= 8.9, emulated elsewhere) | true | false
 
 
 @dataclass
@@ -100,6 +124,9 @@ class Config:
     training: TrainingSection = field(default_factory=TrainingSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
+    compile: CompileSection = field(default_factory=CompileSection)
+    float8: Float8Section = field(default_factory=Float8Section)
     eval: EvalSection = field(default_factory=EvalSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
@@ -108,7 +135,9 @@ class Config:
 
     def validate(self) -> "Config":
         _check_positive(self, "training.steps", "training.batch_size", "training.seq_len",
-                        "data.vocab_size", "optimizer.lr", "eval.batches", "metrics.log_every")
+                        "training.grad_accum_steps", "data.vocab_size", "optimizer.lr",
+                        "eval.batches", "metrics.log_every", "activation_checkpoint.every",
+                        "float8.min_dim")
         _check_nonnegative(self, "training.grad_clip", "scheduler.warmup_steps", "eval.every",
                            "eval.sample_every", "optimizer.weight_decay")
         if not 0 < self.data.val_fraction < 1:
@@ -116,6 +145,12 @@ class Config:
                                  f"{self.data.val_fraction}: e.g. --data.val_fraction 0.05")
         _check_choice("scheduler.decay", self.scheduler.decay, ("cosine", "linear", "constant"))
         _check_choice("metrics.peak", self.metrics.peak, ("auto", "measured", "datasheet"))
+        _check_choice("training.mixed_precision", self.training.mixed_precision, ("fp32", "bf16", "fp16"))
+        _check_choice("activation_checkpoint.mode", self.activation_checkpoint.mode,
+                      ("none", "full", "selective", "op"))
+        _check_choice("compile.scope", self.compile.scope, ("regional", "model"))
+        _check_choice("float8.recipe", self.float8.recipe, ("tensorwise", "rowwise"))
+        _check_choice("float8.emulate", self.float8.emulate, ("auto", "true", "false"))
         return self
 
 

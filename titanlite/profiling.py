@@ -38,8 +38,7 @@ def profile_steps(trainer, steps: int = 5):
         prof.__enter__()
     try:
         for _ in range(steps):
-            x, y = trainer.data.train.next_batch()
-            trainer.train_step(x.to(trainer.device), y.to(trainer.device))
+            trainer.train_step(trainer.next_micro_batches())
     finally:
         with _quiet_fd2():
             prof.__exit__(None, None, None)

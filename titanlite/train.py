@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from . import hardware
 from .config import Config
 from .data import build_data
+from .efficiency.accumulation import count_targets, loss_sum, resolve_batch
+from .efficiency.mixed_precision import Precision
 from .errors import TitanliteError
 from .metrics import MetricsLogger
 from .models.llama import ModelArgs, Transformer, build_model
@@ -107,6 +109,24 @@ def model_args_for(cfg: Config, tokenizer_vocab: int) -> ModelArgs:
     return args
 
 
+def apply_efficiency(model: Transformer, cfg: Config, device: torch.device) -> torch.nn.Module:
+    """torchtitan's order: FP8 swaps Linear modules first, so everything after sees the final
+    modules; checkpointing wraps blocks next; compile comes last, so it traces the wrapped
+    blocks and the recomputation is compiled too. Each step is one module's entry point."""
+    if cfg.float8.enable:
+        from .efficiency.fp8 import apply_fp8
+        f = cfg.float8
+        model = apply_fp8(model, recipe=f.recipe, device=device, min_dim=f.min_dim,
+                          emulate=None if f.emulate == "auto" else f.emulate == "true")
+    if cfg.activation_checkpoint.mode != "none":
+        from .efficiency.checkpointing import apply_ac
+        model = apply_ac(model, cfg.activation_checkpoint.mode, every=cfg.activation_checkpoint.every)
+    if cfg.compile.enable:
+        from .efficiency.compile import apply_compile
+        model = apply_compile(model, scope=cfg.compile.scope, fallback=cfg.compile.fallback)
+    return model
+
+
 class Trainer:
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg = (cfg or Config()).validate()
@@ -117,34 +137,58 @@ class Trainer:
         self.dtype = hardware.resolve_dtype(t.dtype, self.device)
         seed_everything(t.seed, t.deterministic)
 
+        self.micro_batch, self.grad_accum_steps, self.global_batch = resolve_batch(
+            t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=1)
+        self.precision = Precision(t.mixed_precision, self.device)
+
         d = cfg.data
         self.data = build_data(d.dataset, path=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
                                seq_len=t.seq_len, batch_size=t.batch_size, val_fraction=d.val_fraction,
                                seed=t.seed, data_dir=d.data_dir, max_chars=d.max_chars)
         self.tokenizer = self.data.tokenizer
         self.model_args = model_args_for(cfg, self.data.vocab_size)
-        self.model: Transformer = build_model(self.model_args, self.device).to(self.dtype)
+        model = build_model(self.model_args, self.device).to(self.dtype)
+        self.flops_per_token = model.flops_per_token(t.seq_len)
+        self.num_params = model.num_params()
+        # The techniques modify the model in place (swap Linears, wrap or compile blocks), so
+        # state-dict names stay those of the plain model.
+        self.model = apply_efficiency(model, cfg, self.device)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.flops_per_token = self.model.flops_per_token(t.seq_len)
-        self.peak = hardware.get_peak(self.device, self.dtype, source=cfg.metrics.peak)
+        # MFU against the peak of the dtype the matmuls actually run in.
+        self.compute_dtype = self.precision.dtype or self.dtype
+        self.peak = hardware.get_peak(self.device, self.compute_dtype, source=cfg.metrics.peak)
         self.step = 0
 
     # ----- the pieces the loop calls --------------------------------------------------------
     def loss_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x)
-        # fp32 softmax: in low precision the log-sum-exp over the vocabulary loses digits.
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        """Mean cross-entropy over the real target tokens of one batch."""
+        with self.precision.autocast():
+            return loss_sum(self.model(x), y) / max(1, count_targets(y))
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-        loss = self.loss_on(x, y)
-        loss.backward()
-        clip = self.cfg.training.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        self.optimizer.step()
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+        """One optimizer step over `grad_accum_steps` micro-batches.
+
+        Each micro-batch's summed token loss is divided by the token count of the *whole*
+        global batch, so the accumulated gradient is exactly the big batch's gradient.
+        """
+        global_tokens = sum(count_targets(y) for _, y in micro_batches)
+        total = torch.zeros((), device=self.device)
+        for x, y in micro_batches:
+            with self.precision.autocast():
+                loss = loss_sum(self.model(x), y) / global_tokens
+            self.precision.backward(loss)
+            total += loss.detach()
+        grad_norm, skipped = self.precision.step(self.optimizer, self.model.parameters(),
+                                                 self.cfg.training.grad_clip)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.item(), norm.item()  # .item() waits for the device: honest step times
+        # .item() waits for the device, so the step time measured around this is honest.
+        return {"loss": total.item(), "grad_norm": grad_norm, "skipped": skipped}
+
+    def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [tuple(t.to(self.device, non_blocking=True) for t in self.data.train.next_batch())
+                for _ in range(self.grad_accum_steps)]
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -163,15 +207,17 @@ class Trainer:
         ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_token_id or 0]
         x = torch.tensor([ids], device=self.device)
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        self.model.eval()
+        model = self.model
+        model.eval()
         for _ in range(max_new_tokens or e.sample_tokens):
-            logits = self.model(x[:, -self.model_args.max_seq_len:])[0, -1].float().cpu()
+            with _eager():  # prompts of every length would each trigger a recompile
+                logits = model(x[:, -self.model_args.max_seq_len:])[0, -1].float().cpu()
             logits = logits / max(temperature, 1e-5)
             kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
             probs = torch.softmax(logits.masked_fill(logits < kth, -float("inf")), dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen).to(self.device)
             x = torch.cat([x, nxt.view(1, 1)], dim=1)
-        self.model.train()
+        model.train()
         return self.tokenizer.decode(x[0].tolist())
 
     # ----- the loop -------------------------------------------------------------------------
@@ -190,29 +236,32 @@ class Trainer:
 
         history.samples[0] = self.sample()
         bar = _progress_bar(t.steps, enabled=m.progress)
-        tokens_per_step = t.batch_size * t.seq_len
+        tokens_per_step = self.global_batch * t.seq_len
         start = time.perf_counter()
         try:
             for _ in range(t.steps):
                 step_start = time.perf_counter()
                 hardware.reset_peak_memory(self.device)
-                x, y = self.data.train.next_batch()
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                 lr = self.scheduler.get_last_lr()[0]
-                loss, grad_norm = self.train_step(x, y)
+                out = self.train_step(self.next_micro_batches())
                 self.step += 1
                 dt = time.perf_counter() - step_start
-                if not math.isfinite(loss):
+                loss = out["loss"]
+                if not math.isfinite(loss) and not out["skipped"]:
                     raise TitanliteError(f"loss became {loss} at step {self.step}: lower "
                                          f"--optimizer.lr (now {cfg.optimizer.lr}) or enable clipping")
                 tps = tokens_per_step / dt
                 if self.step % m.log_every == 0 or self.step == t.steps:
-                    emit({"kind": "train", "step": self.step, "loss": loss, "lr": lr,
-                          "grad_norm": grad_norm, "tokens_per_sec": tps,
-                          "mfu": hardware.mfu(self.flops_per_token * tps, self.peak),
-                          "peak_memory_bytes": hardware.peak_memory_bytes(self.device),
-                          "step_time_s": dt, "elapsed_s": time.perf_counter() - start,
-                          "tokens": self.step * tokens_per_step, "peak_label": self.peak.label})
+                    record = {"kind": "train", "step": self.step, "loss": loss, "lr": lr,
+                              "grad_norm": out["grad_norm"], "tokens_per_sec": tps,
+                              "mfu": hardware.mfu(self.flops_per_token * tps, self.peak),
+                              "peak_memory_bytes": hardware.peak_memory_bytes(self.device),
+                              "step_time_s": dt, "elapsed_s": time.perf_counter() - start,
+                              "tokens": self.step * tokens_per_step, "peak_label": self.peak.label}
+                    if self.precision.scaler.is_enabled():
+                        record.update(loss_scale=self.precision.scale, skipped=out["skipped"],
+                                      skipped_steps=self.precision.skipped_steps)
+                    emit(record)
                 if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == t.steps):
                     emit({"kind": "val", "step": self.step, "val_loss": self.evaluate(),
                           "elapsed_s": time.perf_counter() - start})
@@ -244,11 +293,20 @@ class Trainer:
     def _write_run_info(self, run_dir: Path) -> None:
         import json
         info = {"config": self.cfg.to_dict(), "model_args": self.model_args.to_dict(),
-                "num_params": self.model.num_params(), "flops_per_token": self.flops_per_token,
-                "device": hardware.device_name(self.device), "dtype": str(self.dtype),
+                "num_params": self.num_params,
+                "micro_batch": self.micro_batch, "grad_accum_steps": self.grad_accum_steps,
+                "global_batch": self.global_batch, "flops_per_token": self.flops_per_token,
+                "device": hardware.device_name(self.device), "dtype": str(self.dtype), "compute_dtype": str(self.compute_dtype),
                 "peak_flops": self.peak.flops, "peak_label": self.peak.label,
                 "torch": torch.__version__}
         (run_dir / "run.json").write_text(json.dumps(info, indent=2))
+
+
+def _eager():
+    """Run compiled code eagerly (torch >= 2.6 has set_stance; older: nothing to do)."""
+    import contextlib
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance else contextlib.nullcontext()
 
 
 def _in_notebook() -> bool:
