@@ -24,14 +24,14 @@ titanlite runs never need it.
 """
 from __future__ import annotations
 
-import math
+import json
 import re
 from pathlib import Path
 
 import torch
 
 from ..errors import TitanliteError
-from .llama import ModelArgs, Transformer
+from .llama import ModelArgs, Transformer, rope_cache
 
 # Per-layer names, titanlite → HF; everything under `layers.{i}.` / `model.layers.{i}.`.
 _LAYER_NAMES = {
@@ -168,7 +168,7 @@ def to_hf_model(model: Transformer, dtype: torch.dtype | None = None):
     sd = {hf_name(k): v.detach().clone().to(dtype or v.dtype)
           for k, v in model.state_dict().items()}
     if model.args.tie_embeddings:
-        sd.pop("lm_head.weight", None)  # tie_weights() below shares embed_tokens
+        sd.pop("lm_head.weight", None)  # re-tied to embed_tokens just below
     hf.load_state_dict(sd, strict=not model.args.tie_embeddings, assign=True)
     if model.args.tie_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
@@ -190,11 +190,31 @@ def to_hf(model: Transformer, out_dir, tokenizer=None, dtype: torch.dtype | None
     hf = to_hf_model(model, dtype=dtype)
     if tokenizer is not None:
         tokenizer = _as_hf_tokenizer(tokenizer)
+        if len(tokenizer) > model.args.vocab_size:
+            raise TitanliteError(
+                f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                f"{model.args.vocab_size}: export the tokenizer the model was trained with")
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             setattr(hf.config, key, getattr(tokenizer, key, None))
         tokenizer.save_pretrained(out)
     hf.save_pretrained(out, safe_serialization=True)
+    _add_legacy_rope_keys(out / "config.json")
     return out
+
+
+def _add_legacy_rope_keys(config_json: Path) -> None:
+    """transformers 5 writes RoPE settings only as `rope_parameters`; transformers 4.x and
+    tools such as llama.cpp's converter read `rope_theta` / `rope_scaling` and would silently
+    fall back to theta=10000. Writing both keeps the directory right for every reader (5.x
+    ignores the legacy keys when `rope_parameters` is present)."""
+    cfg = json.loads(config_json.read_text())
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" in cfg:
+        return
+    cfg["rope_theta"] = params["rope_theta"]
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    cfg["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    config_json.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _as_hf_tokenizer(tokenizer):
@@ -238,7 +258,8 @@ def from_hf(src, dtype: torch.dtype | None = None, device: torch.device | str = 
                           strict=False, assign=True)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    model.init_rope(device=device)
+    # The rotary tables are derived, non-persistent buffers: compute them (still on meta).
+    model.rope_cos, model.rope_sin = rope_cache(args, device=device)
     return model
 
 

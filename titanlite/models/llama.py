@@ -145,10 +145,15 @@ def rope_cache(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x_i, x_{i+d/2}) by position-dependent angles; x: [B, H, T, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).type_as(x)
+    """Rotate pairs (x_i, x_{i+d/2}) by position-dependent angles; x: [B, H, T, D].
+
+    This is HF's `x·cos + rotate_half(x)·sin` with rotate_half(x) = [-x2, x1], written so
+    the big tensor sees one `roll` instead of chunk + neg + cat: roll(x) = [x2, x1], and the
+    minus sign moves onto the first half of the small [T, D] sin table (exact in IEEE: the
+    same products, so the same bits). Computed in x's dtype, as HF does: no fp32 upcast."""
+    half = x.shape[-1] // 2
+    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return x * cos + x.roll(half, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
