@@ -1,0 +1,28 @@
+"""The benchmarks run end to end (smoke scale). Their numbers are printed, never asserted:
+speed targets live in the benchmarks' output, not in tests on a shared machine."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(script, *args, tmp_path):
+    env = {**os.environ, "TITANLITE_SMOKE": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_ablation_table_has_every_requested_row(tmp_path):
+    r = run("ablation.py", "--variants", "baseline,accum-2,ac-full", "--log-dir", str(tmp_path),
+            tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [l.split()[0] for l in r.stdout.splitlines()[3:] if l.strip()]
+    assert rows == ["baseline", "accum-2", "ac-full", "baseline"], r.stdout
+    assert "failed" not in r.stdout and "x " in r.stdout
+
+
+def test_ablation_rejects_unknown_variants(tmp_path):
+    r = run("ablation.py", "--variants", "baseline,turbo", tmp_path=tmp_path)
+    assert r.returncode == 2 and "unknown variant" in r.stderr
