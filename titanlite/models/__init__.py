@@ -1,4 +1,5 @@
 """Model definitions: a Llama-3-style decoder and its Hugging Face bridge."""
+from .hf_interop import from_hf, to_hf, to_hf_model
 from .llama import PRESETS, ModelArgs, Transformer, build_model
 
-__all__ = ["PRESETS", "ModelArgs", "Transformer", "build_model"]
+__all__ = ["PRESETS", "ModelArgs", "Transformer", "build_model", "from_hf", "to_hf", "to_hf_model"]
