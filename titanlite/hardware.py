@@ -286,8 +286,9 @@ def mfu(achieved_flops_per_s: float, peak: Peak) -> float:
         raise TitanliteError(f"peak of {peak.flops} FLOP/s ({peak.label}) is not positive: "
                              "re-measure with matmul_peak(device, dtype, refresh=True)")
     ratio = achieved_flops_per_s / peak.flops
-    if ratio > 1 and peak.label not in _WARNED:
-        _WARNED.add(peak.label)
+    key = peak.label.split(" [cached")[0]  # the same peak, whether measured now or read back
+    if ratio > 1 and key not in _WARNED:
+        _WARNED.add(key)
         warnings.warn(f"MFU {ratio:.2f} > 1 against '{peak.label}': the peak is too low - "
                       "re-measure with matmul_peak(..., refresh=True) or use get_peak(..., "
                       "source='datasheet')", RuntimeWarning, stacklevel=2)

@@ -15,6 +15,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,7 +182,11 @@ class Trainer:
             total += loss.detach()
         grad_norm, skipped = self.precision.step(self.optimizer, self.model.parameters(),
                                                  self.cfg.training.grad_clip)
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # A step the fp16 scaler skipped still advances the schedule (torchtitan does the
+            # same); torch would warn that the scheduler stepped before the optimizer.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # .item() waits for the device, so the step time measured around this is honest.
         return {"loss": total.item(), "grad_norm": grad_norm, "skipped": skipped}
