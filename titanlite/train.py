@@ -303,6 +303,7 @@ class Trainer:
                 "global_batch": self.global_batch, "flops_per_token": self.flops_per_token,
                 "device": hardware.device_name(self.device), "dtype": str(self.dtype), "compute_dtype": str(self.compute_dtype),
                 "peak_flops": self.peak.flops, "peak_label": self.peak.label,
+                "float8": getattr(self.model, "fp8_info", None),
                 "torch": torch.__version__}
         (run_dir / "run.json").write_text(json.dumps(info, indent=2))
 
