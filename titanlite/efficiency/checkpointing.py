@@ -1,0 +1,218 @@
+"""Activation checkpointing: keep fewer activations from the forward pass, recompute the rest.
+
+    apply_ac(model, "full")                 # every block recomputed in backward
+    apply_ac(model, "selective", every=2)   # blocks 0, 2, 4, ... recomputed, the rest kept
+    apply_ac(model, "op")                   # every block: keep matmul outputs, recompute pointwise ops
+
+Backward needs tensors from the forward (a matmul's input for its weight gradient, SiLU's
+input, the norm's statistics, ...). Normally autograd keeps all of them alive from forward to
+backward: that memory grows with batch × sequence × layers and, at long sequences, dwarfs the
+weights. Checkpointing a block keeps only its *input*; in backward the block's forward is run
+again to rebuild what its backward needs (PyTorch's non-reentrant `torch.utils.checkpoint`).
+
+- full: every block's forward runs again in backward, for the smallest memory. It stops after
+  the last op backward needs (non-reentrant checkpoint's early stop skips `down_proj`, whose
+  output backward never uses): about a quarter more FLOPs per step at Llama shapes.
+- selective: the same, but only every N-th block: memory and recompute both in between.
+- op (selective activation checkpointing, "SAC", as in torchtitan): inside each checkpointed
+  block, the outputs of matmuls and attention are saved and only the pointwise ops (RMSNorm,
+  rotary, SiLU, the gating multiply) are recomputed. Matmuls are where the FLOPs are, so
+  recomputing them costs time; pointwise ops are nearly free to recompute (memory-bound, a few
+  FLOPs per element) yet their outputs are as big as a matmul's, so dropping them is where the
+  memory is. torchtitan goes one step further and saves only every other matmul.
+
+Blocks are wrapped in place with torch's `checkpoint_wrapper` (what torchtitan uses), whose
+state-dict hooks strip the wrapper's prefix: `state_dict()` and `named_parameters()` keep the
+plain model's names, so safetensors files and Hugging Face export see no difference.
+
+`saved_activation_bytes` measures what a forward leaves alive for backward, and
+`activation_memory_estimate` predicts it from the shapes (notebook 04 compares the two).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper, checkpoint_wrapper)
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+from ..errors import TitanliteError, closest
+from ..models.llama import ModelArgs, Transformer
+
+MODES = ("none", "full", "selective", "op")
+
+aten = torch.ops.aten
+# Ops whose outputs "op" mode keeps: the matmuls and every fused attention kernel SDPA may pick
+# (CUDA flash / memory-efficient / cuDNN, CPU flash, MPS). getattr: not every build has each.
+_SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_attention_math_for_mps",
+             "_scaled_dot_product_fused_attention_overrideable")
+SAVE_OPS = frozenset([aten.mm.default, aten.addmm.default, aten.bmm.default] +
+                     [getattr(aten, name).default for name in _SDPA_OPS if hasattr(aten, name)])
+
+
+def save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """SAC policy: keep what is expensive to recompute (matmuls, attention), recompute the
+    cheap pointwise ops. It depends on the op alone, so the forward and the recompute in
+    backward always agree (a policy that counted calls would have to reset between them)."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(block: torch.nn.Module, save_matmuls: bool) -> torch.nn.Module:
+    context_fn = (functools.partial(create_selective_checkpoint_contexts, save_matmuls_policy)
+                  if save_matmuls else None)
+    extra = {"context_fn": context_fn} if context_fn else {}
+    # Non-reentrant: it works with keyword arguments, torch.compile and FSDP2, and (unlike the
+    # old reentrant version) gives gradients even when the block's input does not require any.
+    return checkpoint_wrapper(block, checkpoint_fn=checkpoint, use_reentrant=False,
+                              preserve_rng_state=True, **extra)
+
+
+def apply_ac(model: Transformer, mode: str, every: int = 2) -> Transformer:
+    """Checkpoint the transformer blocks of `model` in place (see the module docstring).
+
+    mode: none | full | selective (blocks 0, every, 2·every, ...) | op (save matmuls only).
+    Applied after FP8 (it wraps the final Linear modules) and before compile (so the
+    recomputation is compiled too), as the trainer's `apply_efficiency` does."""
+    if mode not in MODES:
+        raise TitanliteError(f"activation checkpointing mode '{mode}' is not one of "
+                             f"{', '.join(MODES)}{closest(mode, MODES)}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise TitanliteError(f"activation_checkpoint.every must be a positive integer, got "
+                             f"{every!r}: e.g. every=2 checkpoints blocks 0, 2, 4, ...")
+    if mode == "none":
+        return model
+    for index, (name, block) in enumerate(list(model.layers.items())):
+        if isinstance(block, CheckpointWrapper):
+            raise TitanliteError(f"block {name} is already checkpointed: apply_ac once, on a "
+                                 f"freshly built model")
+        if mode == "selective" and index % every:
+            continue
+        # register_module on an existing key keeps the block's position and name.
+        model.layers.register_module(name, _wrap(block, save_matmuls=(mode == "op")))
+    return model
+
+
+# ----- measuring ------------------------------------------------------------------------
+
+class _NewStorages(TorchDispatchMode):
+    """Notes (by weak reference) every storage that an op creates while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue  # a wrapper subclass (DTensor, FP8) has no storage; its parts have
+            ref = StorageWeakRef(storage)
+            known = self.storages.get(ref.cdata)
+            if known is None or known[0].expired():  # a freed address may be reused
+                self.storages[ref.cdata] = (ref, storage.nbytes())
+        return out
+
+    def alive(self) -> dict[int, int]:
+        return {key: nbytes for key, (ref, nbytes) in self.storages.items() if not ref.expired()}
+
+
+def _storage_keys(tensors) -> set[int]:
+    return {StorageWeakRef(t.untyped_storage()).cdata for t in tensors}
+
+
+def saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """Bytes that one forward on `tokens` leaves alive for backward: every storage created
+    during the forward that is still referenced once it returns, each shared storage counted
+    once; parameters, buffers, the input and the returned logits (the caller's) excluded.
+
+    Why not only `torch.autograd.graph.saved_tensors_hooks`: it is exact for plain autograd
+    and for checkpointed blocks (whose inputs are saved through the hooks), but SAC keeps the
+    outputs its policy saves in a cache of its own that no hook sees. Liveness counts both,
+    on every device (tests check it equals `saved_tensors_hook_bytes` where that is exact).
+    Eager models only. The transient memory of recomputing one block in backward comes on top."""
+    recorder = _NewStorages()
+    with torch.enable_grad(), recorder:
+        logits = model(tokens)
+    owned = _storage_keys([*model.parameters(), *model.buffers(), tokens, *tree_leaves(logits)])
+    return sum(nbytes for key, nbytes in recorder.alive().items() if key not in owned)
+
+
+def saved_tensors_hook_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """What autograd's saved-tensor hooks see during one forward (deduplicated storages,
+    parameters and buffers excluded). Correct without checkpointing; blind to SAC's cache."""
+    owned = _storage_keys([*model.parameters(), *model.buffers(), tokens])
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref.cdata not in owned:
+            seen[ref.cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens)
+    return sum(seen.values())
+
+
+def activation_memory_estimate(args: ModelArgs, batch: int, seq_len: int, dtype_bytes: int,
+                               mode: str, every: int = 2) -> int:
+    """Predicted `saved_activation_bytes` for a model whose parameters and activations are in
+    a `dtype_bytes`-byte dtype (4: fp32, 2: bf16/fp16; autocast keeps extra casts, not modelled).
+
+    In the style of Korthikanti et al. 2022 (per layer sbh·(34 + 5as/h) for GPT in 16 bits),
+    re-derived for this Llama block with n = batch·seq_len tokens, D = dim, K = the KV width
+    (n_kv_heads·head_dim, GQA), F = the SwiGLU hidden size, A = heads, b = dtype_bytes:
+      RMSNorm (×2)    4nD + 4n          its input in fp32 (a copy, in 16 bits), fp32 1/rms
+                      + 2b·nD           x/rms (the weight's gradient), normed (matmul input)
+      attention       b·n(2D + 2K)      q, k after rotary, v, SDPA output (o_proj's input)
+                      + 4nA             the fp32 log-sum-exp flash attention keeps: no T×T
+                                        scores are stored (Korthikanti's 5as/h term is gone)
+                      + 2b·T·d          rotary's signed sin table, for q and k (d = head_dim)
+      SwiGLU          4·b·nF            gate, silu(gate), up, their product (down's input)
+    Per checkpointed block only its input survives: b·nD ("full"). "op" keeps that input plus
+    every matmul/attention output: q, k, v, SDPA out + log-sum-exp, o_proj, gate, up, down =
+    b·n(4D + 2K + 2F) + 4nA. Outside the blocks, the final norm (its output feeds the logits
+    matmul); the embedding saves only the token ids (the input). The logits themselves, and the
+    loss's log-probabilities (4·n·vocab bytes in fp32), are the caller's and not counted."""
+    if mode not in MODES:
+        raise TitanliteError(f"mode '{mode}' is not one of {', '.join(MODES)}{closest(mode, MODES)}")
+    if every < 1:
+        raise TitanliteError(f"every must be a positive integer, got {every}")
+    n, b, D, F, A = batch * seq_len, dtype_bytes, args.dim, args.hidden_dim, args.n_heads
+    K = args.n_kv_heads * args.head_dim
+    norm = 4 * n * D + 4 * n + 2 * b * n * D
+    rotary = 2 * b * seq_len * args.head_dim
+    plain_block = 2 * norm + b * n * (2 * D + 2 * K) + 4 * n * A + rotary + 4 * b * n * F
+    full_block = b * n * D
+    op_block = b * n * D + b * n * (4 * D + 2 * K + 2 * F) + 4 * n * A
+    L = args.n_layers
+    per_block = {"none": [plain_block] * L, "full": [full_block] * L, "op": [op_block] * L,
+                 "selective": [full_block if i % every == 0 else plain_block for i in range(L)]}
+    return sum(per_block[mode]) + norm
+
+
+def checkpointed_blocks(model: Transformer) -> list[str]:
+    """Names of the blocks `apply_ac` wrapped (for printing and tests)."""
+    return [name for name, block in model.layers.items() if isinstance(block, CheckpointWrapper)]
+
+
+def tokens_for(args: ModelArgs, batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """Random token ids [batch, seq_len] for memory measurements (the values do not matter)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, args.vocab_size, (batch, seq_len), generator=gen)
+
+
+__all__ = ["MODES", "SAVE_OPS", "apply_ac", "activation_memory_estimate", "checkpointed_blocks",
+           "save_matmuls_policy", "saved_activation_bytes", "saved_tensors_hook_bytes",
+           "tokens_for"]
