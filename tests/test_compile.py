@@ -1,0 +1,194 @@
+"""torch.compile: compiled == eager (loss and gradients), names unchanged, graph breaks seen,
+and a clear eager fallback where compiling cannot work.
+
+Compiling is slow on a 2-core CPU, so the compiled models are built once per module with the
+trainer's own shapes (debug preset, vocab 512, batch 4 × 32 tokens): the trainer test then
+reuses the same compiled block instead of compiling again. The graph-break tests come last
+because torch._dynamo.explain resets Dynamo's caches.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+import torch._inductor.config
+import torch.nn.functional as F
+
+from conftest import tiny_overrides
+from titanlite import TitanliteError
+from titanlite.config import load_config
+from titanlite.efficiency.compile import (CompileFallbackWarning, apply_compile, compile_support,
+                                          graph_break_report, is_compiled, time_first_call)
+from titanlite.models.llama import ModelArgs, build_model
+from titanlite.train import Trainer
+
+ARGS = ModelArgs.preset("debug", vocab_size=512)  # what the trainer builds from tiny_overrides
+BATCH, SEQ = 4, 32
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g),
+            torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g))
+
+
+def loss_and_grads(model, x, y):
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    eager = build_model(ARGS)
+    regional = apply_compile(copy.deepcopy(eager), scope="regional", fallback=False)
+    whole = apply_compile(copy.deepcopy(eager), scope="model", fallback=False)
+    return {"eager": eager, "regional": regional, "model": whole}
+
+
+@pytest.fixture(scope="module")
+def results(models):
+    x, y = batch()
+    torch._dynamo.utils.counters.clear()
+    out = {name: loss_and_grads(m, x, y) for name, m in models.items()}
+    # Frames Dynamo turned into graphs: 1 for all regional blocks together, 1 for the model.
+    out["unique_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return out
+
+
+@pytest.mark.parametrize("scope", ["regional", "model"])
+def test_compiled_loss_and_gradients_match_eager(results, scope):
+    eager_loss, eager_grads = results["eager"]
+    loss, grads = results[scope]
+    # Inductor fuses and reorders float ops, so fp32 agrees to rounding, not bit for bit.
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
+    assert grads.keys() == eager_grads.keys()
+    for name, g in grads.items():
+        scale = eager_grads[name].abs().max()
+        torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-5 * scale.item(),
+                                   msg=lambda m: f"{scope} gradient of {name}: {m}")
+
+
+def test_regional_compiles_one_block_graph_reused_by_every_layer(results):
+    assert results["unique_graphs"] == 2  # one block graph (for both layers) + the whole model
+
+
+@pytest.mark.parametrize("scope", ["regional", "model"])
+def test_compiled_in_place_keeps_the_plain_state_dict(models, scope):
+    eager, compiled = models["eager"].state_dict(), models[scope].state_dict()
+    assert list(compiled) == list(eager)  # no "_orig_mod." prefixes: checkpoints stay loadable
+    assert all(torch.equal(compiled[k], eager[k]) for k in eager)
+    assert is_compiled(models[scope]) and not is_compiled(models["eager"])
+    expected = [f"layers.{i}" for i in range(ARGS.n_layers)] if scope == "regional" else [""]
+    assert [n for n, m in models[scope].named_modules()
+            if getattr(m, "_compiled_call_impl", None) is not None] == expected
+
+
+def test_trainer_trains_with_compile_and_matches_eager(data_dir, tmp_path, models):
+    def run(enable):
+        extra = {"compile.enable": enable, "training.steps": 4, "eval.every": 4,
+                 "metrics.run_name": f"compile-{enable}"}
+        trainer = Trainer(load_config(None, tiny_overrides(data_dir, tmp_path, **extra)))
+        return trainer, trainer.fit()
+
+    trainer, compiled = run(True)
+    assert is_compiled(trainer.model)
+    _, eager = run(False)
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
+    assert compiled.val_losses == pytest.approx(eager.val_losses, rel=1e-4)
+
+
+def test_unknown_scope_is_one_line_with_a_suggestion():
+    with pytest.raises(TitanliteError, match=r"'regonal' is not one of regional, model "
+                                             r"\(did you mean: regional\?\)") as e:
+        apply_compile(build_model(ARGS), scope="regonal")
+    assert "\n" not in str(e.value)
+
+
+def failing_backend(graph_module, example_inputs):
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def test_failing_backend_warns_once_and_the_model_still_trains_eagerly():
+    model = build_model(ARGS)
+    with pytest.warns(CompileFallbackWarning) as caught:
+        apply_compile(model, backend=failing_backend)
+    message = str(caught[0].message)
+    assert len(caught) == 1 and "\n" not in message
+    assert "continues eagerly" in message and "this backend cannot compile anything" in message
+    assert "enable=false" in message
+    assert not is_compiled(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = batch()
+    losses = []
+    for _ in range(3):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_without_fallback_a_failing_compile_is_a_titanlite_error():
+    with pytest.raises(TitanliteError, match="fallback=true") as e:
+        apply_compile(build_model(ARGS), backend=failing_backend, fallback=False)
+    assert "\n" not in str(e.value) and "this backend cannot compile anything" in str(e.value)
+    assert e.value.__cause__ is not None  # the full traceback is one `raise from` away
+
+
+def test_a_missing_cpp_compiler_is_detected_before_any_compile(monkeypatch):
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/no/such/g++"))
+    support = compile_support("cpu")
+    assert not support.works and "C++ compiler" in support.why and support.fix
+    with pytest.warns(CompileFallbackWarning, match=r"C\+\+ compiler"):
+        model = apply_compile(build_model(ARGS), scope="model")
+    assert not is_compiled(model)
+
+
+def test_time_first_call_separates_compile_from_steady_state():
+    model = build_model(ARGS)
+    model.compile(backend="eager")  # Dynamo tracing only: cheap, yet far slower than a step
+    x, y = batch()
+    t = time_first_call(model, x, y, steps=3, cold=True)
+    assert t["first_call_s"] > t["steady_s"] > 0
+    assert t["compile_s"] == pytest.approx(t["first_call_s"] - t["steady_s"])
+
+
+# ----- graph breaks (last: explain() resets Dynamo) ------------------------------------------
+
+def test_a_block_and_the_model_trace_without_graph_breaks(models):
+    block = models["eager"].layers["0"]
+    h = torch.randn(BATCH, SEQ, ARGS.dim)
+    cos, sin = models["eager"].rope_cos[:SEQ], models["eager"].rope_sin[:SEQ]
+    report = graph_break_report(block, h, cos, sin)
+    assert report["graphs"] == 1 and report["graph_breaks"] == 0 and report["break_reasons"] == []
+    assert report["ops"] > 20  # norms, 7 projections, rotary, attention, SwiGLU, residuals
+    x, _ = batch()
+    # The max_seq_len check in forward is resolved at trace time: no break for it.
+    for name in ("eager", "model", "regional"):  # compiled models are explained as eager
+        report = graph_break_report(models[name], x)
+        assert (report["graphs"], report["graph_breaks"]) == (1, 0), name
+    # With a dynamic sequence length the check becomes a guard (T <= max_seq_len), not a break.
+    dynamic = x.clone()
+    torch._dynamo.mark_dynamic(dynamic, 1)
+    report = graph_break_report(models["eager"], dynamic)
+    assert (report["graphs"], report["graph_breaks"]) == (1, 0)
+
+
+def test_the_report_shows_where_and_why_a_graph_breaks():
+    def chatty(x):
+        y = x.sin()
+        print("a Python side effect")
+        return y * y.sum().item()
+
+    report = graph_break_report(chatty, torch.randn(4))
+    assert report["graph_breaks"] == 2 and report["graphs"] == 3
+    reasons = " | ".join(r["reason"] for r in report["break_reasons"])
+    assert "print" in reasons or "builtin" in reasons
+    assert "item()" in reasons
+    assert any("print(" in r["where"] for r in report["break_reasons"])
