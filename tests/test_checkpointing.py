@@ -55,7 +55,8 @@ def test_wrapping_keeps_names_and_shares_parameters(tmp_path):
     save_model(model, str(tmp_path / "m.safetensors"))
     fresh = build_model(ARGS, "cpu")
     load_model(fresh, str(tmp_path / "m.safetensors"))
-    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    for a, b in zip(fresh.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
     model.load_state_dict(fresh.state_dict())  # strict: every plain key finds its wrapped slot
 
 
@@ -65,7 +66,8 @@ def test_which_blocks_each_mode_wraps():
     assert checkpointed_blocks(apply_ac(build_model(args), "full")) == ["0", "1", "2", "3", "4"]
     assert checkpointed_blocks(apply_ac(build_model(args), "selective", every=2)) == ["0", "2", "4"]
     assert checkpointed_blocks(apply_ac(build_model(args), "selective", every=3)) == ["0", "3"]
-    assert checkpointed_blocks(apply_ac(build_model(args), "selective", every=1)) == ["0", "1", "2", "3", "4"]
+    every_block = checkpointed_blocks(apply_ac(build_model(args), "selective", every=1))
+    assert every_block == ["0", "1", "2", "3", "4"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,8 +77,9 @@ def test_saved_activations_shrink_in_order_and_match_the_formula(dtype):
     for mode, every in [("none", 2), ("op", 2), ("full", 2), ("selective", 2), ("selective", 3)]:
         measured[mode, every] = saved_activation_bytes(model_with(mode, every, dtype), tokens)
         formula = activation_memory_estimate(ARGS, 4, 64, dtype.itemsize, mode, every)
-        # On CPU every term is accounted for: the formula is exact, not approximate.
-        assert measured[mode, every] == formula, (mode, every)
+        # On CPU every saved tensor is a term of the formula (today they agree to the byte);
+        # 1% leaves room only for tiny terms such as the exact form of the rotary sign table.
+        assert measured[mode, every] == pytest.approx(formula, rel=0.01), (mode, every)
     none, op, full = measured["none", 2], measured["op", 2], measured["full", 2]
     assert none > op > full
     assert none > measured["selective", 3] > measured["selective", 2] > full

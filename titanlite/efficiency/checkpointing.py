@@ -2,7 +2,7 @@
 
     apply_ac(model, "full")                 # every block recomputed in backward
     apply_ac(model, "selective", every=2)   # blocks 0, 2, 4, ... recomputed, the rest kept
-    apply_ac(model, "op")                   # every block: keep matmul outputs, recompute pointwise ops
+    apply_ac(model, "op")                   # every block: keep matmul outputs, recompute the rest
 
 Backward needs tensors from the forward (a matmul's input for its weight gradient, SiLU's
 input, the norm's statistics, ...). Normally autograd keeps all of them alive from forward to
@@ -12,7 +12,7 @@ again to rebuild what its backward needs (PyTorch's non-reentrant `torch.utils.c
 
 - full: every block's forward runs again in backward, for the smallest memory. It stops after
   the last op backward needs (non-reentrant checkpoint's early stop skips `down_proj`, whose
-  output backward never uses): about a quarter more FLOPs per step at Llama shapes.
+  output backward never uses): about 20-25% more FLOPs per step at Llama shapes.
 - selective: the same, but only every N-th block: memory and recompute both in between.
 - op (selective activation checkpointing, "SAC", as in torchtitan): inside each checkpointed
   block, the outputs of matmuls and attention are saved and only the pointwise ops (RMSNorm,
@@ -22,8 +22,10 @@ again to rebuild what its backward needs (PyTorch's non-reentrant `torch.utils.c
   memory is. torchtitan goes one step further and saves only every other matmul.
 
 Blocks are wrapped in place with torch's `checkpoint_wrapper` (what torchtitan uses), whose
-state-dict hooks strip the wrapper's prefix: `state_dict()` and `named_parameters()` keep the
-plain model's names, so safetensors files and Hugging Face export see no difference.
+state-dict hooks strip the wrapper's prefix: `state_dict()` keeps the plain model's names, so
+safetensors files, DCP and the Hugging Face export see no difference, and the parameters are the
+same objects. `model.named_parameters()` does show the extra `_checkpoint_wrapped_module` level
+(as in torchtitan), so name-based plans (tensor parallel, FP8 filters) are applied before this.
 
 `saved_activation_bytes` measures what a forward leaves alive for backward, and
 `activation_memory_estimate` predicts it from the shapes (notebook 04 compares the two).
@@ -186,7 +188,8 @@ def activation_memory_estimate(args: ModelArgs, batch: int, seq_len: int, dtype_
     matmul); the embedding saves only the token ids (the input). The logits themselves, and the
     loss's log-probabilities (4·n·vocab bytes in fp32), are the caller's and not counted."""
     if mode not in MODES:
-        raise TitanliteError(f"mode '{mode}' is not one of {', '.join(MODES)}{closest(mode, MODES)}")
+        raise TitanliteError(f"mode '{mode}' is not one of {', '.join(MODES)}"
+                             f"{closest(mode, MODES)}")
     if every < 1:
         raise TitanliteError(f"every must be a positive integer, got {every}")
     n, b, D, F, A = batch * seq_len, dtype_bytes, args.dim, args.hidden_dim, args.n_heads
