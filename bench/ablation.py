@@ -107,6 +107,8 @@ def table(rows: list[dict]) -> str:
         note = r["compute_dtype"].replace("torch.", "")
         if r.get("fp8_emulated"):
             note += ", FP8 emulated (no FP8 hardware: slower by design)"
+        if r["mfu"] > 1:  # never let an impossible MFU pass silently
+            note += f"; MFU > 100%: the measured peak ({r['peak_label']}) is too low to judge against"
         out.append(f"{r['variant']:16} {r['tokens_per_sec']:10,.0f} {r['tokens_per_sec'] / base['tokens_per_sec']:7.2f}x "
                    f"{100 * r['mfu']:6.1f}% {r['peak_memory_bytes'] / 2**20:9,.0f} {r['first_step_s']:10.1f}  {note}")
     return "\n".join(out)
