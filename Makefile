@@ -18,8 +18,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
+# Jupyter refuses to run as root unless told; containers and lab machines often are root.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: setup  ## the workbook: JupyterLab on notebooks/
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/
 
 train: setup  ## the quick training run, headless
 	$(BIN)/titanlite train --config configs/debug.toml
