@@ -162,10 +162,11 @@ class Trainer:
         self.step = 0
 
     # ----- the pieces the loop calls --------------------------------------------------------
-    def loss_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over the real target tokens of one batch."""
+    def loss_on(self, x: torch.Tensor, y: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+        """Summed cross-entropy over the real target tokens of one batch, divided by
+        `num_tokens` (default: this batch's own count, i.e. the mean)."""
         with self.precision.autocast():
-            return loss_sum(self.model(x), y) / max(1, count_targets(y))
+            return loss_sum(self.model(x), y) / (num_tokens or max(1, count_targets(y)))
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         """One optimizer step over `grad_accum_steps` micro-batches.
@@ -176,8 +177,7 @@ class Trainer:
         global_tokens = sum(count_targets(y) for _, y in micro_batches)
         total = torch.zeros((), device=self.device)
         for x, y in micro_batches:
-            with self.precision.autocast():
-                loss = loss_sum(self.model(x), y) / global_tokens
+            loss = self.loss_on(x, y, num_tokens=global_tokens)
             self.precision.backward(loss)
             total += loss.detach()
         grad_norm, skipped = self.precision.step(self.optimizer, self.model.parameters(),
