@@ -20,10 +20,18 @@ def _train(args, overrides: list[str]) -> None:
 
     cfg = load_config(args.config, overrides)
     trainer = Trainer(cfg)
-    print(f"titanlite: {cfg.model.preset} model, {trainer.num_params / 1e6:.2f}M parameters, "
-          f"on {trainer.device} ({trainer.dtype}); MFU against {trainer.peak.label}")
-    history = trainer.fit()
-    trainer.save_weights(history.run_dir)
+    try:
+        say = print if trainer.dist.is_main else (lambda *a, **k: None)
+        world = trainer.dist.world_size
+        on = f"{world} processes ({trainer.dims.strategy}, {trainer.dist.backend})" if world > 1 else str(trainer.device)
+        say(f"titanlite: {cfg.model.preset} model, {trainer.num_params / 1e6:.2f}M parameters, "
+            f"on {on} ({trainer.dtype}); MFU against {trainer.peak.label}")
+        history = trainer.fit()
+        trainer.save_weights(history.run_dir)
+    finally:
+        trainer.close()
+    if not trainer.dist.is_main:
+        return
     last = history.train[-1]
     val = f", val loss {history.val[-1]['val_loss']:.3f}" if history.val else ""
     print(f"done: {trainer.step} steps, loss {history.train[0]['loss']:.3f} → {last['loss']:.3f}{val}, "

@@ -78,6 +78,20 @@ class SchedulerSection:
 
 
 @dataclass
+class ParallelSection:
+    # Degrees multiply to the number of processes (torchrun --nproc-per-node × nodes).
+    dp_replicate: int = 1  # full model copies averaging gradients (DDP; HSDP with dp_shard > 1)
+    dp_shard: int = -1  # ranks sharding params/grads/optimizer (FSDP); -1: all ranks left over
+    backend: str = "auto"  # auto (nccl on CUDA, gloo otherwise) | gloo | nccl
+    timeout_s: float = 300.0  # a collective waiting longer than this fails the job (hung peer)
+    bucket_cap_mb: float = 25.0  # DDP gradient bucket size
+    reshard_after_forward: str = "default"  # FSDP: default | always | never (ZeRO-2-like)
+    param_dtype: str = "float32"  # FSDP all-gather/compute dtype: float32 | bfloat16
+    reduce_dtype: str = "float32"  # FSDP gradient reduce-scatter dtype: float32 | bfloat16
+    cpu_offload: bool = False  # FSDP: sharded params, grads and optimizer step on the CPU
+
+
+@dataclass
 class ActivationCheckpointSection:
     mode: str = "none"  # none | full | selective (every N-th block) | op (save matmuls only)
     every: int = 2  # selective: checkpoint blocks 0, N, 2N, ...
@@ -96,6 +110,7 @@ class Float8Section:
     recipe: str = "tensorwise"  # tensorwise | rowwise (torchao recipe names)
     min_dim: int = 64  # skip Linear layers with a side below this: too small to gain from FP8
     emulate: str = "auto"  # auto (real on CUDA SM >= 8.9, emulated elsewhere) | true | false
+    fsdp_all_gather: bool = False  # FSDP all-gathers FP8 weights (tensorwise recipe only)
 
 
 @dataclass
@@ -124,6 +139,7 @@ class Config:
     training: TrainingSection = field(default_factory=TrainingSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
     compile: CompileSection = field(default_factory=CompileSection)
     float8: Float8Section = field(default_factory=Float8Section)
@@ -151,6 +167,15 @@ class Config:
         _check_choice("compile.scope", self.compile.scope, ("regional", "model"))
         _check_choice("float8.recipe", self.float8.recipe, ("tensorwise", "rowwise"))
         _check_choice("float8.emulate", self.float8.emulate, ("auto", "true", "false"))
+        p = self.parallel
+        _check_choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
+        _check_choice("parallel.reshard_after_forward", p.reshard_after_forward, ("default", "always", "never"))
+        _check_choice("parallel.param_dtype", p.param_dtype, ("float32", "bfloat16"))
+        _check_choice("parallel.reduce_dtype", p.reduce_dtype, ("float32", "bfloat16"))
+        _check_positive(self, "parallel.dp_replicate", "parallel.timeout_s", "parallel.bucket_cap_mb")
+        if p.dp_shard == 0 or p.dp_shard < -1:
+            raise TitanliteError(f"parallel.dp_shard must be positive or -1 (all ranks left over), "
+                                 f"got {p.dp_shard}")
         return self
 
 

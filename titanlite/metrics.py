@@ -14,10 +14,10 @@ from .errors import TitanliteError
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = False):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = False, filename: str = "metrics.jsonl"):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = self.run_dir / filename
         self._file = self.path.open("a", buffering=1)  # line-buffered: readers see whole lines
         self._tb = None
         if tensorboard:

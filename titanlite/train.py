@@ -25,10 +25,16 @@ import torch.nn.functional as F
 from . import hardware
 from .config import Config
 from .data import build_data
+from .efficiency import apply_efficiency  # noqa: F401  (re-exported: titanlite.train.apply_efficiency)
 from .efficiency.accumulation import count_targets, loss_sum, resolve_batch
 from .efficiency.mixed_precision import Precision
 from .errors import TitanliteError
 from .metrics import MetricsLogger
+from .distributed.ddp import grad_sync, unwrap
+from .distributed.env import all_reduce_sum, destroy_distributed, init_distributed
+from .distributed.fsdp import precompute_fp8_scales
+from .distributed.mesh import ParallelDims
+from .distributed.parallelize import parallelize
 from .models.llama import ModelArgs, Transformer, build_model
 
 # Presets sized for training here take their vocabulary from the tokenizer; the large ones
@@ -110,56 +116,59 @@ def model_args_for(cfg: Config, tokenizer_vocab: int) -> ModelArgs:
     return args
 
 
-def apply_efficiency(model: Transformer, cfg: Config, device: torch.device) -> torch.nn.Module:
-    """torchtitan's order: FP8 swaps Linear modules first, so everything after sees the final
-    modules; checkpointing wraps blocks next; compile comes last, so it traces the wrapped
-    blocks and the recomputation is compiled too. Each step is one module's entry point."""
-    if cfg.float8.enable:
-        from .efficiency.fp8 import apply_fp8
-        f = cfg.float8
-        model = apply_fp8(model, recipe=f.recipe, device=device, min_dim=f.min_dim,
-                          emulate=None if f.emulate == "auto" else f.emulate == "true")
-    if cfg.activation_checkpoint.mode != "none":
-        from .efficiency.checkpointing import apply_ac
-        model = apply_ac(model, cfg.activation_checkpoint.mode, every=cfg.activation_checkpoint.every)
-    if cfg.compile.enable:
-        from .efficiency.compile import apply_compile
-        model = apply_compile(model, scope=cfg.compile.scope, fallback=cfg.compile.fallback)
-    return model
-
-
 class Trainer:
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg = (cfg or Config()).validate()
         t = cfg.training
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.device = hardware.detect_device(t.device)
+        # Under torchrun each process joins the job and takes its own device; alone it is a
+        # world of one and nothing below changes.
+        self.dist = init_distributed(t.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+        self.device = self.dist.device
+        self.dims = ParallelDims.resolve(cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
+                                         self.dist.world_size)
+        self.mesh = self.dims.build_mesh(self.device.type)
         self.dtype = hardware.resolve_dtype(t.dtype, self.device)
         seed_everything(t.seed, t.deterministic)
 
         self.micro_batch, self.grad_accum_steps, self.global_batch = resolve_batch(
-            t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=1)
+            t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=self.dims.dp)
         self.precision = Precision(t.mixed_precision, self.device)
 
+        # Each data-parallel rank reads its own slice of every global batch.
         d = cfg.data
         self.data = build_data(d.dataset, path=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
                                seq_len=t.seq_len, batch_size=t.batch_size, val_fraction=d.val_fraction,
-                               seed=t.seed, data_dir=d.data_dir, max_chars=d.max_chars)
+                               seed=t.seed, data_dir=d.data_dir, max_chars=d.max_chars,
+                               rank=self.dims.dp_rank(self.dist.rank), world_size=self.dims.dp)
         self.tokenizer = self.data.tokenizer
         self.model_args = model_args_for(cfg, self.data.vocab_size)
-        model = build_model(self.model_args, self.device).to(self.dtype)
-        self.flops_per_token = model.flops_per_token(t.seq_len)
-        self.num_params = model.num_params()
+        with torch.device("meta"):  # a weightless copy, just to count
+            counting = Transformer(self.model_args)
+        self.flops_per_token = counting.flops_per_token(t.seq_len)
+        self.num_params = counting.num_params()
         # The techniques modify the model in place (swap Linears, wrap or compile blocks), so
-        # state-dict names stay those of the plain model.
-        self.model = apply_efficiency(model, cfg, self.device)
+        # state-dict names stay those of the plain model; DDP/FSDP come last (parallelize.py).
+        self.model = parallelize(self.model_args, cfg, self.dist, self.dims, self.mesh, self.dtype)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         # MFU against the peak of the dtype the matmuls actually run in.
         self.compute_dtype = self.precision.dtype or self.dtype
-        self.peak = hardware.get_peak(self.device, self.compute_dtype, source=cfg.metrics.peak)
+        self.peak = self._get_peak()
         self.step = 0
+
+    def _get_peak(self) -> hardware.Peak:
+        """The MFU denominator of one device. Ranks sharing a machine would disturb each
+        other's measurement, so local rank 0 measures (and caches) it first."""
+        source = self.cfg.metrics.peak
+        if self.dist.distributed and self.dist.local_rank != 0:
+            torch.distributed.barrier()
+            return hardware.get_peak(self.device, self.compute_dtype, source=source)
+        peak = hardware.get_peak(self.device, self.compute_dtype, source=source)
+        if self.dist.distributed:
+            torch.distributed.barrier()
+        return peak
 
     # ----- the pieces the loop calls --------------------------------------------------------
     def loss_on(self, x: torch.Tensor, y: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
@@ -174,14 +183,24 @@ class Trainer:
         Each micro-batch's summed token loss is divided by the token count of the *whole*
         global batch, so the accumulated gradient is exactly the big batch's gradient.
         """
-        global_tokens = sum(count_targets(y) for _, y in micro_batches)
+        dp = self.dims.dp
+        local = torch.tensor(float(sum(count_targets(y) for _, y in micro_batches)), device=self.device)
+        global_tokens = all_reduce_sum(local).item()
+        # DDP and FSDP *average* gradients over the dp ranks, so each rank divides by the
+        # global count / dp: the average of those gradients is the global batch's gradient.
         total = torch.zeros((), device=self.device)
-        for x, y in micro_batches:
-            loss = self.loss_on(x, y, num_tokens=global_tokens)
-            self.precision.backward(loss)
+        last = len(micro_batches) - 1
+        for i, (x, y) in enumerate(micro_batches):
+            # DDP: all-reduce only after the last micro-batch (no_sync); the others just
+            # accumulate into .grad. FSDP reduce-scatters every micro-batch to keep
+            # gradients sharded (memory is what FSDP is for).
+            with grad_sync(self.model, sync=i == last or self.dims.strategy != "ddp"):
+                loss = self.loss_on(x, y, num_tokens=global_tokens / dp)
+                self.precision.backward(loss)
             total += loss.detach()
         grad_norm, skipped = self.precision.step(self.optimizer, self.model.parameters(),
                                                  self.cfg.training.grad_clip)
+        precompute_fp8_scales(self.model)
         with warnings.catch_warnings():
             # A step the fp16 scaler skipped still advances the schedule (torchtitan does the
             # same); torch would warn that the scheduler stepped before the optimizer.
@@ -189,7 +208,7 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # .item() waits for the device, so the step time measured around this is honest.
-        return {"loss": total.item(), "grad_norm": grad_norm, "skipped": skipped}
+        return {"loss": all_reduce_sum(total).item() / dp, "grad_norm": grad_norm, "skipped": skipped}
 
     def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [tuple(t.to(self.device, non_blocking=True) for t in self.data.train.next_batch())
@@ -228,10 +247,16 @@ class Trainer:
     # ----- the loop -------------------------------------------------------------------------
     def fit(self, callbacks=()) -> History:
         cfg, t, m = self.cfg, self.cfg.training, self.cfg.metrics
-        run_name = m.run_name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_name = self._same_on_all_ranks(
+            m.run_name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
         history = History(run_dir=Path(m.log_dir) / run_name)
-        logger = MetricsLogger(history.run_dir, tensorboard=m.tensorboard)
-        self._write_run_info(history.run_dir)
+        main, rank = self.dist.is_main, self.dist.rank
+        # Rank 0 writes metrics.jsonl; the others metrics.rank<r>.jsonl (their step times and
+        # memory differ; a straggler shows there). The notebook launcher tails them all.
+        logger = MetricsLogger(history.run_dir, tensorboard=m.tensorboard and main,
+                               filename="metrics.jsonl" if main else f"metrics.rank{rank}.jsonl")
+        if main:
+            self._write_run_info(history.run_dir)
 
         def emit(record: dict) -> None:
             logger.log(record)
@@ -240,7 +265,7 @@ class Trainer:
                 cb(record)
 
         history.samples[0] = self.sample()
-        bar = _progress_bar(t.steps, enabled=m.progress)
+        bar = _progress_bar(t.steps, enabled=m.progress and main)
         tokens_per_step = self.global_batch * t.seq_len
         start = time.perf_counter()
         try:
@@ -263,6 +288,9 @@ class Trainer:
                               "peak_memory_bytes": hardware.peak_memory_bytes(self.device),
                               "step_time_s": dt, "elapsed_s": time.perf_counter() - start,
                               "tokens": self.step * tokens_per_step, "peak_label": self.peak.label}
+                    if self.dist.distributed:  # MFU per device: the job's FLOPs over all peaks
+                        record.update(rank=rank, world_size=self.dist.world_size,
+                                      mfu=record["mfu"] / self.dist.world_size)
                     if self.precision.scaler.is_enabled():
                         record.update(loss_scale=self.precision.scale, skipped=out["skipped"],
                                       skipped_steps=self.precision.skipped_steps)
@@ -272,7 +300,8 @@ class Trainer:
                           "elapsed_s": time.perf_counter() - start})
                 if cfg.eval.sample_every and self.step % cfg.eval.sample_every == 0:
                     history.samples[self.step] = self.sample()
-                    _say(f"[step {self.step}] {history.samples[self.step]!r}", bar)
+                    if main:
+                        _say(f"[step {self.step}] {history.samples[self.step]!r}", bar)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
@@ -286,14 +315,40 @@ class Trainer:
                 cb.on_train_end()
         return history
 
+    def full_state_dict(self) -> dict:
+        """The whole model's weights on CPU, by their plain names. Under FSDP every rank must
+        call this (the shards are gathered); rank 0 gets the tensors."""
+        if self.dims.strategy in ("fsdp", "hsdp"):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            return get_model_state_dict(self.model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True))
+        return {k: v.detach().cpu() for k, v in unwrap(self.model).state_dict().items()}
+
     def save_weights(self, run_dir: str | Path) -> Path:
         """Final weights (safetensors) and tokenizer beside run.json, for `titanlite export-hf`.
-        Full training state (optimizer, data position) is the checkpointing module's job."""
+        Full training state (optimizer, data position) is the checkpointing module's job.
+        Collective under FSDP: call it on every rank; rank 0 writes."""
         from safetensors.torch import save_model
         run_dir = Path(run_dir)
-        save_model(self.model, str(run_dir / "model.safetensors"))  # dedupes tied weights
-        self.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+        state = self.full_state_dict()
+        if self.dist.is_main:
+            plain = build_model(self.model_args, "cpu").to(self.dtype)
+            plain.load_state_dict(state)
+            save_model(plain, str(run_dir / "model.safetensors"))  # dedupes tied weights
+            self.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
         return run_dir
+
+    def _same_on_all_ranks(self, value):
+        """Rank 0's value, everywhere (e.g. a run name that contains the time)."""
+        if not self.dist.distributed:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        """Leave the process group (a no-op for a single process)."""
+        destroy_distributed()
 
     def _write_run_info(self, run_dir: Path) -> None:
         import json
@@ -303,6 +358,8 @@ class Trainer:
                 "global_batch": self.global_batch, "flops_per_token": self.flops_per_token,
                 "device": hardware.device_name(self.device), "dtype": str(self.dtype), "compute_dtype": str(self.compute_dtype),
                 "peak_flops": self.peak.flops, "peak_label": self.peak.label,
+                "world_size": self.dist.world_size, "parallel": self.dims.strategy,
+                "dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
                 "float8": getattr(self.model, "fp8_info", None),
                 "torch": torch.__version__}
         (run_dir / "run.json").write_text(json.dumps(info, indent=2))
@@ -352,3 +409,12 @@ def load_weights(run_dir: str | Path):
     load_model(model, str(weights))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(run_dir / "tokenizer"))
     return model, tokenizer
+
+
+if __name__ == "__main__":  # torchrun ... -m titanlite.train --config ...
+    # `record` writes an unexpected exception's traceback to the file torchrun names, so the
+    # launcher can show the failing rank's traceback (TitanliteErrors stay one line).
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from titanlite.cli import main as _cli_main
+    sys.exit(record(_cli_main)(["train", *sys.argv[1:]]))

@@ -10,3 +10,26 @@ The trainer applies them in torchtitan's order: FP8 swaps Linear modules first (
 after sees the final modules), then activation checkpointing wraps blocks, then compile
 traces the wrapped blocks (so recomputation is compiled too).
 """
+from __future__ import annotations
+
+import torch
+
+
+def apply_efficiency(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
+    """torchtitan's order: FP8 swaps Linear modules first, so everything after sees the final
+    modules; checkpointing wraps blocks next; compile comes last, so it traces the wrapped
+    blocks and the recomputation is compiled too. Each step is one module's entry point."""
+    if cfg.float8.enable:
+        from .fp8 import apply_fp8
+        f = cfg.float8
+        model = apply_fp8(model, recipe=f.recipe, device=device, min_dim=f.min_dim,
+                          emulate=None if f.emulate == "auto" else f.emulate == "true",
+                          fsdp_all_gather=f.fsdp_all_gather)
+    if cfg.activation_checkpoint.mode != "none":
+        from .checkpointing import apply_ac
+        model = apply_ac(model, cfg.activation_checkpoint.mode, every=cfg.activation_checkpoint.every)
+    if cfg.compile.enable:
+        from .compile import apply_compile
+        model = apply_compile(model, scope=cfg.compile.scope, fallback=cfg.compile.fallback,
+                              device=device)
+    return model

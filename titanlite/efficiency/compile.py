@@ -55,9 +55,11 @@ class CompileSupport:
 
 
 def apply_compile(model: nn.Module, scope: str = "regional", fallback: bool = True,
-                  **compile_kwargs) -> nn.Module:
+                  device: torch.device | str | None = None, **compile_kwargs) -> nn.Module:
     """Compile `model` in place (`scope`: "regional" = each block, "model" = all of it) and
-    return it. `compile_kwargs` go to torch.compile (backend, mode, dynamic, fullgraph...)."""
+    return it. `compile_kwargs` go to torch.compile (backend, mode, dynamic, fullgraph...).
+    `device`: where it will run (default: where its parameters are; pass it for a model
+    still on the meta device, as FSDP's meta-device init builds it)."""
     if scope not in SCOPES:
         raise TitanliteError(f"compile scope '{scope}' is not one of {', '.join(SCOPES)}"
                              f"{closest(scope, SCOPES)}: regional compiles each transformer "
@@ -65,7 +67,7 @@ def apply_compile(model: nn.Module, scope: str = "regional", fallback: bool = Tr
     if scope == "regional" and not isinstance(getattr(model, "layers", None), (nn.ModuleDict, nn.ModuleList)):
         raise TitanliteError(f"regional compile needs model.layers (the transformer blocks), which "
                              f"{type(model).__name__} does not have: use scope='model'")
-    support = compile_support(_device_of(model), **compile_kwargs)
+    support = compile_support(device if device is not None else _device_of(model), **compile_kwargs)
     if not support.works:
         if not fallback:
             raise TitanliteError(f"torch.compile cannot run here: {support.why}. Fix: {support.fix}, "

@@ -96,8 +96,9 @@ def fp8_support(device: torch.device | str, recipe: str = "tensorwise") -> FP8Su
                       f"(quantise, then multiply in fp32) - same numerics, slower than fp32")
 
 
-def _config(recipe: str, emulate: bool) -> Float8LinearConfig:
-    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+def _config(recipe: str, emulate: bool, fsdp_all_gather: bool = False) -> Float8LinearConfig:
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
+                               enable_fsdp_float8_all_gather=fsdp_all_gather)
 
 
 def skip_reason(name: str, linear: nn.Linear, min_dim: int) -> str | None:
@@ -116,10 +117,16 @@ def skip_reason(name: str, linear: nn.Linear, min_dim: int) -> str | None:
 
 
 def apply_fp8(model: nn.Module, recipe: str = "tensorwise", device=None, min_dim: int = 64,
-              emulate: bool | None = None) -> nn.Module:
+              emulate: bool | None = None, fsdp_all_gather: bool = False) -> nn.Module:
     """Swap qualifying nn.Linear layers for Float8Linear in place; returns the model with
-    `model.fp8_info` describing the run. emulate=None: real FP8 where the hardware has it."""
+    `model.fp8_info` describing the run. emulate=None: real FP8 where the hardware has it.
+    fsdp_all_gather: FSDP gathers these weights in FP8 (half of bf16's bytes), which needs
+    `precompute_fp8_scales(model)` after every optimizer step (titanlite.distributed.fsdp)."""
     _check_recipe(recipe)
+    if fsdp_all_gather and recipe != "tensorwise":
+        raise TitanliteError(f"FP8 all-gather needs one scale per weight tensor, i.e. the tensorwise "
+                             f"recipe, not '{recipe}': use --float8.recipe tensorwise or turn off "
+                             f"--float8.fsdp_all_gather")
     if min_dim < 1:
         raise TitanliteError(f"float8.min_dim must be positive, got {min_dim}: e.g. 64")
     if any(isinstance(m, Float8Linear) for m in model.modules()):
@@ -146,7 +153,7 @@ def apply_fp8(model: nn.Module, recipe: str = "tensorwise", device=None, min_dim
             f"{min_dim} and divisible by {FP8_GEMM_MULTIPLE}; use a larger model preset or "
             f"lower float8.min_dim")
 
-    convert_to_float8_training(model, config=_config(recipe, emulated),
+    convert_to_float8_training(model, config=_config(recipe, emulated, fsdp_all_gather),
                                module_filter_fn=lambda m, fqn: fqn not in skipped)
     converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
     why = support.why
@@ -154,6 +161,7 @@ def apply_fp8(model: nn.Module, recipe: str = "tensorwise", device=None, min_dim
         why = "emulation requested (float8.emulate true) although this GPU has FP8 tensor cores"
     model.fp8_info = {"recipe": recipe, "emulated": emulated, "device": device.type, "why": why,
                       "label": f"FP8 {recipe} ({'emulated' if emulated else 'real'})",
+                      "fsdp_all_gather": fsdp_all_gather,
                       "converted": converted, "skipped": skipped}
     return model
 

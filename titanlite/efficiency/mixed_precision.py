@@ -261,5 +261,7 @@ class Precision:
         self.scaler.update()         # ... and then halves the scale: that is how we see a skip
         skipped = self.scaler.is_enabled() and self.scale < scale_before
         self.skipped_steps += int(skipped)
+        if hasattr(norm, "full_tensor"):  # FSDP: the norm is a DTensor, already summed over ranks
+            norm = norm.full_tensor()
         return float(norm), skipped
 

@@ -1,0 +1,122 @@
+"""Joining the process group: which rank am I, which device is mine, which backend talks.
+
+Every process of a job runs the same script. torchrun (or titanlite's notebook launcher, which
+runs torchrun for you) tells each one who it is through environment variables:
+RANK (0..WORLD_SIZE-1 across all machines), LOCAL_RANK (0..on this machine), WORLD_SIZE,
+MASTER_ADDR/MASTER_PORT (where rank 0 listens for the rendezvous).
+
+    dist_env = init_distributed("auto")     # no torchrun variables: a world of one, no group
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import signal
+import sys
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import TitanliteError
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: str | None = None  # None: a single process, no process group
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, local_rank, world_size) when started by torchrun, else None."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    get = lambda k, d=None: int(os.environ.get(k, d))  # noqa: E731
+    return get("RANK"), get("LOCAL_RANK", 0), get("WORLD_SIZE")
+
+
+def pick_backend(requested: str, device_type: str) -> str:
+    """nccl for CUDA (GPU-to-GPU over NVLink/InfiniBand), gloo for everything else (CPU, MPS)."""
+    if requested == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise TitanliteError("parallel.backend=nccl needs CUDA GPUs, and none is available here: "
+                             "use --parallel.backend gloo (or auto)")
+    if requested == "nccl" and device_type != "cuda":
+        raise TitanliteError(f"parallel.backend=nccl only moves CUDA tensors, but training.device "
+                             f"is {device_type}: use --parallel.backend gloo or --training.device cuda")
+    return requested
+
+
+def device_for_rank(requested: str, local_rank: int) -> torch.device:
+    """One accelerator per process: CUDA rank r on this machine uses cuda:r."""
+    from ..hardware import detect_device
+    device = detect_device(requested)
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise TitanliteError(f"local rank {local_rank} has no GPU: this machine has {count}; "
+                                 f"start at most {count} processes per node (--nproc-per-node {count})")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300) -> DistEnv:
+    """Join the job's process group (if torchrun started us); return who we are."""
+    ids = torchrun_env()
+    if ids is None or ids[2] == 1 or not dist.is_available():
+        return DistEnv(device=device_for_rank(device, 0))
+    rank, local_rank, world_size = ids
+    _die_with_parent()
+    dev = device_for_rank(device, local_rank)
+    name = pick_backend(backend, dev.type)
+    if not dist.is_initialized():
+        # A collective that waits longer than this raises instead of hanging forever: that is
+        # how a dead or stuck peer becomes an error the launcher can report.
+        dist.init_process_group(name, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, backend=name, device=dev)
+
+
+def destroy_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dist.destroy_process_group()
+
+
+def all_reduce_sum(value: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum a tensor over the group in place (no-op in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value
+
+
+def _die_with_parent() -> None:
+    """Linux: ask the kernel to kill this worker if its torchrun agent dies, even by SIGKILL,
+    so an interrupted notebook never leaves ranks behind. (torchrun starts each worker in its
+    own session, so killing the agent's process group alone would not reach them.)"""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent died before we asked
+            os._exit(1)
+    except OSError:
+        pass
