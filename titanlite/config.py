@@ -133,6 +133,15 @@ class MetricsSection:
 
 
 @dataclass
+class FaultSection:
+    kind: str = "none"  # none | exception | kill | hang | slow (titanlite.resilience.faults)
+    rank: int = 0  # which rank fails
+    step: int = 1  # at the start of this step (1-based); slow: from this step on
+    slow_s: float = 0.5  # slow: extra seconds per step
+    once: bool = True  # only in the first attempt, so a restarted job can finish
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -145,6 +154,7 @@ class Config:
     float8: Float8Section = field(default_factory=Float8Section)
     eval: EvalSection = field(default_factory=EvalSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    fault: FaultSection = field(default_factory=FaultSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -167,6 +177,7 @@ class Config:
         _check_choice("compile.scope", self.compile.scope, ("regional", "model"))
         _check_choice("float8.recipe", self.float8.recipe, ("tensorwise", "rowwise"))
         _check_choice("float8.emulate", self.float8.emulate, ("auto", "true", "false"))
+        _check_choice("fault.kind", self.fault.kind, ("none", "exception", "kill", "hang", "slow"))
         p = self.parallel
         _check_choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
         _check_choice("parallel.reshard_after_forward", p.reshard_after_forward, ("default", "always", "never"))

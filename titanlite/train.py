@@ -36,6 +36,7 @@ from .distributed.fsdp import precompute_fp8_scales
 from .distributed.mesh import ParallelDims
 from .distributed.parallelize import parallelize
 from .models.llama import ModelArgs, Transformer, build_model
+from .resilience.faults import check_fault, inject_fault
 
 # Presets sized for training here take their vocabulary from the tokenizer; the large ones
 # keep the published vocabulary so their parameter counts stay true.
@@ -129,6 +130,7 @@ class Trainer:
         self.dims = ParallelDims.resolve(cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
                                          self.dist.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
+        check_fault(cfg.fault, t.steps, self.dist.world_size)
         self.dtype = hardware.resolve_dtype(t.dtype, self.device)
         seed_everything(t.seed, t.deterministic)
 
@@ -259,6 +261,8 @@ class Trainer:
             self._write_run_info(history.run_dir)
 
         def emit(record: dict) -> None:
+            if self.dist.distributed:
+                record["rank"] = rank
             logger.log(record)
             (history.train if record["kind"] == "train" else history.val).append(record)
             for cb in callbacks:
@@ -270,6 +274,7 @@ class Trainer:
         start = time.perf_counter()
         try:
             for _ in range(t.steps):
+                inject_fault(cfg.fault, self.step + 1, self.dist.rank)  # off unless [fault] asks
                 step_start = time.perf_counter()
                 hardware.reset_peak_memory(self.device)
                 lr = self.scheduler.get_last_lr()[0]
@@ -289,7 +294,7 @@ class Trainer:
                               "step_time_s": dt, "elapsed_s": time.perf_counter() - start,
                               "tokens": self.step * tokens_per_step, "peak_label": self.peak.label}
                     if self.dist.distributed:  # MFU per device: the job's FLOPs over all peaks
-                        record.update(rank=rank, world_size=self.dist.world_size,
+                        record.update(world_size=self.dist.world_size,
                                       mfu=record["mfu"] / self.dist.world_size)
                     if self.precision.scaler.is_enabled():
                         record.update(loss_scale=self.precision.scale, skipped=out["skipped"],

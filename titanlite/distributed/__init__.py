@@ -1,0 +1,15 @@
+"""Data parallelism, one idea per module (notebooks 07-08):
+
+    env.py           join the job torchrun started: rank, device, backend (gloo / nccl)
+    mesh.py          ParallelDims: the ranks as a (dp_replicate, dp_shard) grid, a DeviceMesh
+    scratch_ddp.py   data parallel by hand: broadcast, bucketed all-reduce, no_sync (teaching)
+    ddp.py           apply_ddp: torch's DistributedDataParallel; grad_sync for accumulation
+    fsdp.py          apply_fsdp: FSDP2 fully_shard per block, meta-device init, FP8 all-gather
+    zero.py          the ZeRO memory model, and the bytes each rank really stores
+    comm.py          CommCounter: every collective of a step, counted with its bytes
+    parallelize.py   the ordered chain build → FP8 → AC → compile → DDP/FSDP
+    launcher.py      launch / launch_function: torchrun from a notebook cell, live, no orphans
+"""
+from .launcher import LaunchResult, launch, launch_function
+
+__all__ = ["LaunchResult", "launch", "launch_function"]

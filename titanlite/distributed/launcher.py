@@ -1,0 +1,301 @@
+"""Start a multi-process job from a notebook cell, watch it live, and always clean up.
+
+    result = launch(cfg, nproc=2, callbacks=[LivePlot()])            # a training run
+    outs = launch_function("titanlite.distributed.lab_fsdp:state_memory", nproc=2, strategy="ddp")
+
+`launch` runs exactly what you would type in a shell,
+
+    torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port P -m titanlite.train --config <run>/config.toml
+
+and, while it runs, tails every rank's metrics file into your callbacks (the live plot). When a
+rank fails, torchrun stops the others; we then show the failing rank's traceback and raise one
+clear error. Interrupting the kernel, a timeout or a failure all end in `_stop`, which leaves no
+process behind (each worker also asks the kernel to kill it if its torchrun agent dies).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import TitanliteError
+
+JOB_ENV = "TITANLITE_JOB_ID"  # set in every process of a job: how we find them to clean up
+
+
+@dataclass
+class LaunchResult:
+    run_dir: Path
+    command: str
+    wall_s: float
+    job_id: str
+    records: list[dict] = field(default_factory=list)  # every rank's records, in arrival order
+
+    def rank(self, r: int, kind: str = "train") -> list[dict]:
+        return [x for x in self.records if x.get("rank", 0) == r and x.get("kind") == kind]
+
+    @property
+    def train(self) -> list[dict]:
+        return self.rank(0)
+
+    @property
+    def losses(self) -> list[float]:
+        return [x["loss"] for x in self.train]
+
+
+# ----- the two entry points ------------------------------------------------------------------
+
+def launch(cfg=None, nproc: int = 2, *, overrides: dict | None = None, callbacks=(),
+           timeout_s: float | None = None, port: int | None = None, max_restarts: int = 0,
+           echo: bool = False) -> LaunchResult:
+    """Train `cfg` (a Config, a TOML path or None for defaults) with `nproc` processes."""
+    from ..config import Config, load_config, set_value
+    from ..efficiency.accumulation import resolve_batch
+    from ..resilience.faults import check_fault
+    from .mesh import ParallelDims
+    from .parallelize import check_parallel_config
+
+    cfg = cfg if isinstance(cfg, Config) else load_config(cfg)
+    cfg = Config(**{k: type(v)(**vars(v)) for k, v in vars(cfg).items()})  # a copy we may edit
+    for key, value in (overrides or {}).items():
+        set_value(cfg, key, value, source="launch overrides")
+    cfg.validate()
+    # Everything that can be checked here is, so bad input costs no process start-up.
+    dims = ParallelDims.resolve(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, nproc)
+    check_parallel_config(cfg, dims)
+    t = cfg.training
+    check_fault(cfg.fault, t.steps, nproc)
+    resolve_batch(t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=dims.dp)
+    name = cfg.metrics.run_name or f"{cfg.model.preset}-{dims.strategy}{nproc}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg.metrics.run_name, cfg.metrics.progress = name, False  # the live plot is the progress
+    run_dir = Path(cfg.metrics.log_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg.to_dict()))
+    return _run(["-m", "titanlite.train", "--config", str(run_dir / "config.toml")], nproc, run_dir,
+                device=t.device, backend=cfg.parallel.backend, threads=t.threads,
+                callbacks=callbacks, timeout_s=timeout_s, port=port, max_restarts=max_restarts, echo=echo)
+
+
+def launch_function(target: str, nproc: int = 2, *, device: str = "cpu", backend: str = "auto",
+                    timeout_s: float | None = 300, callbacks=(), log_dir: str = "runs",
+                    echo: bool = False, **kwargs) -> list:
+    """Run `module:function(**kwargs)` in every rank of a fresh job; return each rank's result.
+    The process group is initialised before the call (see run_function.py)."""
+    import torch
+
+    if ":" not in target:
+        raise TitanliteError(f"target '{target}' must look like 'package.module:function'")
+    run_dir = Path(log_dir) / f"fn-{target.split(':')[1]}-{nproc}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"target": target, "kwargs": kwargs, "device": device, "backend": backend,
+                "timeout_s": timeout_s or 300}, run_dir / "function.pt")
+    _run(["-m", "titanlite.distributed.run_function", str(run_dir)], nproc, run_dir, device=device,
+         backend=backend, threads=None, callbacks=callbacks, timeout_s=timeout_s, port=None,
+         max_restarts=0, echo=echo)
+    return [torch.load(run_dir / f"result.rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+# ----- the machinery -------------------------------------------------------------------------
+
+def _run(module_args, nproc, run_dir: Path, *, device, backend, threads, callbacks, timeout_s,
+         port, max_restarts, echo) -> LaunchResult:
+    _check_machine(nproc, device, backend)
+    port = _free_port() if port is None else _check_port(port)
+    job_id = uuid.uuid4().hex
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TITANLITE_JOB_DIR=str(run_dir))
+    env[JOB_ENV] = job_id
+    # Ranks on one CPU share its cores; torchrun would otherwise default to 1 thread and warn.
+    env.setdefault("OMP_NUM_THREADS", str(threads or max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "--max-restarts", str(max_restarts), "--log-dir", str(run_dir / "logs"),
+           "--redirects", "3", *(["--tee", "3"] if echo else []), *module_args]
+    shown = "torchrun " + shlex.join(cmd[3:])
+    log = open(run_dir / "launcher.log", "w")
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # its own process group: one kill reaches it
+    tail = _Tail(run_dir)
+    result = LaunchResult(run_dir=run_dir, command=shown, wall_s=0.0, job_id=job_id)
+    try:
+        while proc.poll() is None:
+            _deliver(tail.read(), result, callbacks)
+            if timeout_s is not None and time.perf_counter() - start > timeout_s:
+                _stop(proc, job_id)
+                raise TitanliteError(f"the job did not finish within {timeout_s:.0f} s (last step per "
+                                     f"rank: {tail.last_steps() or 'none logged'}); all {nproc} ranks "
+                                     f"were stopped: raise timeout_s, or look for a hung rank in {run_dir / 'logs'}")
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        _stop(proc, job_id)
+        print(f"interrupted: stopped all {nproc} ranks of {run_dir.name}", file=sys.stderr)
+        raise
+    finally:
+        _stop(proc, job_id)  # a no-op when the job ended by itself
+        log.close()
+    _deliver(tail.read(), result, callbacks)
+    result.wall_s = time.perf_counter() - start
+    for cb in callbacks:
+        if hasattr(cb, "on_train_end"):
+            cb.on_train_end()
+    if proc.returncode != 0:
+        raise _failure(run_dir, proc.returncode, tail.last_steps())
+    return result
+
+
+def _deliver(records, result, callbacks) -> None:
+    for record in records:
+        result.records.append(record)
+        for cb in callbacks:
+            cb(record)
+
+
+class _Tail:
+    """Reads the complete new lines of every metrics*.jsonl in the run directory."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.offsets, self.steps = run_dir, {}, {}
+
+    def read(self) -> list[dict]:
+        out = []
+        for path in sorted(self.run_dir.glob("metrics*.jsonl")):
+            with path.open() as f:
+                f.seek(self.offsets.get(path, 0))
+                chunk = f.read()
+            complete = chunk[:chunk.rfind("\n") + 1]  # a half-written line waits for next time
+            self.offsets[path] = self.offsets.get(path, 0) + len(complete.encode())
+            for line in complete.splitlines():
+                record = json.loads(line)
+                self.steps[record.get("rank", 0)] = record.get("step")
+                out.append(record)
+        return out
+
+    def last_steps(self) -> str:
+        return ", ".join(f"rank {r}: {s}" for r, s in sorted(self.steps.items()))
+
+
+def _stop(proc: subprocess.Popen, job_id: str) -> None:
+    """torchrun forwards SIGTERM to its workers; anything still alive after that is killed."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    for pid in job_processes(job_id):  # workers live in their own sessions
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def job_processes(job_id: str) -> list[int]:
+    """PIDs of live processes started for this job (Linux: read from /proc; else empty)."""
+    marker = f"{JOB_ENV}={job_id}".encode()
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0") and \
+                    b"Z" not in (entry / "stat").read_bytes().rsplit(b")", 1)[1][:3]:
+                pids.append(int(entry.name))
+        except (OSError, IndexError):
+            continue
+    return pids
+
+
+def _failure(run_dir: Path, returncode: int, last_steps: str) -> TitanliteError:
+    """Show the failing rank's traceback; return the one-line error to raise.
+
+    torchrun names the root cause (the first rank observed to fail) in its summary; the other
+    ranks usually fail *because* of it (a closed connection, a timed-out collective)."""
+    log = (run_dir / "launcher.log").read_text()
+    where = f"last step per rank: {last_steps or 'none logged'}; logs in {run_dir / 'logs'}"
+    cause = log.split("Root Cause (first observed failure):", 1)
+    if len(cause) == 2:
+        block = cause[1]
+        rank = int(re.search(r"rank\s*:\s*(\d+)", block).group(1))
+        code = int(re.search(r"exitcode\s*:\s*(-?\d+)", block).group(1))
+        error_file = Path(re.search(r"error_file\s*:\s*(\S+)", block).group(1))
+        if error_file.is_file():
+            info = json.loads(error_file.read_text())["message"]
+            print(f"--- rank {rank} failed; its traceback: ---\n{info['extraInfo']['py_callstack']}",
+                  file=sys.stderr)
+            message = info["message"].strip().splitlines()[-1]
+            hint = (" - a peer stopped answering (hung or dead rank?)"
+                    if "Timed out" in message or "timed out" in message else "")
+            return TitanliteError(f"rank {rank} failed: {message}{hint} ({where})")
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
+            return TitanliteError(f"rank {rank} was killed by signal {name} ({where})")
+        for f in (run_dir / "logs").glob(f"**/attempt_*/{rank}/stderr.log"):
+            lines = [ln for ln in f.read_text().splitlines() if ln.startswith("titanlite: error:")]
+            if lines:
+                return TitanliteError(f"rank {rank}: {lines[-1][len('titanlite: error: '):]}")
+        return TitanliteError(f"rank {rank} exited with status {code} ({where})")
+    print("\n".join(log.strip().splitlines()[-15:]), file=sys.stderr)
+    return TitanliteError(f"the job failed with exit status {returncode} before any rank reported "
+                          f"an error (torchrun's output above; all of it in {run_dir / 'launcher.log'})")
+
+
+def _check_machine(nproc: int, device: str, backend: str) -> None:
+    import torch
+
+    from ..hardware import detect_device
+    from .env import pick_backend
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise TitanliteError(f"nproc must be a positive integer, got {nproc!r}")
+    dev = detect_device(device)
+    pick_backend(backend, dev.type)
+    if dev.type == "cuda" and nproc > torch.cuda.device_count():
+        raise TitanliteError(f"{nproc} processes but {torch.cuda.device_count()} GPUs: each rank needs "
+                             f"its own GPU, so use nproc <= {torch.cuda.device_count()}")
+    cores = os.cpu_count() or 1
+    if dev.type != "cuda" and nproc > cores:
+        warnings.warn(f"{nproc} processes on {cores} CPU cores: they will take turns on the cores, "
+                      f"which is fine for checking results but makes speed numbers meaningless",
+                      stacklevel=3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_port(port: int) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise TitanliteError(f"port {port} is already in use (another job, or one still shutting "
+                                 f"down): pass another port, or port=None to pick a free one") from None
+    return port
+
+
+def to_toml(doc: dict) -> str:
+    """A Config dict as TOML (sections of scalars; None is written as "none")."""
+    lines = []
+    for section, values in doc.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                value = "none"
+            lines.append(f"{key} = {json.dumps(value) if not isinstance(value, bool) else str(value).lower()}")
+        lines.append("")
+    return "\n".join(lines)

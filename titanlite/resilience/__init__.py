@@ -1,0 +1,1 @@
+"""Fault tolerance (notebook 13): failure injection now; checkpoint/resume and goodput follow."""

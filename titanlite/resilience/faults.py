@@ -1,0 +1,57 @@
+"""Failure injection: make one rank fail on purpose, the ways real jobs fail.
+
+    --fault.kind exception --fault.rank 1 --fault.step 5
+
+- exception: a Python error (a bug, a bad batch): the rank exits, torchrun stops the others.
+- kill:      SIGKILL, no goodbye (a node crash, an out-of-memory kill).
+- hang:      the rank stops making progress (a stuck NCCL call, a dead NIC); the others wait in
+             their next collective until parallel.timeout_s, then fail: that is how hangs surface.
+- slow:      the rank sleeps `slow_s` extra every step from `step` on (a straggler: thermal
+             throttling, a noisy neighbour); everyone waits for it at each collective.
+By default only the first attempt fails (TORCHELASTIC_RESTART_COUNT=0), so a restarted job can
+resume and finish, as after a real, transient fault.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from ..errors import TitanliteError
+
+KINDS = ("none", "exception", "kill", "hang", "slow")
+
+
+class InjectedFailure(RuntimeError):
+    """The exception `kind=exception` raises (a plain error, so it shows a real traceback)."""
+
+
+def check_fault(fault, steps: int, world_size: int) -> None:
+    if fault.kind == "none":
+        return
+    if not 1 <= fault.step <= steps:
+        raise TitanliteError(f"fault.step={fault.step} is outside this run's steps 1..{steps}: the "
+                             f"failure would never happen; choose a step in that range")
+    if not 0 <= fault.rank < world_size:
+        raise TitanliteError(f"fault.rank={fault.rank} does not exist in a job of {world_size} "
+                             f"process(es): choose 0..{world_size - 1}")
+
+
+def inject_fault(fault, step: int, rank: int) -> None:
+    """Called by the trainer as each step begins (step counts from 1)."""
+    if fault.kind == "none" or rank != fault.rank or step < fault.step:
+        return
+    if fault.once and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    if fault.kind == "slow":
+        time.sleep(fault.slow_s)
+        return
+    if step != fault.step:
+        return
+    if fault.kind == "exception":
+        raise InjectedFailure(f"injected failure on rank {rank} at step {step} (fault.kind=exception)")
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "hang":
+        while True:
+            time.sleep(1)
