@@ -26,7 +26,10 @@ def apply_ddp(model: nn.Module, mesh=None, *, bucket_cap_mb: float = 25.0,
                device_ids=[device] if device.type == "cuda" else None,
                # The model's parameters are all used every step: no need to search the
                # autograd graph for unused ones (which costs time).
-               find_unused_parameters=False)
+               find_unused_parameters=False,
+               # The only buffers are the RoPE tables, equal on every rank by construction:
+               # DDP would otherwise re-broadcast them before every forward.
+               broadcast_buffers=False)
 
 
 def grad_sync(model: nn.Module, sync: bool):

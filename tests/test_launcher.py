@@ -1,0 +1,191 @@
+"""The notebook launcher and multi-process training: parity with one process, failures shown
+from the right rank, timeouts reported, interrupts and crashes leave no process behind."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+
+from titanlite import TitanliteError
+from titanlite.config import load_config
+from titanlite.distributed import launch
+from titanlite.distributed.launcher import _check_machine, job_processes
+from titanlite.train import Trainer
+
+from conftest import tiny_overrides
+
+STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def _marker(monkeypatch):
+    """Every process a test starts inherits this variable: how we find (only) our leftovers."""
+    import uuid
+    monkeypatch.setenv("TITANLITE_TEST_MARKER", uuid.uuid4().hex)
+
+
+def _cfg(data_dir, tmp_path, **extra):
+    o = tiny_overrides(data_dir, tmp_path, **{"training.steps": STEPS, "eval.every": 0, **extra})
+    o.pop("metrics.run_name")
+    return load_config(None, o)
+
+
+@pytest.fixture(scope="module")
+def single_process_losses(data_dir, tmp_path_factory):
+    """The reference: one process, batch 8 = the global batch of 2 ranks × 4."""
+    tmp = tmp_path_factory.mktemp("single")
+    cfg = load_config(None, tiny_overrides(data_dir, tmp, **{"training.steps": STEPS, "eval.every": 0,
+                                                             "training.batch_size": 8}))
+    return Trainer(cfg).fit().losses
+
+
+@pytest.mark.parametrize("layout", [
+    {"parallel.dp_replicate": 2, "parallel.dp_shard": 1},          # DDP
+    {"parallel.dp_shard": 2},                                      # FSDP
+    {"parallel.dp_shard": 2, "training.batch_size": 2, "training.grad_accum_steps": 2},
+], ids=["ddp", "fsdp", "fsdp-accum"])
+def test_two_processes_train_like_one(layout, data_dir, tmp_path, single_process_losses):
+    cfg = _cfg(data_dir, tmp_path)
+    seen = []
+    result = launch(cfg, nproc=2, overrides=layout, callbacks=[seen.append], timeout_s=240)
+    assert len(result.losses) == STEPS
+    # Same global batch, same init: the same losses up to float summation order.
+    assert result.losses == pytest.approx(single_process_losses, abs=2e-5)
+    # Both ranks streamed records to the callback, each tagged with its rank.
+    assert {r["rank"] for r in seen} == {0, 1}
+    assert len(result.rank(1)) == STEPS
+    assert not job_processes(result.job_id)
+
+
+def test_a_failing_rank_is_named_with_its_traceback(data_dir, tmp_path, capfd):
+    cfg = _cfg(data_dir, tmp_path)
+    with pytest.raises(TitanliteError) as err:
+        launch(cfg, nproc=2, overrides={"parallel.dp_shard": 2, "fault.kind": "exception",
+                                        "fault.rank": 1, "fault.step": 2}, timeout_s=240)
+    message = str(err.value)
+    assert message.startswith("rank 1 failed: InjectedFailure"), message
+    assert "\n" not in message
+    assert "inject_fault" in capfd.readouterr().err  # the traceback was shown
+    _assert_no_job_processes()
+
+
+def test_a_killed_rank_is_reported_and_the_others_stopped(data_dir, tmp_path):
+    cfg = _cfg(data_dir, tmp_path)
+    with pytest.raises(TitanliteError, match=r"rank 0 was killed by signal SIGKILL"):
+        launch(cfg, nproc=2, overrides={"parallel.dp_replicate": 2, "parallel.dp_shard": 1,
+                                        "fault.kind": "kill", "fault.rank": 0, "fault.step": 2},
+               timeout_s=240)
+    _assert_no_job_processes()
+
+
+def test_a_hung_rank_times_out_instead_of_hanging(data_dir, tmp_path):
+    cfg = _cfg(data_dir, tmp_path, **{"parallel.timeout_s": 4})
+    start = time.perf_counter()
+    with pytest.raises(TitanliteError, match=r"rank 0 failed: .*(hung or dead rank)"):
+        launch(cfg, nproc=2, overrides={"parallel.dp_shard": 2, "fault.kind": "hang",
+                                        "fault.rank": 1, "fault.step": 2}, timeout_s=240)
+    assert time.perf_counter() - start < 200
+    _assert_no_job_processes()
+
+
+def test_the_launcher_timeout_stops_a_job(data_dir, tmp_path):
+    cfg = _cfg(data_dir, tmp_path, **{"parallel.timeout_s": 600})
+    with pytest.raises(TitanliteError, match=r"did not finish within 3 s .* ranks were stopped"):
+        launch(cfg, nproc=2, overrides={"parallel.dp_shard": 2}, timeout_s=3)
+    _assert_no_job_processes()
+
+
+def test_interrupting_the_kernel_leaves_no_process(data_dir, tmp_path):
+    """What a notebook's interrupt button does: SIGINT to the process running `launch`."""
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        from conftest import tiny_overrides
+        from pathlib import Path
+        from titanlite.config import load_config
+        from titanlite.distributed import launch
+        o = tiny_overrides(Path({str(data_dir)!r}), Path({str(tmp_path)!r}),
+                           **{{"training.steps": 10000, "eval.every": 0, "parallel.dp_shard": 2}})
+        def announce(record, said=[]):
+            if not said:
+                said.append(1)
+                print("STEP", flush=True)
+        launch(load_config(None, o), nproc=2, callbacks=[announce], timeout_s=600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE)
+    driver = proc.pid
+    try:
+        assert proc.stdout.readline().strip() == "STEP"  # training is under way
+        ranks = _our_processes()
+        assert len(ranks) >= 3  # torchrun and two ranks
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in err and "stopped all 2 ranks" in err
+    assert not [p for p in ranks if _alive(p) and p != driver], "ranks survived the interrupt"
+
+
+def test_bad_launches_fail_before_starting_anything(data_dir, tmp_path):
+    cfg = _cfg(data_dir, tmp_path)
+    with pytest.raises(TitanliteError, match=r"does not divide|product equal"):
+        launch(cfg, nproc=2, overrides={"parallel.dp_shard": 3})
+    with pytest.raises(TitanliteError, match=r"global_batch_size=6 is not a positive multiple .* 4 × 2"):
+        launch(cfg, nproc=2, overrides={"training.global_batch_size": 6})
+    with pytest.raises(TitanliteError, match=r"fault.step=99 is outside"):
+        launch(cfg, nproc=2, overrides={"fault.kind": "exception", "fault.step": 99})
+    if not _cuda():
+        with pytest.raises(TitanliteError, match=r"nccl needs CUDA"):
+            launch(cfg, nproc=2, overrides={"parallel.backend": "nccl"})
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(TitanliteError, match=rf"port {port} is already in use"):
+            launch(cfg, nproc=2, port=port)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _check_machine((os.cpu_count() or 1) + 1, "cpu", "gloo")
+    assert any("CPU cores" in str(w.message) for w in caught)
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _our_processes() -> list[int]:
+    """Live processes (but this one) that carry this test's marker."""
+    marker = f"TITANLITE_TEST_MARKER={os.environ['TITANLITE_TEST_MARKER']}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker in f.read().split(b"\0") and _alive(int(entry)):
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _assert_no_job_processes():
+    assert not _our_processes(), "processes of this test's job were left behind"

@@ -1,0 +1,219 @@
+"""Notebook 08's experiments, run inside every rank: ZeRO stages side by side, FP8 all-gather.
+
+The caller started the ranks (torchrun, or titanlite's launcher) and joined the process group
+(`init_distributed`). Each function builds the same tiny Llama on every rank, trains it on
+random tokens (a different slice per rank) and returns a plain, picklable dict:
+
+    state_memory("zero3")      # bytes stored vs ZeRO's formula, collectives of one step, losses
+    fp8_all_gather_check()     # all-gather bytes and losses with and without FP8 weights
+
+    strategy           how                                           ZeRO stage
+    ddp                apply_ddp + AdamW                             0
+    zero1              apply_ddp + ZeroRedundancyOptimizer(AdamW)    1
+    zero2              apply_fsdp(reshard_after_forward="never")     "2", see below
+    zero3              apply_fsdp(reshard_after_forward="default")   3
+    fsdp_cpu_offload   zero3 with shards, gradients and the optimizer step in CPU memory
+
+FSDP2 has no true ZeRO-2. Its parameters are sharded at rest in every mode. With "never" a
+block keeps its gathered weights from its forward until its backward, so *during the step* it
+holds the full parameters like ZeRO-2 and gathers each block once per step, like ZeRO-2 (one
+all-gather of updated weights, one reduce-scatter of gradients); *between steps* it holds
+only shards: less than ZeRO-2. `mid_step_full_param_bytes` measures the difference.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..errors import TitanliteError, closest
+from ..models.llama import ModelArgs, build_model
+from .comm import CommCounter
+from .ddp import apply_ddp
+from .env import init_distributed
+from .fsdp import apply_fsdp, precompute_fp8_scales
+from .zero import (fsdp_shard_numel, measure_state_bytes, unsharded_param_bytes, zero1_partition,
+                   zero_bytes_per_rank)
+
+STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp_cpu_offload": 3}
+_RESHARD = {"zero2": "never", "zero3": "default", "fsdp_cpu_offload": "default"}
+
+
+def _join(device: str | None):
+    if device is None:  # the device the process group already talks: nccl moves CUDA tensors
+        device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    env = init_distributed(device)
+    if not env.distributed:
+        raise TitanliteError("the FSDP/ZeRO lab needs several processes in a process group: start "
+                             "it with torchrun --nproc-per-node 2 (or titanlite's notebook launcher)")
+    from torch.distributed.device_mesh import init_device_mesh
+    return env, init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
+
+
+def _model(args: ModelArgs, seed: int, device):
+    torch.manual_seed(seed)  # every rank, every strategy: the same initial weights
+    return build_model(args, "cpu").to(device)
+
+
+def _batches(args, steps, batch_size, seq_len, seed, rank, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + rank + 1)  # each rank its own data
+    return torch.randint(0, args.vocab_size, (steps, batch_size, seq_len + 1), generator=g).to(device)
+
+
+def _train(model, optimizer, batches, after_step=None) -> dict:
+    """One optimizer step per batch; the last runs inside a CommCounter. Counting a later step
+    shows the steady state: step 1 creates the optimizer state, and at the start of step 2 DDP
+    rebuilds its buckets in gradient-arrival order (a small broadcast of bucket indices)."""
+    losses, mid_bytes, counter = [], None, CommCounter()
+    for i, tokens in enumerate(batches):
+        optimizer.zero_grad()
+        with counter if i == len(batches) - 1 else contextlib.nullcontext():
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            # Between forward and backward: which gathered weights did forward leave alive?
+            mid_bytes = unsharded_param_bytes(model)
+            loss.backward()
+            optimizer.step()
+            if after_step is not None:
+                after_step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # the global batch's loss, the number a single process would see
+        losses.append(mean.item() / dist.get_world_size())
+    return {"losses": losses, "mid_step_full_param_bytes": mid_bytes, "comm": counter.summary()}
+
+
+def _padded_full(p, n) -> int:
+    """Bytes of one parameter once FSDP gathers it: N padded shards."""
+    return fsdp_shard_numel(p.shape, n) * n * p.element_size()
+
+
+def expected_bytes(strategy: str, model, world_size: int, rank: int, zero1_owned: int | None = None,
+                   ddp_buffer_bytes: int = 0) -> dict:
+    """What `state_memory` should measure, exactly: ZeRO's accounting with torch's real
+    shard sizes (FSDP2's padding, ZeroRedundancyOptimizer's whole-tensor partition)."""
+    params = list(model.parameters())
+    n = world_size
+    psi_bytes = sum(p.numel() * p.element_size() for p in params)
+    padded = sum(fsdp_shard_numel(p.shape, n) * p.element_size() for p in params)
+    if strategy in ("ddp", "zero1"):
+        optim = (2 * psi_bytes if strategy == "ddp"
+                 else 2 * params[0].element_size() * zero1_owned)  # AdamW: exp_avg + exp_avg_sq
+        grad_bytes = psi_bytes
+        state = {"params": psi_bytes, "grads": grad_bytes, "optimizer": optim}
+        comm = {"all_reduce": grad_bytes}
+        if ddp_buffer_bytes:  # DDP re-sends rank 0's buffers before every forward
+            comm["broadcast"] = ddp_buffer_bytes
+        if strategy == "zero1":  # each owner sends its updated weights to all
+            comm["broadcast"] = comm.get("broadcast", 0) + psi_bytes
+        mid = psi_bytes
+    else:
+        owned = sum(fsdp_shard_numel(p.shape, n, rank) * p.element_size() for p in params)
+        state = {"params": padded, "grads": padded, "optimizer": 2 * owned}
+        full = {name: _padded_full(p, n) for name, p in model.named_parameters()}
+        last = f"layers.{len(model.layers) - 1}."
+        # The root group (embeddings, final norm) is never resharded after forward (FSDP2's
+        # default for the root); "default" also keeps the last block, "never" every block.
+        kept = {k: v for k, v in full.items()
+                if not k.startswith("layers.") or k.startswith(last) or _RESHARD[strategy] == "never"}
+        mid = sum(kept.values())
+        # Every group is gathered for forward; the resharded ones again for backward.
+        comm = {"all_gather": sum(full.values()) + sum(full.values()) - mid,
+                "reduce_scatter": sum(full.values())}
+    state["total"] = sum(state.values())
+    return {"state": state, "mid_step_full_param_bytes": mid, "comm_bytes": comm}
+
+
+def state_memory(strategy: str, preset: str = "debug", vocab_size: int | None = None, steps: int = 3,
+                 batch_size: int = 2, seq_len: int = 32, lr: float = 1e-3, seed: int = 0,
+                 device: str | None = None) -> dict:
+    """Train `steps` steps under `strategy`, then measure what this rank stores.
+
+    Returns {"measured", "expected" (exact, see `expected_bytes`), "formula" (ZeRO's Ψ/N),
+    "mid_step_full_param_bytes", "comm" (CommCounter summary of the last step), "losses", ...}.
+    """
+    if strategy not in STRATEGIES:
+        raise TitanliteError(f"unknown strategy '{strategy}'{closest(strategy, STRATEGIES)}: "
+                             f"choose one of {', '.join(STRATEGIES)}")
+    env, mesh = _join(device)
+    if strategy == "fsdp_cpu_offload" and env.device.type == "cpu":
+        raise TitanliteError("fsdp_cpu_offload moves shards from accelerator memory into pinned CPU "
+                             "memory; on the CPU everything lives there already (and FSDP cannot pin "
+                             "without an accelerator): run it on GPUs, or use zero3 here")
+    args = ModelArgs.preset(preset, vocab_size=vocab_size)
+    model = _model(args, seed, env.device)
+    num_params = model.num_params()
+    buffer_bytes = 0
+    if strategy in ("ddp", "zero1"):
+        model = apply_ddp(model, mesh)
+        inner = model.module
+        if model.broadcast_buffers:  # the RoPE tables: identical everywhere, sent anyway
+            buffer_bytes = sum(b.numel() * b.element_size() for b in inner.buffers())
+    else:
+        model = inner = apply_fsdp(model, mesh, reshard_after_forward=_RESHARD[strategy],
+                                   cpu_offload=strategy == "fsdp_cpu_offload")
+    zero1_owned = None
+    if strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                            lr=lr, process_group=mesh.get_group())
+        zero1_owned = zero1_partition([p.numel() for p in model.parameters()], env.world_size)[env.rank]
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    run = _train(model, optimizer, _batches(args, steps, batch_size, seq_len, seed, env.rank, env.device))
+    return {"strategy": strategy, "stage": STRATEGIES[strategy], "rank": env.rank,
+            "world_size": env.world_size, "num_params": num_params,
+            "param_shapes": {k: list(p.shape) for k, p in inner.named_parameters()},
+            "measured": measure_state_bytes(model, optimizer),
+            "expected": expected_bytes(strategy, inner, env.world_size, env.rank, zero1_owned,
+                                       buffer_bytes),
+            "formula": zero_bytes_per_rank(num_params, env.world_size, STRATEGIES[strategy]),
+            **run}
+
+
+def fp8_all_gather_check(preset: str = "debug", vocab_size: int | None = None, steps: int = 3,
+                         min_dim: int = 32, param_dtype: torch.dtype | None = None,
+                         batch_size: int = 2, seq_len: int = 32, lr: float = 1e-3, seed: int = 0,
+                         device: str | None = None) -> dict:
+    """FSDP2 with and without FP8 all-gather of the Float8Linear weights (torchao, emulated on
+    CPU): same weights, same data. Every block is gathered once per step (reshard "never"),
+    so the last step's all-gather bytes split cleanly into converted and other weights.
+
+    Returns {"converted", "converted_numel", and per run ("high", "fp8"): "all_gather_bytes",
+    "bytes_per_converted_element", "mid_step_full_param_bytes", "losses", "comm"}.
+    """
+    from ..efficiency.fp8 import apply_fp8
+
+    env, mesh = _join(device)
+    args = ModelArgs.preset(preset, vocab_size=vocab_size)
+    n = env.world_size
+    out = {"converted": None, "all_gather_bytes": {}, "bytes_per_converted_element": {},
+           "mid_step_full_param_bytes": {}, "losses": {}, "comm": {}, "rank": env.rank,
+           "world_size": n}
+    for run in ("fp8", "high"):  # FP8 first: it names the layers it converts
+        model = _model(args, seed, env.device)
+        if run == "fp8":
+            model = apply_fp8(model, device=env.device, min_dim=min_dim, emulate=True,
+                              fsdp_all_gather=True)
+            out["converted"] = model.fp8_info["converted"]
+        converted = {f"{name}.weight" for name in out["converted"]}
+        model = apply_fsdp(model, mesh, param_dtype=param_dtype, reshard_after_forward="never")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        batches = _batches(args, steps, batch_size, seq_len, seed, env.rank, env.device)
+        result = _train(model, optimizer, batches,
+                        after_step=functools.partial(precompute_fp8_scales, model))
+        gathered = result["comm"]["all_gather"]["bytes"]
+        gather_bytes = (param_dtype or torch.float32).itemsize
+        numel = {name: fsdp_shard_numel(p.shape, n) * n for name, p in model.named_parameters()}
+        conv_numel = sum(v for k, v in numel.items() if k in converted)
+        other_bytes = sum(v for k, v in numel.items() if k not in converted) * gather_bytes
+        out["converted_numel"] = conv_numel
+        out["all_gather_bytes"][run] = gathered
+        out["bytes_per_converted_element"][run] = (gathered - other_bytes) / conv_numel
+        # The gathered weights themselves are FP8 too: less memory while they are held.
+        out["mid_step_full_param_bytes"][run] = result["mid_step_full_param_bytes"]
+        out["losses"][run] = result["losses"]
+        out["comm"][run] = result["comm"]
+    return out
