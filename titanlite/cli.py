@@ -62,7 +62,7 @@ def _peaks(args, _overrides) -> None:
 
 def _export_hf(args, _overrides) -> None:
     from .models.hf_interop import to_hf
-    from .train import load_weights
+    from .weights import load_weights
 
     model, tokenizer = load_weights(args.run_dir)
     out = to_hf(model, args.out_dir, tokenizer=tokenizer)

@@ -254,7 +254,7 @@ def set_value(cfg: Config, dotted: str, value, source: str = "override") -> None
         same_name = [f"{s}.{key}" for s in sections
                      if key in [f.name for f in dataclasses.fields(getattr(cfg, s))]]
         near = difflib.get_close_matches(dotted, [f"{section_name}.{n}" for n in names], 3, 0.6)
-        hits = same_name + [h for h in near if h not in same_name]
+        hits = near + [h for h in same_name if h not in near]
         hint = f" (did you mean: {', '.join(hits[:3])}?)" if hits else ""
         raise TitanliteError(f"unknown config key '{dotted}' ({source}){hint}; "
                              f"valid keys in [{section_name}]: {', '.join(names)}")

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from . import hardware
 from .config import Config
@@ -28,15 +27,17 @@ from .data import build_data
 from .efficiency import apply_efficiency  # noqa: F401  (re-exported: titanlite.train.apply_efficiency)
 from .efficiency.accumulation import count_targets, loss_sum, resolve_batch
 from .efficiency.mixed_precision import Precision
-from .errors import TitanliteError
-from .metrics import MetricsLogger
-from .distributed.ddp import grad_sync, unwrap
+from ._ui import eager, progress_bar, say
+from .distributed.ddp import grad_sync
 from .distributed.env import all_reduce_sum, destroy_distributed, init_distributed
 from .distributed.fsdp import precompute_fp8_scales
 from .distributed.mesh import ParallelDims
 from .distributed.parallelize import parallelize
-from .models.llama import ModelArgs, Transformer, build_model
+from .errors import TitanliteError
+from .metrics import MetricsLogger
+from .models.llama import ModelArgs, Transformer
 from .resilience.faults import check_fault, inject_fault
+from .weights import load_weights  # noqa: F401  (re-exported: titanlite.train.load_weights)
 
 # Presets sized for training here take their vocabulary from the tokenizer; the large ones
 # keep the published vocabulary so their parameter counts stay true.
@@ -236,7 +237,7 @@ class Trainer:
         model = self.model
         model.eval()
         for _ in range(max_new_tokens or e.sample_tokens):
-            with _eager():  # prompts of every length would each trigger a recompile
+            with eager():  # prompts of every length would each trigger a recompile
                 logits = model(x[:, -self.model_args.max_seq_len:])[0, -1].float().cpu()
             logits = logits / max(temperature, 1e-5)
             kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
@@ -269,7 +270,7 @@ class Trainer:
                 cb(record)
 
         history.samples[0] = self.sample()
-        bar = _progress_bar(t.steps, enabled=m.progress and main)
+        bar = progress_bar(t.steps, enabled=m.progress and main)
         tokens_per_step = self.global_batch * t.seq_len
         start = time.perf_counter()
         try:
@@ -306,7 +307,7 @@ class Trainer:
                 if cfg.eval.sample_every and self.step % cfg.eval.sample_every == 0:
                     history.samples[self.step] = self.sample()
                     if main:
-                        _say(f"[step {self.step}] {history.samples[self.step]!r}", bar)
+                        say(f"[step {self.step}] {history.samples[self.step]!r}", bar)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
@@ -320,28 +321,11 @@ class Trainer:
                 cb.on_train_end()
         return history
 
-    def full_state_dict(self) -> dict:
-        """The whole model's weights on CPU, by their plain names. Under FSDP every rank must
-        call this (the shards are gathered); rank 0 gets the tensors."""
-        if self.dims.strategy in ("fsdp", "hsdp"):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-            return get_model_state_dict(self.model, options=StateDictOptions(
-                full_state_dict=True, cpu_offload=True))
-        return {k: v.detach().cpu() for k, v in unwrap(self.model).state_dict().items()}
-
     def save_weights(self, run_dir: str | Path) -> Path:
         """Final weights (safetensors) and tokenizer beside run.json, for `titanlite export-hf`.
-        Full training state (optimizer, data position) is the checkpointing module's job.
         Collective under FSDP: call it on every rank; rank 0 writes."""
-        from safetensors.torch import save_model
-        run_dir = Path(run_dir)
-        state = self.full_state_dict()
-        if self.dist.is_main:
-            plain = build_model(self.model_args, "cpu").to(self.dtype)
-            plain.load_state_dict(state)
-            save_model(plain, str(run_dir / "model.safetensors"))  # dedupes tied weights
-            self.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
-        return run_dir
+        from .weights import save_weights
+        return save_weights(self, run_dir)
 
     def _same_on_all_ranks(self, value):
         """Rank 0's value, everywhere (e.g. a run name that contains the time)."""
@@ -368,52 +352,6 @@ class Trainer:
                 "float8": getattr(self.model, "fp8_info", None),
                 "torch": torch.__version__}
         (run_dir / "run.json").write_text(json.dumps(info, indent=2))
-
-
-def _eager():
-    """Run compiled code eagerly (torch >= 2.6 has set_stance; older: nothing to do)."""
-    import contextlib
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    return set_stance("force_eager") if set_stance else contextlib.nullcontext()
-
-
-def _in_notebook() -> bool:
-    return "ipykernel" in sys.modules
-
-
-def _progress_bar(total: int, enabled: bool):
-    # In notebooks the live plot is the progress display; a bar there would only add noise.
-    if not enabled or _in_notebook():
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
-
-
-def _say(text: str, bar) -> None:
-    if bar is not None:
-        bar.write(text)
-    else:
-        print(text)
-
-
-def load_weights(run_dir: str | Path):
-    """(model, tokenizer) saved by `Trainer.save_weights`."""
-    import json
-
-    from safetensors.torch import load_model
-    from transformers import PreTrainedTokenizerFast
-
-    run_dir = Path(run_dir)
-    info, weights = run_dir / "run.json", run_dir / "model.safetensors"
-    for f in (info, weights):
-        if not f.is_file():
-            raise TitanliteError(f"'{f}' is missing: pass the directory of a finished "
-                                 f"`titanlite train` run (runs/<name>)")
-    args = ModelArgs(**json.loads(info.read_text())["model_args"])
-    model = build_model(args, "cpu")
-    load_model(model, str(weights))
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(run_dir / "tokenizer"))
-    return model, tokenizer
 
 
 if __name__ == "__main__":  # torchrun ... -m titanlite.train --config ...
