@@ -254,7 +254,12 @@ def set_value(cfg: Config, dotted: str, value, source: str = "override") -> None
         same_name = [f"{s}.{key}" for s in sections
                      if key in [f.name for f in dataclasses.fields(getattr(cfg, s))]]
         near = difflib.get_close_matches(dotted, [f"{section_name}.{n}" for n in names], 3, 0.6)
-        hits = near + [h for h in same_name if h not in near]
+        # A typo in this section (training.step) beats the same name elsewhere (fault.step),
+        # which beats a vaguer near miss (training.lr is optimizer.lr, not training.seed).
+        ratio = lambda h: difflib.SequenceMatcher(None, dotted, h).ratio()  # noqa: E731
+        close = [h for h in near if ratio(h) >= 0.85]
+        hits = close + [h for h in same_name + near if h not in close]
+        hits = list(dict.fromkeys(hits))
         hint = f" (did you mean: {', '.join(hits[:3])}?)" if hits else ""
         raise TitanliteError(f"unknown config key '{dotted}' ({source}){hint}; "
                              f"valid keys in [{section_name}]: {', '.join(names)}")
