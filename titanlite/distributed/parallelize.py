@@ -33,7 +33,7 @@ def parallelize(args: ModelArgs, cfg, env: DistEnv, dims: ParallelDims, mesh,
             model = Transformer(args).to(dtype)
         model = apply_efficiency(model, cfg, env.device)
         # HSDP shards within a replica group and all-reduces across groups: a 2-D mesh.
-        dp_mesh = mesh if dims.strategy == "hsdp" else mesh["dp_shard"]
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.strategy == "hsdp" else mesh["dp_shard"]
         return shard_and_init(
             model, lambda: build_model(args, "cpu").to(dtype), dp_mesh, env.device,
             param_dtype=getattr(torch, p.param_dtype) if p.param_dtype != str(dtype)[6:] else None,
