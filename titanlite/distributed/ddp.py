@@ -21,15 +21,18 @@ def apply_ddp(model: nn.Module, mesh=None, *, bucket_cap_mb: float = 25.0,
     """Wrap the model in DistributedDataParallel over the mesh's (1-D) data-parallel group."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     group = process_group if process_group is not None else (mesh.get_group() if mesh is not None else None)
+    import inspect
     device = next(model.parameters()).device
+    # The only buffers are the RoPE tables, equal on every rank by construction: DDP would
+    # otherwise re-broadcast them before every forward (torch >= 2.13 renamed the switch).
+    no_buffer_sync = ({"forward_sync_buffers": False}
+                      if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                      else {"broadcast_buffers": False})
     return DDP(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
                device_ids=[device] if device.type == "cuda" else None,
                # The model's parameters are all used every step: no need to search the
                # autograd graph for unused ones (which costs time).
-               find_unused_parameters=False,
-               # The only buffers are the RoPE tables, equal on every rank by construction:
-               # DDP would otherwise re-broadcast them before every forward.
-               broadcast_buffers=False)
+               find_unused_parameters=False, **no_buffer_sync)
 
 
 def grad_sync(model: nn.Module, sync: bool):
