@@ -1,17 +1,21 @@
 """Notebook 08's experiments, run inside every rank: ZeRO stages side by side, FP8 all-gather.
 
 The caller started the ranks (torchrun, or titanlite's launcher) and joined the process group
-(`init_distributed`). Each function builds the same tiny Llama on every rank, trains it on
-random tokens (a different slice per rank) and returns a plain, picklable dict:
+(`init_distributed`); called in a plain process (a notebook kernel) they run as a world of one.
+Each function builds the same tiny Llama on every rank, trains it on random tokens (a different
+slice per rank) and returns a plain, picklable dict:
 
     state_memory("zero3")      # bytes stored vs ZeRO's formula, collectives of one step, losses
+    fsdp_anatomy()             # meta-device init, DTensor shards, the bf16 policy in forward
     fp8_all_gather_check()     # all-gather bytes and losses with and without FP8 weights
+    run_lab()                  # all of them in one job (each job costs seconds of start-up)
 
     strategy           how                                           ZeRO stage
     ddp                apply_ddp + AdamW                             0
     zero1              apply_ddp + ZeroRedundancyOptimizer(AdamW)    1
     zero2              apply_fsdp(reshard_after_forward="never")     "2", see below
     zero3              apply_fsdp(reshard_after_forward="default")   3
+    zero3_always       apply_fsdp(reshard_after_forward="always")    3
     fsdp_cpu_offload   zero3 with shards, gradients and the optimizer step in CPU memory
 
 FSDP2 has no true ZeRO-2. Its parameters are sharded at rest in every mode. With "never" a
@@ -30,25 +34,32 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..errors import TitanliteError, closest
-from ..models.llama import ModelArgs, build_model
+from ..models.llama import ModelArgs, Transformer, build_model
 from .comm import CommCounter
 from .ddp import apply_ddp
-from .env import init_distributed
-from .fsdp import apply_fsdp, precompute_fp8_scales
+from .env import init_distributed, pick_backend, torchrun_env
+from .fsdp import apply_fsdp, describe_sharding, precompute_fp8_scales, shard_and_init
 from .zero import (fsdp_shard_numel, measure_state_bytes, unsharded_param_bytes, zero1_partition,
                    zero_bytes_per_rank)
 
-STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp_cpu_offload": 3}
-_RESHARD = {"zero2": "never", "zero3": "default", "fsdp_cpu_offload": "default"}
+STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_always": 3, "fsdp_cpu_offload": 3}
+_RESHARD = {"zero2": "never", "zero3": "default", "zero3_always": "always", "fsdp_cpu_offload": "default"}
 
 
 def _join(device: str | None):
+    """This rank's DistEnv and a 1-D "dp" mesh over all ranks.
+
+    A world of one (torchrun --nproc-per-node 1, or a plain process such as a notebook kernel)
+    still gets a process group, because DDP and FSDP need one: torchrun's rendezvous, or an
+    in-memory store; `titanlite.distributed.env.destroy_distributed()` ends it."""
     if device is None:  # the device the process group already talks: nccl moves CUDA tensors
         device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
     env = init_distributed(device)
-    if not env.distributed:
-        raise TitanliteError("the FSDP/ZeRO lab needs several processes in a process group: start "
-                             "it with torchrun --nproc-per-node 2 (or titanlite's notebook launcher)")
+    if not dist.is_initialized():
+        alone = {} if torchrun_env() else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        dist.init_process_group(pick_backend("auto", env.device.type),
+                                device_id=env.device if env.device.type == "cuda" else None, **alone)
+        env.world_size, env.backend = 1, dist.get_backend()
     from torch.distributed.device_mesh import init_device_mesh
     return env, init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
 
@@ -114,10 +125,11 @@ def expected_bytes(strategy: str, model, world_size: int, rank: int, zero1_owned
         state = {"params": padded, "grads": padded, "optimizer": 2 * owned}
         full = {name: _padded_full(p, n) for name, p in model.named_parameters()}
         last = f"layers.{len(model.layers) - 1}."
+        reshard = _RESHARD[strategy]
         # The root group (embeddings, final norm) is never resharded after forward (FSDP2's
-        # default for the root); "default" also keeps the last block, "never" every block.
-        kept = {k: v for k, v in full.items()
-                if not k.startswith("layers.") or k.startswith(last) or _RESHARD[strategy] == "never"}
+        # rule for the root); "default" also keeps the last block, "never" every block.
+        kept = {k: v for k, v in full.items() if not k.startswith("layers.") or reshard == "never"
+                or (reshard == "default" and k.startswith(last))}
         mid = sum(kept.values())
         # Every group is gathered for forward; the resharded ones again for backward.
         comm = {"all_gather": sum(full.values()) + sum(full.values()) - mid,
@@ -138,10 +150,6 @@ def state_memory(strategy: str, preset: str = "debug", vocab_size: int | None = 
         raise TitanliteError(f"unknown strategy '{strategy}'{closest(strategy, STRATEGIES)}: "
                              f"choose one of {', '.join(STRATEGIES)}")
     env, mesh = _join(device)
-    if strategy == "fsdp_cpu_offload" and env.device.type == "cpu":
-        raise TitanliteError("fsdp_cpu_offload moves shards from accelerator memory into pinned CPU "
-                             "memory; on the CPU everything lives there already (and FSDP cannot pin "
-                             "without an accelerator): run it on GPUs, or use zero3 here")
     args = ModelArgs.preset(preset, vocab_size=vocab_size)
     model = _model(args, seed, env.device)
     num_params = model.num_params()
@@ -152,8 +160,16 @@ def state_memory(strategy: str, preset: str = "debug", vocab_size: int | None = 
         if model.broadcast_buffers:  # the RoPE tables: identical everywhere, sent anyway
             buffer_bytes = sum(b.numel() * b.element_size() for b in inner.buffers())
     else:
-        model = inner = apply_fsdp(model, mesh, reshard_after_forward=_RESHARD[strategy],
-                                   cpu_offload=strategy == "fsdp_cpu_offload")
+        try:
+            model = inner = apply_fsdp(model, mesh, reshard_after_forward=_RESHARD[strategy],
+                                       cpu_offload=strategy == "fsdp_cpu_offload")
+        except RuntimeError as e:  # raised on every rank alike, before any collective
+            if strategy != "fsdp_cpu_offload":
+                raise
+            raise TitanliteError(f"fsdp_cpu_offload failed on {env.device.type}: FSDP pins the CPU "
+                                 f"copies of the shards (page-locked memory, for fast copies to an "
+                                 f"accelerator), and torch said '{e}': run it on GPUs, or use zero3 "
+                                 f"here") from None
     zero1_owned = None
     if strategy == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -164,13 +180,120 @@ def state_memory(strategy: str, preset: str = "debug", vocab_size: int | None = 
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     run = _train(model, optimizer, _batches(args, steps, batch_size, seq_len, seed, env.rank, env.device))
     return {"strategy": strategy, "stage": STRATEGIES[strategy], "rank": env.rank,
-            "world_size": env.world_size, "num_params": num_params,
+            "world_size": env.world_size, "num_params": num_params, "device": env.device.type,
             "param_shapes": {k: list(p.shape) for k, p in inner.named_parameters()},
             "measured": measure_state_bytes(model, optimizer),
+            "where": _where(model, optimizer),
+            # What the accelerator holds between steps: CPU offload's whole point.
+            "accelerator_bytes_at_rest": (torch.cuda.memory_allocated(env.device)
+                                          if env.device.type == "cuda" else None),
             "expected": expected_bytes(strategy, inner, env.world_size, env.rank, zero1_owned,
                                        buffer_bytes),
             "formula": zero_bytes_per_rank(num_params, env.world_size, STRATEGIES[strategy]),
             **run}
+
+
+def _where(model, optimizer) -> dict:
+    """Device types holding the weights, gradients and optimizer state (local shards), and
+    whether every CPU-resident one is pinned (what FSDP's CPU offload does)."""
+    inner = getattr(optimizer, "optim", optimizer)
+    groups = {"params": list(model.parameters()),
+              "grads": [p.grad for p in model.parameters() if p.grad is not None],
+              "optimizer": [v for st in inner.state.values() for v in st.values()
+                            if isinstance(v, torch.Tensor) and v.dim() > 0]}
+    out = {}
+    for kind, tensors in groups.items():
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+        on_cpu = [t for t in local if t.device.type == "cpu"]
+        out[kind] = sorted({t.device.type for t in local})
+        out[f"{kind}_pinned"] = bool(on_cpu) and all(t.is_pinned() for t in on_cpu)
+    return out
+
+
+def fsdp_anatomy(preset: str = "debug", vocab_size: int | None = None,
+                 param_dtype: torch.dtype | None = torch.bfloat16, batch_size: int = 2,
+                 seq_len: int = 32, seed: int = 0, device: str | None = None) -> dict:
+    """One FSDP2 step seen from inside a rank, the way the trainer builds it: a weightless
+    model on the meta device, `shard_and_init`, then forward and backward under the
+    MixedPrecisionPolicy (gathered weights in `param_dtype`, gradients reduced in fp32).
+
+    Returns {"on_meta", "init_max_abs_diff" (rank 0: gathered weights vs a single process's
+    init; other ranks None), "params" and "grads" (name -> type, shape, local_shape,
+    placements, dtype, device), "description" (describe_sharding), "in_forward" (block 0's
+    q_proj weight as its forward sees it, and its input's dtype), "logits_dtype",
+    "mid_step_full_param_bytes", "comm", "param_shapes", "rank", "world_size"}.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    env, mesh = _join(device)
+    args = ModelArgs.preset(preset, vocab_size=vocab_size)
+    with torch.device("meta"):
+        model = Transformer(args)
+    on_meta = {"devices": sorted({p.device.type for p in model.parameters()}),
+               "num_params": model.num_params()}
+    model = shard_and_init(model, lambda: _model(args, seed, "cpu"), mesh, env.device,
+                           param_dtype=param_dtype, reduce_dtype=torch.float32)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    init_diff = None
+    if env.rank == 0:  # the full weights are gathered to rank 0 only
+        reference = _model(args, seed, "cpu").state_dict()
+        init_diff = max((full[k] - reference[k]).abs().max().item() for k in reference)
+
+    def info(t) -> dict:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return {"type": type(t).__name__, "shape": list(t.shape), "local_shape": list(local.shape),
+                "placements": [str(p) for p in getattr(t, "placements", ())],
+                "dtype": str(t.dtype), "device": local.device.type}
+
+    params = {name: info(p) for name, p in model.named_parameters()}
+    seen = {}
+    probe = model.layers["0"].attention.q_proj
+    hook = probe.register_forward_pre_hook(
+        lambda m, inputs: seen.update(info(m.weight), input_dtype=str(inputs[0].dtype)))
+    tokens = _batches(args, 1, batch_size, seq_len, seed, env.rank, env.device)[0]
+    with CommCounter() as counter:
+        logits = model(tokens[:, :-1])
+        mid_bytes = unsharded_param_bytes(model)
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+    hook.remove()
+    return {"rank": env.rank, "world_size": env.world_size, "on_meta": on_meta,
+            "init_max_abs_diff": init_diff, "params": params, "description": describe_sharding(model),
+            "in_forward": seen, "logits_dtype": str(logits.dtype),
+            "grads": {name: info(p.grad) for name, p in model.named_parameters()},
+            "mid_step_full_param_bytes": mid_bytes, "comm": counter.summary(),
+            "param_shapes": {k: v["shape"] for k, v in params.items()}}
+
+
+def run_lab(strategies=tuple(STRATEGIES), anatomy: bool = True, fp8: bool = True,
+            preset: str = "debug", vocab_size: int | None = None, steps: int = 3,
+            batch_size: int = 2, seq_len: int = 32) -> dict:
+    """Notebook 08's experiments in one job: {"anatomy", each strategy, "fp8", "errors"}.
+
+    A strategy this machine cannot run (CPU offload without an accelerator) lands in
+    "errors" with its message. Each finished experiment is streamed to the launcher's
+    callbacks as {"kind": "lab", "done": name, "seconds": ...} (run_function.report)."""
+    import time
+
+    from .run_function import report
+    common = {"preset": preset, "vocab_size": vocab_size, "batch_size": batch_size, "seq_len": seq_len}
+    out, start = {"errors": {}}, time.perf_counter()
+
+    def done(name):
+        report({"kind": "lab", "done": name, "seconds": time.perf_counter() - start})
+
+    if anatomy:
+        out["anatomy"] = fsdp_anatomy(**common)
+        done("anatomy")
+    for strategy in strategies:
+        try:
+            out[strategy] = state_memory(strategy, steps=steps, **common)
+        except TitanliteError as e:  # every rank fails alike, so the job stays in step
+            out["errors"][strategy] = str(e)
+        done(strategy)
+    if fp8:
+        out["fp8"] = fp8_all_gather_check(steps=steps, **common)
+        done("fp8")
+    return out
 
 
 def fp8_all_gather_check(preset: str = "debug", vocab_size: int | None = None, steps: int = 3,

@@ -31,7 +31,10 @@ def parallelize(args: ModelArgs, cfg, env: DistEnv, dims: ParallelDims, mesh,
     if dims.strategy in ("fsdp", "hsdp"):
         with torch.device("meta"):
             model = Transformer(args).to(dtype)
-        model = apply_efficiency(model, cfg, env.device)
+        # The weights are drawn later (rank 0, below), so the trial runs that the FP8 and
+        # compile support checks make must not move the random generator in between.
+        with torch.random.fork_rng(devices=[]):
+            model = apply_efficiency(model, cfg, env.device)
         # HSDP shards within a replica group and all-reduces across groups: a 2-D mesh.
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.strategy == "hsdp" else mesh["dp_shard"]
         return shard_and_init(

@@ -247,17 +247,23 @@ class Transformer(nn.Module):
             nn.init.normal_(self.output.weight, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] → logits [B, T, vocab]."""
+        """tokens [B, T] → logits [B, T, vocab].
+
+        A pipeline stage (distributed/pipeline.py) is this model with parts set to None:
+        without `tok_embeddings` its input is the previous stage's hidden states [B, T, dim];
+        without `output` (and `norm`) it returns hidden states for the next stage."""
         T = tokens.shape[1]
         if T > self.args.max_seq_len:
             raise TitanliteError(
                 f"sequence length {T} exceeds the model's max_seq_len={self.args.max_seq_len}: "
                 f"use a shorter training.seq_len or raise model.max_seq_len")
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_cos[:T].to(h.dtype), self.rope_sin[:T].to(h.dtype)
         for block in self.layers.values():
             h = block(h, cos, sin)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
     # ----- counting -------------------------------------------------------------------
     def num_params(self, exclude_embedding: bool = False) -> int:

@@ -1,0 +1,234 @@
+"""Pipeline parallelism: each rank holds a slice of the layers, and micro-batches flow through.
+
+    stages, parts = pipeline_split(model, pp_group, schedule="1f1b")
+    loss_fn = TokenLoss()
+    schedule = build_schedule("1f1b", stages, n_microbatches=4, loss_fn=loss_fn)
+    loss = pipeline_step(schedule, stages, x, y, loss_fn=loss_fn)   # forward + backward
+    clip_grad_norm_([p for m in parts for p in m.parameters()], 1.0, pp_group)
+
+Stage s of S runs layers [a_s, b_s); the first stage also owns the token embedding, the last
+the final norm and the output projection. A stage is the same `Transformer` with the parts it
+does not own deleted (layers live in a ModuleDict keyed "0".."n-1", so names survive and a
+checkpoint of all stages together is the plain model's state dict).
+
+The batch is cut into m micro-batches. Rank r can only start micro-batch i after rank r−1 has
+sent it, so at the start and end of every step some ranks wait: the *bubble*. With equal stage
+times, GPipe and 1F1B both idle (p−1)/m of the time they compute; 1F1B only starts backwards
+early, so a rank holds at most p micro-batches of activations instead of m. Interleaving v
+smaller stages per rank shortens the fill and drain v-fold: (p−1)/(v·m). Zero-bubble schedules
+split backward into input-gradient (I, on the critical path) and weight-gradient (W, can wait)
+and fill the bubble with W. The schedules themselves are torch's (torch.distributed.pipelining);
+pipeline_timeline.py records and draws what they do.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..efficiency.accumulation import count_targets, loss_sum
+from ..errors import TitanliteError, closest
+
+# name -> (torch class, how stages sit on ranks). "single": one stage per rank; "loop": rank r
+# holds stages r, r+p, r+2p, ... (interleaved); "v": rank r holds stages r and 2p−1−r, so the
+# first and last stage share rank 0 and a micro-batch turns around on the last rank locally.
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "single"),
+    "1f1b": ("Schedule1F1B", "single"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+}
+
+
+def available_schedules() -> list[str]:
+    """The schedule names this torch provides (zero-bubble ones arrived in later releases)."""
+    import torch.distributed.pipelining as pipelining
+    return [name for name, (cls, _) in SCHEDULES.items() if hasattr(pipelining, cls)]
+
+
+# ----- checks: everything that can be wrong, found before any process or model exists --------
+
+def check_pipeline(*, pp: int, schedule: str, n_layers: int | None = None,
+                   n_microbatches: int | None = None, batch_size: int | None = None,
+                   stages_per_rank: int | None = None, tie_embeddings: bool = False) -> int:
+    """Refuse a pipeline that cannot run, in one line each; return the stages per rank.
+    Checks about what is not given (None) are skipped."""
+    if schedule not in SCHEDULES:
+        raise TitanliteError(f"unknown pipeline schedule '{schedule}'{closest(schedule, SCHEDULES)}: "
+                             f"choose one of {', '.join(SCHEDULES)}")
+    if schedule not in available_schedules():
+        raise TitanliteError(f"pipeline schedule '{schedule}' needs torch.distributed.pipelining."
+                             f"{SCHEDULES[schedule][0]}, which torch {torch.__version__} lacks: "
+                             f"choose one of {', '.join(available_schedules())}")
+    style = SCHEDULES[schedule][1]
+    v = stages_per_rank or (1 if style == "single" else 2)
+    if style == "single" and v != 1:
+        raise TitanliteError(f"schedule '{schedule}' runs one stage per rank, got stages_per_rank={v}: "
+                             f"use interleaved_1f1b for several stages per rank")
+    if style == "v" and v != 2:
+        raise TitanliteError(f"schedule 'zbv' runs exactly 2 stages per rank (a V), got stages_per_rank={v}")
+    if pp > 1 and tie_embeddings:
+        raise TitanliteError("tied embeddings cannot span pipeline stages (the embedding lives on the "
+                             "first stage, the output projection on the last): set "
+                             "model.tie_embeddings=false for pipeline parallelism")
+    if n_layers is not None and pp * v > n_layers:
+        raise TitanliteError(f"{pp} ranks × {v} stages per rank = {pp * v} pipeline stages, but the model "
+                             f"has {n_layers} layers: every stage needs a layer, so use at most "
+                             f"{n_layers} stages (fewer ranks or stages per rank, or more layers)")
+    if n_microbatches is None:
+        return v
+    if n_microbatches < 1:
+        raise TitanliteError(f"n_microbatches must be at least 1, got {n_microbatches}")
+    # GPipe runs any m (it just idles more); the others start backwards while forwards are
+    # still in flight and need every stage busy once: torch's 1F1B refuses m < p.
+    if schedule != "gpipe" and n_microbatches < pp:
+        raise TitanliteError(f"schedule '{schedule}' needs at least as many micro-batches as pipeline "
+                             f"ranks: n_microbatches={n_microbatches} < pp={pp}; use n_microbatches >= {pp}")
+    rounds = max(1, n_microbatches // pp)  # torch's interleaved schedules run m in rounds of ~p
+    if style == "loop" and n_microbatches % rounds:
+        raise TitanliteError(f"schedule '{schedule}' runs micro-batches in rounds of about pp={pp}: "
+                             f"n_microbatches={n_microbatches} must be a multiple of {rounds} "
+                             f"(n_microbatches // pp); e.g. {rounds * pp}")
+    if batch_size is not None and batch_size % n_microbatches:
+        ok = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        raise TitanliteError(f"a batch of {batch_size} sequences does not split into {n_microbatches} "
+                             f"micro-batches: choose n_microbatches among {ok}")
+    return v
+
+
+# ----- splitting the model into stages ---------------------------------------------------------
+
+def split_layers(n_layers: int, n_stages: int, first_stage_weight: float = 0.0,
+                 last_stage_weight: float = 0.0) -> list[range]:
+    """Which layers each stage runs: as equal as possible in *work*, where the embedding counts
+    as `first_stage_weight` layers and the output projection + loss as `last_stage_weight`
+    (Llama 3 405B gave its first and last stages one layer less for this reason)."""
+    work = n_layers + first_stage_weight + last_stage_weight
+    cuts = [0] + [min(n_layers, max(0, round(k * work / n_stages - first_stage_weight)))
+                  for k in range(1, n_stages)] + [n_layers]
+    ranges = [range(a, b) for a, b in zip(cuts, cuts[1:])]
+    empty = [s for s, r in enumerate(ranges) if len(r) == 0]
+    if empty:
+        raise TitanliteError(f"stage {empty[0]} of {n_stages} would run no layer ({n_layers} layers, "
+                             f"first/last stage weights {first_stage_weight}/{last_stage_weight}): "
+                             f"lower the weights or use fewer stages")
+    return ranges
+
+
+def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, style: str) -> list[int]:
+    """The global stage indices rank `pp_rank` holds."""
+    if style == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def pipeline_split(model: nn.Module, pp_group, *, schedule: str = "1f1b",
+                   stages_per_rank: int | None = None, first_stage_weight: float = 0.0,
+                   last_stage_weight: float = 0.0, device: torch.device | None = None):
+    """This rank's pipeline stages (torch `PipelineStage`s) and the modules inside them.
+
+    `pp_group`: the pipeline's process group, or a 1-D DeviceMesh (e.g. mesh["pp"]). Every rank
+    passes the same full model (same seed); each keeps a copy per stage it holds with the
+    other parts deleted. Build on the meta device first for models too big for one rank."""
+    from torch.distributed.pipelining import PipelineStage
+
+    group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
+    pp, rank = dist.get_world_size(group), dist.get_rank(group)
+    args = model.args
+    v = check_pipeline(pp=pp, schedule=schedule, n_layers=args.n_layers,
+                       stages_per_rank=stages_per_rank, tie_embeddings=args.tie_embeddings)
+    n_stages = pp * v
+    layers = split_layers(args.n_layers, n_stages, first_stage_weight, last_stage_weight)
+    device = device or next(model.parameters()).device
+    stages, parts = [], []
+    for s in stage_ids(rank, pp, v, SCHEDULES[schedule][1]):
+        part = copy.deepcopy(model)
+        for i in list(part.layers):
+            if int(i) not in layers[s]:
+                del part.layers[i]
+        if s != 0:
+            part.tok_embeddings = None
+        if s != n_stages - 1:
+            part.norm = part.output = None
+        stages.append(PipelineStage(part, s, n_stages, device, group=group))
+        parts.append(part)
+    return stages, parts
+
+
+# ----- the loss, the schedule, one training step ---------------------------------------------
+
+class TokenLoss:
+    """The schedule's loss_fn: a micro-batch's *summed* token cross-entropy divided by the target
+    tokens of the whole batch (set `num_tokens` each step). The schedule adds the micro-batches'
+    gradients without rescaling (scale_grads=False), so their sum is exactly the gradient of the
+    batch's mean loss, as in single-process training, however the tokens fall into micro-batches."""
+
+    def __init__(self, num_tokens: float = 1.0):
+        self.num_tokens = num_tokens
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_sum(logits, targets) / self.num_tokens
+
+
+def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn, *,
+                   batch_size: int | None = None):
+    """torch's schedule `name` over this rank's stages (from `pipeline_split(schedule=name)`)."""
+    import torch.distributed.pipelining as pipelining
+
+    check_pipeline(pp=stages[0].group_size, schedule=name, n_microbatches=n_microbatches,
+                   batch_size=batch_size, stages_per_rank=len(stages))
+    cls = getattr(pipelining, SCHEDULES[name][0])
+    # Single-stage schedules take the stage, multi-stage ones the list.
+    stage_arg = stages[0] if SCHEDULES[name][1] == "single" else stages
+    kwargs = {}
+    if "scale_grads" in inspect.signature(cls.__init__).parameters:
+        kwargs["scale_grads"] = False  # TokenLoss already divides by the batch's token count
+    return cls(stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
+
+
+def pipeline_step(schedule, stages: list, x: torch.Tensor, y: torch.Tensor, *, loss_fn: TokenLoss,
+                  num_tokens: float | None = None, pp_group=None) -> torch.Tensor:
+    """Forward and backward of the batch (x, y) through the pipeline; gradients accumulate into
+    the stages' parameters. Returns the batch loss on every rank of the pipeline.
+
+    Only the first stage needs `x` and only the last needs `y`, but every rank may pass both.
+    `loss_fn`: the TokenLoss the schedule was built with; `num_tokens`: its divisor (default:
+    the target tokens of this batch; under data parallelism, the global batch's count / dp)."""
+    loss_fn.num_tokens = num_tokens or max(1, count_targets(y))
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    losses = [] if last else None
+    extra = {}
+    if "return_outputs" in inspect.signature(schedule.step).parameters:
+        extra["return_outputs"] = False  # do not keep every micro-batch's logits alive
+    schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses, **extra)
+    device = stages[0].device
+    total = torch.stack(losses).sum().detach().float() if last else torch.zeros((), device=device)
+    if dist.is_initialized():  # only the last stage knows the loss: tell the others
+        group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
+        dist.all_reduce(total, group=group)
+    return total
+
+
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip by the norm of the *whole* model's gradient, although each rank holds only its
+    stages: ‖g‖² is a sum over parameters, so the ranks add their local sums (max for the
+    inf-norm) over the pipeline group before anyone scales. Returns the total norm."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+    if hasattr(norm, "full_tensor"):  # FSDP × PP: a DTensor norm of this rank's shards
+        norm = norm.full_tensor()
+    if dist.is_initialized():
+        group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
+        if math.isinf(norm_type):
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        else:
+            norm = norm ** norm_type
+            dist.all_reduce(norm, group=group)
+            norm = norm ** (1.0 / norm_type)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
