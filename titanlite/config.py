@@ -89,6 +89,13 @@ class ParallelSection:
     param_dtype: str = "float32"  # FSDP all-gather/compute dtype: float32 | bfloat16
     reduce_dtype: str = "float32"  # FSDP gradient reduce-scatter dtype: float32 | bfloat16
     cpu_offload: bool = False  # FSDP: sharded params, grads and optimizer step on the CPU
+    tp: int = 1  # tensor-parallel degree: every matmul split over this many ranks
+    sequence_parallel: bool = True  # TP: norms and residual stream split over the sequence (not with pp > 1)
+    loss_parallel: bool = True  # TP: cross-entropy on vocabulary-sharded logits (not with pp > 1)
+    pp: int = 1  # pipeline-parallel degree: the layers split into stages over this many ranks
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv
+    pp_microbatches: int | None = None  # micro-batches per pipeline step; None: 2 × stages
+    pp_stages_per_rank: int | None = None  # interleaved schedules: stages per rank (None: 2)
 
 
 @dataclass
@@ -183,7 +190,10 @@ class Config:
         _check_choice("parallel.reshard_after_forward", p.reshard_after_forward, ("default", "always", "never"))
         _check_choice("parallel.param_dtype", p.param_dtype, ("float32", "bfloat16"))
         _check_choice("parallel.reduce_dtype", p.reduce_dtype, ("float32", "bfloat16"))
-        _check_positive(self, "parallel.dp_replicate", "parallel.timeout_s", "parallel.bucket_cap_mb")
+        _check_positive(self, "parallel.dp_replicate", "parallel.timeout_s", "parallel.bucket_cap_mb",
+                        "parallel.tp", "parallel.pp")
+        _check_choice("parallel.pp_schedule", p.pp_schedule,
+                      ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"))
         if p.dp_shard == 0 or p.dp_shard < -1:
             raise TitanliteError(f"parallel.dp_shard must be positive or -1 (all ranks left over), "
                                  f"got {p.dp_shard}")

@@ -32,7 +32,9 @@ from .distributed.ddp import grad_sync
 from .distributed.env import all_reduce_sum, destroy_distributed, init_distributed
 from .distributed.fsdp import precompute_fp8_scales
 from .distributed.mesh import ParallelDims
-from .distributed.parallelize import parallelize
+from .distributed.parallelize import loss_parallel_enabled, parallelize
+from .distributed.pipeline import clip_grad_norm_ as pipeline_clip_grad_norm_
+from .distributed.tensor_parallel import loss_context, tp_loss_sum
 from .errors import TitanliteError
 from .metrics import MetricsLogger
 from .models.llama import ModelArgs, Transformer
@@ -128,8 +130,9 @@ class Trainer:
         # world of one and nothing below changes.
         self.dist = init_distributed(t.device, cfg.parallel.backend, cfg.parallel.timeout_s)
         self.device = self.dist.device
-        self.dims = ParallelDims.resolve(cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
-                                         self.dist.world_size)
+        p = cfg.parallel
+        self.dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, self.dist.world_size,
+                                         tp=p.tp, pp=p.pp)
         self.mesh = self.dims.build_mesh(self.device.type)
         check_fault(cfg.fault, t.steps, self.dist.world_size)
         self.dtype = hardware.resolve_dtype(t.dtype, self.device)
@@ -153,8 +156,12 @@ class Trainer:
         self.num_params = counting.num_params()
         # The techniques modify the model in place (swap Linears, wrap or compile blocks), so
         # state-dict names stay those of the plain model; DDP/FSDP come last (parallelize.py).
-        self.model = parallelize(self.model_args, cfg, self.dist, self.dims, self.mesh, self.dtype)
-        self.optimizer = build_optimizer(self.model, cfg)
+        # One part, or one per pipeline stage this rank holds (then `self.pipe` runs them).
+        self.model_parts, self.pipe = parallelize(self.model_args, cfg, self.dist, self.dims,
+                                                  self.mesh, self.dtype)
+        self.model = self.model_parts[0]
+        self.loss_parallel = loss_parallel_enabled(cfg, self.dims)
+        self.optimizer = build_optimizer(torch.nn.ModuleList(self.model_parts), cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         # MFU against the peak of the dtype the matmuls actually run in.
         self.compute_dtype = self.precision.dtype or self.dtype
@@ -177,8 +184,8 @@ class Trainer:
     def loss_on(self, x: torch.Tensor, y: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
         """Summed cross-entropy over the real target tokens of one batch, divided by
         `num_tokens` (default: this batch's own count, i.e. the mean)."""
-        with self.precision.autocast():
-            return loss_sum(self.model(x), y) / (num_tokens or max(1, count_targets(y)))
+        with self.precision.autocast():  # tp_loss_sum: loss_sum that also takes sharded logits
+            return tp_loss_sum(self.model(x), y) / (num_tokens or max(1, count_targets(y)))
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         """One optimizer step over `grad_accum_steps` micro-batches.
@@ -186,9 +193,10 @@ class Trainer:
         Each micro-batch's summed token loss is divided by the token count of the *whole*
         global batch, so the accumulated gradient is exactly the big batch's gradient.
         """
-        dp = self.dims.dp
+        dp, d = self.dims.dp, self.dims
         local = torch.tensor(float(sum(count_targets(y) for _, y in micro_batches)), device=self.device)
-        global_tokens = all_reduce_sum(local).item()
+        # Every TP and PP rank of a data-parallel slice holds the same batch: count it once.
+        global_tokens = all_reduce_sum(local).item() / (d.tp * d.pp)
         # DDP and FSDP *average* gradients over the dp ranks, so each rank divides by the
         # global count / dp: the average of those gradients is the global batch's gradient.
         total = torch.zeros((), device=self.device)
@@ -197,13 +205,24 @@ class Trainer:
             # DDP: all-reduce only after the last micro-batch (no_sync); the others just
             # accumulate into .grad. FSDP reduce-scatters every micro-batch to keep
             # gradients sharded (memory is what FSDP is for).
-            with grad_sync(self.model, sync=i == last or self.dims.strategy != "ddp"):
+            with grad_sync(self.model, sync=i == last or d.strategy != "ddp"), \
+                    loss_context(self.loss_parallel):  # TP: the sharded softmax, and its backward
+                if self.pipe is not None:  # forward and backward, micro-batch by micro-batch
+                    total += self.pipe.step(x, y, num_tokens=global_tokens / dp)
+                    continue
                 loss = self.loss_on(x, y, num_tokens=global_tokens / dp)
                 self.precision.backward(loss)
             total += loss.detach()
-        grad_norm, skipped = self.precision.step(self.optimizer, self.model.parameters(),
-                                                 self.cfg.training.grad_clip)
-        precompute_fp8_scales(self.model)
+        params = [q for part in self.model_parts for q in part.parameters()]
+        if self.pipe is not None:  # the norm of all stages' gradients, summed over the pipeline
+            grad_norm = float(pipeline_clip_grad_norm_(params, self.cfg.training.grad_clip or float("inf"),
+                                                       pp_group=self.mesh["pp"]))
+            self.optimizer.step()
+            skipped = False
+        else:
+            grad_norm, skipped = self.precision.step(self.optimizer, params, self.cfg.training.grad_clip)
+        for part in self.model_parts:
+            precompute_fp8_scales(part)
         with warnings.catch_warnings():
             # A step the fp16 scaler skipped still advances the schedule (torchtitan does the
             # same); torch would warn that the scheduler stepped before the optimizer.
@@ -211,7 +230,9 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # .item() waits for the device, so the step time measured around this is honest.
-        return {"loss": all_reduce_sum(total).item() / dp, "grad_norm": grad_norm, "skipped": skipped}
+        # Each rank holds its slice's loss (TP ranks and PP stages alike): average the slices.
+        return {"loss": all_reduce_sum(total).item() / (dp * d.tp * d.pp), "grad_norm": grad_norm,
+                "skipped": skipped}
 
     def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [tuple(t.to(self.device, non_blocking=True) for t in self.data.train.next_batch())
@@ -219,16 +240,26 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
-        losses = [self.loss_on(x.to(self.device), y.to(self.device)).item()
-                  for x, y in self.data.val.eval_batches(self.cfg.eval.batches)]
-        self.model.train()
+        batches = [(x.to(self.device), y.to(self.device))
+                   for x, y in self.data.val.eval_batches(self.cfg.eval.batches)]
+        for part in self.model_parts:
+            part.eval()
+        with loss_context(self.loss_parallel):
+            if self.pipe is not None:
+                losses = [self.pipe.eval_loss(x, y) for x, y in batches]
+            else:
+                losses = [self.loss_on(x, y).item() for x, y in batches]
+        for part in self.model_parts:
+            part.train()
         return sum(losses) / len(losses)
 
     @torch.no_grad()
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None,
                temperature: float = 0.8, top_k: int = 40, seed: int = 1234) -> str:
         """Continue `prompt` with top-k sampling (own generator: does not disturb training RNG)."""
+        if self.pipe is not None:
+            # Every new token would have to travel through all stages, one at a time.
+            return "(no text samples in pipeline-parallel runs)"
         e = self.cfg.eval
         prompt = e.prompt if prompt is None else prompt
         ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_token_id or 0]
@@ -238,7 +269,10 @@ class Trainer:
         model.eval()
         for _ in range(max_new_tokens or e.sample_tokens):
             with eager():  # prompts of every length would each trigger a recompile
-                logits = model(x[:, -self.model_args.max_seq_len:])[0, -1].float().cpu()
+                logits = model(x[:, -self.model_args.max_seq_len:])
+            if hasattr(logits, "full_tensor"):  # TP: vocabulary-sharded logits
+                logits = logits.full_tensor()
+            logits = logits[0, -1].float().cpu()
             logits = logits / max(temperature, 1e-5)
             kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
             probs = torch.softmax(logits.masked_fill(logits < kth, -float("inf")), dim=-1)

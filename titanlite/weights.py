@@ -15,19 +15,29 @@ from .errors import TitanliteError
 from .models.llama import ModelArgs, build_model
 
 
-def full_state_dict(model: torch.nn.Module, sharded: bool) -> dict:
-    """The whole model's weights on CPU, by their plain names. Under FSDP (`sharded`) every
-    rank must call this (the shards are gathered); rank 0 gets the tensors."""
-    if sharded:
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """The whole model's weights on CPU, by their plain names. When the weights are sharded
+    DTensors (FSDP, TP) every rank must call this (the shards are gathered)."""
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # (Not cpu_offload=True: that leaves every rank but global rank 0 empty-handed, and a
+        # pipeline stage on another rank would lose its layers.)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().cpu() for k, v in full.items()}
     return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
 
 
 def save_weights(trainer, run_dir: str | Path) -> Path:
     from safetensors.torch import save_model
     run_dir = Path(run_dir)
-    state = full_state_dict(trainer.model, sharded=trainer.dims.strategy in ("fsdp", "hsdp"))
+    state = {}
+    for part in trainer.model_parts:
+        state.update(full_state_dict(part))
+    if trainer.dims.pp > 1:  # each pipeline stage holds different layers: collect them all
+        import torch.distributed as dist
+        pieces = [None] * dist.get_world_size()
+        dist.all_gather_object(pieces, state)
+        state = {k: v for piece in pieces for k, v in piece.items()}
     if trainer.dist.is_main:
         plain = build_model(trainer.model_args, "cpu").to(trainer.dtype)
         plain.load_state_dict(state)
