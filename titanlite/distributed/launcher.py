@@ -71,8 +71,13 @@ def launch(cfg=None, nproc: int = 2, *, overrides: dict | None = None, callbacks
         set_value(cfg, key, value, source="launch overrides")
     cfg.validate()
     # Everything that can be checked here is, so bad input costs no process start-up.
-    dims = ParallelDims.resolve(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, nproc)
-    check_parallel_config(cfg, dims)
+    p = cfg.parallel
+    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, nproc, tp=p.tp, pp=p.pp)
+    # The model's shape decides which TP/PP degrees work (its vocabulary is the tokenizer's
+    # for the small presets: the configured size when titanlite trains the tokenizer).
+    from ..train import model_args_for
+    args = model_args_for(cfg, cfg.data.vocab_size if cfg.data.tokenizer is None else 1)
+    check_parallel_config(cfg, dims, args)
     t = cfg.training
     check_fault(cfg.fault, t.steps, nproc)
     resolve_batch(t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=dims.dp)
