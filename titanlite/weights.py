@@ -22,7 +22,10 @@ def full_state_dict(model: torch.nn.Module) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         # (Not cpu_offload=True: that leaves every rank but global rank 0 empty-handed, and a
         # pipeline stage on another rank would lose its layers.)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        import warnings
+        with warnings.catch_warnings():  # FSDP × TP gathers twice (one per mesh dim) and says so
+            warnings.filterwarnings("ignore", message=".*sequential all_gather")
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         return {k: v.detach().cpu() for k, v in full.items()}
     return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
 

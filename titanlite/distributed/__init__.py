@@ -1,4 +1,4 @@
-"""Data parallelism, one idea per module (notebooks 07-08):
+"""Parallelism, one idea per module (notebooks 07-11):
 
     env.py           join the job torchrun started: rank, device, backend (gloo / nccl)
     mesh.py          ParallelDims: the ranks as a (dp_replicate, dp_shard) grid, a DeviceMesh
@@ -6,6 +6,11 @@
     ddp.py           apply_ddp: torch's DistributedDataParallel; grad_sync for accumulation
     fsdp.py          apply_fsdp: FSDP2 fully_shard per block, meta-device init, FP8 all-gather
     zero.py          the ZeRO memory model, and the bytes each rank really stores
+    tensor_parallel.py  apply_tp: column/row-parallel matmuls, sequence and loss parallel (09)
+    pipeline.py      pipeline_split, torch's schedules (GPipe, 1F1B, interleaved, zero-bubble) (10)
+    pipeline_timeline.py  per-micro-batch timings, Gantt chart, measured bubble (10)
+    planner.py       choosing degrees for a model, a cluster and its memory (11)
+    lab_*.py         the experiments notebooks 07-10 run inside every rank
     comm.py          CommCounter: every collective of a step, counted with its bytes
     parallelize.py   the ordered chain build → FP8 → AC → compile → DDP/FSDP
     launcher.py      launch / launch_function: torchrun from a notebook cell, live, no orphans

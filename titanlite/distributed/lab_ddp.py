@@ -163,7 +163,7 @@ def accumulation_traffic(accum: int = 4, bucket_cap_mb: float = 25.0, preset: st
     other and with ONE process running the whole global batch (every rank's micro-batches)."""
     env = _join(device, threads)
     args = ModelArgs.preset(preset, vocab_size=vocab_size, max_seq_len=seq_len)
-    batches = {(r, k): _batch(args, batch_size, seq_len, env.device, seed, 7, r, k)
+    batches = {(r, k): _batch(args, batch_size, seq_len, env.device, seed, r, k)
                for r in range(env.world_size) for k in range(accum)}
     reference = _model(args, seed, env.device)  # the weights rank 0 broadcasts
     x = torch.cat([batches[key][0] for key in sorted(batches)])

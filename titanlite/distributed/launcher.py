@@ -169,7 +169,9 @@ class _Tail:
     """Reads the complete new lines of every metrics*.jsonl in the run directory."""
 
     def __init__(self, run_dir: Path):
-        self.run_dir, self.offsets, self.steps = run_dir, {}, {}
+        self.run_dir, self.steps = run_dir, {}
+        # A run that resumes appends to its files: deliver only what this launch writes.
+        self.offsets = {p: p.stat().st_size for p in run_dir.glob("metrics*.jsonl")}
 
     def read(self) -> list[dict]:
         out = []

@@ -113,8 +113,10 @@ def check_parallel_config(cfg, dims: ParallelDims, args: ModelArgs | None = None
     if (dims.tp > 1 or dims.pp > 1) and cfg.float8.enable:
         raise TitanliteError("FP8 with tensor or pipeline parallelism is not supported here: turn off "
                              "--float8.enable, or use FSDP only")
-    if dims.pp > 1 and t.mixed_precision == "fp16":
-        raise TitanliteError("fp16 + GradScaler is not supported with pipeline parallelism: use bf16")
+    if (dims.pp > 1 or dims.tp > 1) and t.mixed_precision == "fp16":
+        raise TitanliteError("fp16 + GradScaler is not supported with tensor or pipeline parallelism "
+                             "(each rank would check only its own shard for overflow): use "
+                             "--training.mixed_precision bf16")
     if args is not None and dims.tp > 1:
         from .tensor_parallel import check_tp
         check_tp(args, dims.tp, seq_len=t.seq_len, sequence_parallel=sequence_parallel_enabled(cfg, dims))

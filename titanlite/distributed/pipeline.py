@@ -107,9 +107,9 @@ def split_layers(n_layers: int, n_stages: int, first_stage_weight: float = 0.0,
                  last_stage_weight: float = 0.0) -> list[range]:
     """Which layers each stage runs: as equal as possible in *work*, where the embedding counts
     as `first_stage_weight` layers and the output projection + loss as `last_stage_weight`
-    (Llama 3 405B gave its first and last stages one layer less for this reason)."""
+    (Llama 3 405B took one layer off its first and last stages for this reason)."""
     work = n_layers + first_stage_weight + last_stage_weight
-    cuts = [0] + [min(n_layers, max(0, round(k * work / n_stages - first_stage_weight)))
+    cuts = [0] + [min(n_layers, max(0, math.floor(k * work / n_stages - first_stage_weight + 0.5)))
                   for k in range(1, n_stages)] + [n_layers]
     ranges = [range(a, b) for a, b in zip(cuts, cuts[1:])]
     empty = [s for s, r in enumerate(ranges) if len(r) == 0]
@@ -129,12 +129,15 @@ def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, style: str) -> list[i
 
 def pipeline_split(model: nn.Module, pp_group, *, schedule: str = "1f1b",
                    stages_per_rank: int | None = None, first_stage_weight: float = 0.0,
-                   last_stage_weight: float = 0.0, device: torch.device | None = None):
+                   last_stage_weight: float = 0.0, device: torch.device | None = None,
+                   parallelize_part=None):
     """This rank's pipeline stages (torch `PipelineStage`s) and the modules inside them.
 
     `pp_group`: the pipeline's process group, or a 1-D DeviceMesh (e.g. mesh["pp"]). Every rank
-    passes the same full model (same seed); each keeps a copy per stage it holds with the
-    other parts deleted. Build on the meta device first for models too big for one rank."""
+    passes the same full model (same seed, so the stages together are exactly that model);
+    each keeps a copy per stage it holds, with the parts other stages own deleted.
+    `parallelize_part(module) -> module` runs on each part before torch wraps it in a stage
+    (the place for AC, compile, DDP or FSDP over the data-parallel ranks)."""
     from torch.distributed.pipelining import PipelineStage
 
     group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
@@ -155,6 +158,8 @@ def pipeline_split(model: nn.Module, pp_group, *, schedule: str = "1f1b",
             part.tok_embeddings = None
         if s != n_stages - 1:
             part.norm = part.output = None
+        if parallelize_part is not None:
+            part = parallelize_part(part)
         stages.append(PipelineStage(part, s, n_stages, device, group=group))
         parts.append(part)
     return stages, parts
@@ -212,6 +217,38 @@ def pipeline_step(schedule, stages: list, x: torch.Tensor, y: torch.Tensor, *, l
         group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
         dist.all_reduce(total, group=group)
     return total
+
+
+@torch.no_grad()
+def pipeline_eval(schedule, stages: list, x: torch.Tensor, y: torch.Tensor, *, loss_fn: TokenLoss,
+                  pp_group=None) -> torch.Tensor:
+    """The batch's mean token loss, forward only through the same schedule (no gradients, no
+    activations kept). Returns it on every rank of the pipeline."""
+    if type(schedule).__name__ in {cls for cls, style in SCHEDULES.values() if style == "v"}:
+        # Its stages that share a rank hand gradients over locally, even in eval (torch 2.13).
+        raise TitanliteError(f"torch's {type(schedule).__name__} cannot run forward-only: evaluate "
+                             f"through a 'gpipe' or 'interleaved_zb' schedule, or on gather_state_dict")
+    loss_fn.num_tokens = max(1, count_targets(y))
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    losses = [] if last else None
+    schedule.eval(*((x,) if first else ()), target=y if last else None, losses=losses)
+    total = torch.stack(losses).sum().float() if last else torch.zeros((), device=stages[0].device)
+    if dist.is_initialized():
+        dist.all_reduce(total, group=pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group)
+    return total
+
+
+def gather_state_dict(parts: list, pp_group=None) -> dict[str, torch.Tensor]:
+    """The plain model's state dict (CPU tensors) on every rank of the pipeline: the stages keep
+    the full model's names, so the union of their state dicts is the whole model's. For
+    sampling, export and checks; it briefly holds the whole model on every rank."""
+    local = {k: v.detach().cpu() for part in parts for k, v in part.state_dict().items()}
+    if not dist.is_initialized():
+        return local
+    group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, local, group=group)
+    return {k: v for d in everyone for k, v in d.items()}
 
 
 def clip_grad_norm_(parameters, max_norm: float, pp_group=None, norm_type: float = 2.0) -> torch.Tensor:

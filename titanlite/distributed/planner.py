@@ -1,0 +1,291 @@
+"""Choosing the degrees: which (pp, dp_replicate, dp_shard, tp) layout to train with, as code.
+
+    p = plan(ModelArgs.preset("8B"), n_gpus=8, gpu_mem_bytes=80e9, seq_len=8192, micro_batch=1)
+    p.explain()                                   # the choice, its memory, why not simpler ones
+    launch(cfg, nproc=8, overrides=p.best.overrides)
+
+Every layout whose degrees multiply to n_gpus is scored. The rules of thumb (torchtitan,
+Megatron-LM, the Ultra-Scale Playbook) become explicit rules and a ranking:
+- hard: the trainer must accept it (`check_parallel_config`: TP divides the heads, PP has a
+  layer per stage, ...); a TP group stays inside one node (tp divides gpus_per_node: it talks
+  in every layer); with a `global_batch`, every data-parallel rank gets whole micro-batches,
+  at least pp of them; and the heaviest stage fits in (1 - reserve) of the GPU's memory.
+- ranking: FSDP first (no pipeline, no TP: sharding costs only overlappable communication);
+  then TP within a node; PP (across nodes, with its bubble) only when still needed; plain DDP
+  when the whole model fits (2Ψ per step on the wire where ZeRO-3 moves 3Ψ); HSDP across nodes
+  (shard within a node, replicate across) before FSDP spanning nodes; then the widest shard.
+
+Memory per GPU, in bytes, of the heaviest pipeline stage:
+- params / grads / optimizer: ZeRO's formula (zero.py) for Ψ_local, the stage's parameters with
+  every matrix split tp ways (norm weights are replicated), sharded dp_shard ways (stage 3;
+  stage 0 = DDP when dp_shard = 1). dp_replicate saves nothing: each replica holds it all.
+- activations, per transformer layer and micro-batch, 16-bit (Korthikanti et al. 2022,
+  "Reducing Activation Recomputation in Large Transformer Models", §4):
+      s·b·h·(34 + 5·a·s/h)                 no TP
+      s·b·h·(10 + 24/t + 5·a·s/(h·t))       TP over t ranks
+      s·b·h·(34 + 5·a·s/h) / t              TP with sequence parallel
+  s: sequence, b: micro-batch, h: dim, a: heads. Flash attention (torch's SDPA) never stores the
+  a·s² scores: the 5·a·s/h term drops. Full activation checkpointing keeps each layer's input
+  (2·s·b·h, /t with SP) and one layer's activations during its recompute. Under 1F1B, stage r
+  of pp holds pp - r micro-batches in flight. The paper counts a GPT block (4h MLP, dropout);
+  Llama's SwiGLU block differs: an estimate of the right size, not a measurement.
+- logits (our addition): 6·b·s·V bytes on the last stage, bf16 logits and their fp32 copy for
+  the loss, /t with loss parallel.
+`reserve` is left for what is not counted: CUDA context, FSDP's gathered and prefetched layers,
+communication buffers, fragmentation.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import TitanliteError
+from ..models.llama import ModelArgs, Transformer
+from .mesh import DIM_NAMES, ParallelDims
+from .zero import zero_bytes_per_rank
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per GPU: training state (ZeRO's three parts), activations and logits."""
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.states + self.activations + self.logits
+
+    def __str__(self) -> str:
+        return (f"{self.total / GB:.1f} GB = states {self.states / GB:.1f} + activations "
+                f"{self.activations / GB:.1f} + logits {self.logits / GB:.1f}")
+
+
+@dataclass
+class Candidate:
+    """One layout, its memory (heaviest stage) and why it ranks where it does, or the problem."""
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    memory: Memory | None = None
+    reasons: list[str] = field(default_factory=list)
+    problem: str | None = None  # None: a valid layout that fits
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.dp_replicate, self.dp_shard, math.prod(self.shape), self.tp, self.pp)
+
+    @property
+    def overrides(self) -> dict:
+        """Config overrides for `launch` / the CLI (`--parallel.tp 8 ...`)."""
+        return {f"parallel.{n}": d for n, d in zip(DIM_NAMES, self.shape)}
+
+    def __str__(self) -> str:
+        return self.dims.describe()
+
+
+@dataclass
+class Plan:
+    args: ModelArgs
+    n_gpus: int
+    gpu_mem_bytes: float
+    gpus_per_node: int
+    usable_bytes: float
+    num_params: int
+    candidates: list[Candidate]  # valid and fitting, best first
+    rejected: list[Candidate]    # with `.problem`
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def report(self, top: int = 3) -> str:
+        b = self.best
+        lines = [f"{self.num_params / 1e9:.2f}B parameters on {self.n_gpus} GPUs ({self.gpus_per_node} per "
+                 f"node), {self.usable_bytes / GB:.1f} GB usable of {self.gpu_mem_bytes / GB:.0f} GB each",
+                 f"→ {b}  (pp, dp_replicate, dp_shard, tp) = {b.shape}", *(f"   - {r}" for r in b.reasons)]
+        # Why not something simpler: the smallest-memory layout of each simpler (pp, tp) pair.
+        simpler = {}
+        for c in self.rejected:
+            if (c.pp, c.tp) < (b.pp, b.tp) and c.memory is not None:
+                if (c.pp, c.tp) not in simpler or c.memory.total < simpler[c.pp, c.tp].memory.total:
+                    simpler[c.pp, c.tp] = c
+        for c in sorted(simpler.values(), key=lambda c: (c.pp, c.tp)):
+            lines.append(f"   not {c}: {c.problem}")
+        for c in self.candidates[1:top]:
+            lines.append(f"  next: {c}  ({c.memory.total / GB:.1f} GB)")
+        counts = {}
+        for c in self.rejected:
+            counts[c.problem.split(":")[0]] = counts.get(c.problem.split(":")[0], 0) + 1
+        lines.append(f"  {len(self.candidates)} layouts fit; rejected: " +
+                     "; ".join(f"{n} × {why}" for why, n in sorted(counts.items(), key=lambda kv: -kv[1])))
+        return "\n".join(lines)
+
+    def explain(self, top: int = 3) -> None:
+        print(self.report(top))
+
+
+def activation_bytes_per_layer(args: ModelArgs, seq_len: int, micro_batch: int, tp: int = 1, *,
+                               sequence_parallel: bool = True, flash_attention: bool = True,
+                               checkpointing: str = "none") -> float:
+    """Korthikanti et al. 2022, one layer, one micro-batch, 16-bit activations (see the top)."""
+    s, b, h, a = seq_len, micro_batch, args.dim, args.n_heads
+    scores = 0.0 if flash_attention else 5 * a * s / h
+    sp = sequence_parallel and tp > 1
+    if checkpointing == "full":
+        return 2 * s * b * h / (tp if sp else 1)
+    if checkpointing != "none":
+        raise TitanliteError(f"checkpointing '{checkpointing}' is not modelled: use 'none' or 'full'")
+    if tp == 1 or sp:
+        return s * b * h * (34 + scores) / tp
+    return s * b * h * (10 + 24 / tp + scores / tp)
+
+
+def plan(args: ModelArgs | str, n_gpus: int, gpu_mem_bytes: float, *, gpus_per_node: int = 8,
+         seq_len: int, micro_batch: int = 1, global_batch: int | None = None,
+         precision: str = "mixed", checkpointing: str = "none", flash_attention: bool = True,
+         reserve: float = 0.1) -> Plan:
+    """All layouts of `n_gpus`, ranked (see the module doc); raises if none can work.
+    `global_batch`: sequences per optimizer step (None: no limit on data parallelism)."""
+    from ..config import Config
+    from .parallelize import check_parallel_config, loss_parallel_enabled, sequence_parallel_enabled
+    from .pipeline import split_layers
+
+    args = ModelArgs.preset(args) if isinstance(args, str) else args
+    if n_gpus < 1 or gpus_per_node < 1 or micro_batch < 1 or seq_len < 1 or gpu_mem_bytes <= 0:
+        raise TitanliteError(f"need positive n_gpus, gpus_per_node, micro_batch, seq_len and memory, got "
+                             f"{n_gpus}, {gpus_per_node}, {micro_batch}, {seq_len}, {gpu_mem_bytes}")
+    if n_gpus > gpus_per_node and n_gpus % gpus_per_node:
+        raise TitanliteError(f"{n_gpus} GPUs do not fill whole nodes of {gpus_per_node}: use a multiple of "
+                             f"{gpus_per_node} GPUs, or set gpus_per_node to what your nodes have")
+    if global_batch is not None and global_batch % micro_batch:
+        raise TitanliteError(f"global_batch={global_batch} is not a multiple of micro_batch={micro_batch}: "
+                             f"choose a global batch of whole micro-batches")
+    with torch.device("meta"):  # counted, never allocated
+        model = Transformer(args)
+    usable = (1 - reserve) * gpu_mem_bytes
+
+    @functools.cache
+    def stage_params(pp: int, tp: int) -> list[int]:
+        # Parameters per pipeline stage on one GPU: matrices split tp ways, norm weights do not.
+        layers = split_layers(args.n_layers, pp)
+        counts = [0] * pp
+        for name, p in model.named_parameters():
+            if name.startswith("layers."):
+                s = next(i for i, r in enumerate(layers) if int(name.split(".")[1]) in r)
+            else:
+                s = 0 if name.startswith("tok_embeddings") else pp - 1
+            counts[s] += p.numel() // tp if p.dim() == 2 else p.numel()
+        return counts
+
+    divisors = [d for d in range(1, n_gpus + 1) if n_gpus % d == 0]
+    fitting, rejected = [], []
+    for pp in divisors:
+        for tp in (d for d in divisors if (n_gpus // pp) % d == 0):
+            for dp_shard in (d for d in divisors if (n_gpus // (pp * tp)) % d == 0):
+                c = Candidate(pp, n_gpus // (pp * tp * dp_shard), dp_shard, tp)
+                dp = c.dp_replicate * dp_shard
+                local = global_batch // dp if global_batch and global_batch % dp == 0 else None
+                m = local // micro_batch if local else (2 * pp if pp > 1 else 1)  # micro-batches per step
+                cfg = Config()
+                cfg.parallel.pp, cfg.parallel.tp = pp, tp
+                cfg.parallel.pp_microbatches = m
+                cfg.training.seq_len, cfg.training.batch_size = seq_len, m * micro_batch
+                if tp > gpus_per_node or gpus_per_node % tp:
+                    c.problem = (f"TP across nodes: tp={tp} must divide the {gpus_per_node} GPUs of a node "
+                                 f"(TP talks in every layer; only a node's links are fast enough)")
+                elif global_batch and (global_batch % dp or (global_batch // dp) % micro_batch or m < pp):
+                    c.problem = (f"batch too small: global_batch={global_batch} over dp={dp} ranks does not give "
+                                 f"each whole micro-batches of {micro_batch}" + (f", at least pp={pp}" if pp > 1 else ""))
+                else:
+                    try:  # exactly what the trainer would refuse
+                        check_parallel_config(cfg, c.dims, args)
+                    except TitanliteError as e:
+                        c.problem = f"trainer refuses: {e}"
+                if c.problem:
+                    rejected.append(c)
+                    continue
+                # Heaviest stage: states for its parameters, activations for its in-flight micro-batches.
+                sp, lp = sequence_parallel_enabled(cfg, c.dims) and tp > 1, loss_parallel_enabled(cfg, c.dims)
+                per_layer = activation_bytes_per_layer(args, seq_len, micro_batch, tp, sequence_parallel=sp,
+                                                       flash_attention=flash_attention, checkpointing=checkpointing)
+                full_layer = activation_bytes_per_layer(args, seq_len, micro_batch, tp, sequence_parallel=sp,
+                                                        flash_attention=flash_attention)
+                layers = split_layers(args.n_layers, pp)
+                stages = []
+                for s, n_params in enumerate(stage_params(pp, tp)):
+                    z = zero_bytes_per_rank(n_params, dp_shard, 3 if dp_shard > 1 else 0, precision=precision)
+                    acts = len(layers[s]) * (pp - s) * per_layer + (full_layer if checkpointing == "full" else 0)
+                    logits = 6 * micro_batch * seq_len * args.vocab_size / (tp if lp else 1) if s == pp - 1 else 0
+                    stages.append(Memory(z["params"], z["grads"], z["optimizer"], round(acts), round(logits)))
+                c.memory = max(stages, key=lambda mem: mem.total)
+                if c.memory.total > usable:
+                    c.problem = f"out of memory: needs {c.memory} > {usable / GB:.1f} GB usable"
+                    rejected.append(c)
+                    continue
+                c.reasons = _reasons(c, args, m, usable, gpus_per_node, n_gpus, precision)
+                fitting.append(c)
+    if not fitting:
+        closest = min((c for c in rejected if c.memory), key=lambda c: c.memory.total, default=None)
+        hint = f"; the smallest, {closest}, needs {closest.memory}" if closest else ""
+        raise TitanliteError(f"no layout of {n_gpus} GPUs can train this model within {usable / GB:.1f} GB "
+                             f"per GPU{hint}: use more GPUs, checkpointing='full', a smaller micro_batch "
+                             f"or seq_len (plan(...) rejected {len(rejected)} layouts)")
+
+    def crosses_nodes(c: Candidate) -> bool:  # tp is innermost, then dp_shard (mesh.py)
+        return n_gpus > gpus_per_node and c.tp * c.dp_shard > gpus_per_node
+
+    fitting.sort(key=lambda c: (c.pp, c.tp, c.dp_shard > 1, crosses_nodes(c), -c.dp_shard))
+    return Plan(args, n_gpus, gpu_mem_bytes, gpus_per_node, usable, model.num_params(), fitting, rejected)
+
+
+def _reasons(c: Candidate, args, m, usable, gpus_per_node, n_gpus, precision) -> list[str]:
+    out = [f"fits: {c.memory} of {usable / GB:.1f} GB usable"]
+    per = "16" if precision == "mixed" else "16 (fp32: 4 + 4 + 8)"
+    if c.dp_shard > 1 and c.dp_replicate == 1:
+        out.append(f"FSDP: parameters, gradients and optimizer state sharded over {c.dp_shard} GPUs "
+                   f"(ZeRO-3: {per}·Ψ/{c.dp_shard} bytes)")
+    elif c.dp_shard > 1:
+        where = "one node" if c.tp * c.dp_shard <= gpus_per_node else "several nodes"
+        out.append(f"HSDP: sharded over {c.dp_shard} GPUs within {where}, {c.dp_replicate} replicas: only "
+                   f"the gradient all-reduce crosses between replicas")
+    elif c.dp_replicate > 1:
+        out.append(f"DDP: the whole model fits on one GPU, so {c.dp_replicate} full copies; its all-reduce "
+                   f"moves 2·Ψ per step where ZeRO-3 moves 3·Ψ")
+    if c.tp > 1:
+        out.append(f"TP {c.tp} within a node ({c.tp} divides the {gpus_per_node} GPUs per node): "
+                   f"{args.n_heads // c.tp} heads per GPU, its per-layer collectives on fast links")
+    if c.pp > 1:
+        out.append(f"PP {c.pp}: ~{args.n_layers // c.pp} layers per stage; 1F1B bubble (pp-1)/m = "
+                   f"{(c.pp - 1) / m:.2f} with m={m} micro-batches; only activations cross between stages")
+    if c.dp_replicate * c.dp_shard == 1 and n_gpus == 1:
+        out.append("one GPU: nothing to split")
+    return out
+
+
+def torch_mesh_groups(pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1,
+                      device: str = "cpu") -> dict:
+    """In a launched job (`launch_function`): the DeviceMesh the trainer builds, and for each dim
+    this rank's group as torch holds it, to check against `ParallelDims.groups`."""
+    import torch.distributed as dist
+    dims = ParallelDims.resolve(dp_replicate, dp_shard, dist.get_world_size(), tp=tp, pp=pp)
+    mesh = dims.build_mesh(torch.device(device).type)
+    return {"rank": dist.get_rank(), "mesh": mesh.mesh.tolist(),
+            **{n: {"mesh": mesh[n].mesh.tolist(), "group": dist.get_process_group_ranks(mesh.get_group(n))}
+               for n in DIM_NAMES}}
