@@ -34,7 +34,6 @@ from .distributed.fsdp import precompute_fp8_scales
 from .distributed.mesh import ParallelDims
 from .distributed.parallelize import loss_parallel_enabled, parallelize
 from .distributed.pipeline import clip_grad_norm_ as pipeline_clip_grad_norm_
-from .distributed.tensor_parallel import loss_context, tp_loss_sum
 from .errors import TitanliteError
 from .metrics import MetricsLogger
 from .models.llama import ModelArgs, Transformer
@@ -61,6 +60,15 @@ class History:
     @property
     def val_losses(self) -> list[float]:
         return [r["val_loss"] for r in self.val]
+
+
+def loss_context(enabled: bool):
+    """TP's loss parallel (cross-entropy on vocabulary-sharded logits), imported only if used."""
+    if not enabled:
+        import contextlib
+        return contextlib.nullcontext()
+    from .distributed.tensor_parallel import loss_context as tp_loss_context
+    return tp_loss_context(True)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -184,8 +192,10 @@ class Trainer:
     def loss_on(self, x: torch.Tensor, y: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
         """Summed cross-entropy over the real target tokens of one batch, divided by
         `num_tokens` (default: this batch's own count, i.e. the mean)."""
-        with self.precision.autocast():  # tp_loss_sum: loss_sum that also takes sharded logits
-            return tp_loss_sum(self.model(x), y) / (num_tokens or max(1, count_targets(y)))
+        with self.precision.autocast():
+            loss = loss_sum(self.model(x), y)
+            loss = loss.to_local() if hasattr(loss, "to_local") else loss  # TP: a replicated DTensor
+            return loss / (num_tokens or max(1, count_targets(y)))
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         """One optimizer step over `grad_accum_steps` micro-batches.

@@ -36,7 +36,6 @@ communication buffers, fragmentation.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -45,7 +44,7 @@ import torch
 from ..errors import TitanliteError
 from ..models.llama import ModelArgs, Transformer
 from .mesh import DIM_NAMES, ParallelDims
-from .zero import zero_bytes_per_rank
+from .zero import PRECISIONS, zero_bytes_per_rank
 
 GB = 1e9
 
@@ -68,8 +67,12 @@ class Memory:
         return self.states + self.activations + self.logits
 
     def __str__(self) -> str:
-        return (f"{self.total / GB:.1f} GB = states {self.states / GB:.1f} + activations "
-                f"{self.activations / GB:.1f} + logits {self.logits / GB:.1f}")
+        return (f"{_size(self.total)} = states {_size(self.states)} + activations "
+                f"{_size(self.activations)} + logits {_size(self.logits)}")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GB:.1f} GB" if nbytes >= 0.1 * GB else f"{nbytes / 1e6:.2f} MB"
 
 
 @dataclass
@@ -116,25 +119,25 @@ class Plan:
         return self.candidates[0]
 
     def report(self, top: int = 3) -> str:
-        b = self.best
-        lines = [f"{self.num_params / 1e9:.2f}B parameters on {self.n_gpus} GPUs ({self.gpus_per_node} per "
-                 f"node), {self.usable_bytes / GB:.1f} GB usable of {self.gpu_mem_bytes / GB:.0f} GB each",
-                 f"→ {b}  (pp, dp_replicate, dp_shard, tp) = {b.shape}", *(f"   - {r}" for r in b.reasons)]
-        # Why not something simpler: the smallest-memory layout of each simpler (pp, tp) pair.
+        b, n = self.best, self.num_params
+        count = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+        lines = [f"{count} parameters on {self.n_gpus} GPUs ({self.gpus_per_node} per node), "
+                 f"{_size(self.usable_bytes)} usable of {_size(self.gpu_mem_bytes)} each",
+                 f"→ {b}   (pp, dp_replicate, dp_shard, tp) = {b.shape}", *(f"   - {r}" for r in b.reasons)]
+        # Why not something simpler: the smallest layout of each simpler (pp, tp) pair that failed.
         simpler = {}
         for c in self.rejected:
             if (c.pp, c.tp) < (b.pp, b.tp) and c.memory is not None:
                 if (c.pp, c.tp) not in simpler or c.memory.total < simpler[c.pp, c.tp].memory.total:
                     simpler[c.pp, c.tp] = c
-        for c in sorted(simpler.values(), key=lambda c: (c.pp, c.tp)):
-            lines.append(f"   not {c}: {c.problem}")
-        for c in self.candidates[1:top]:
-            lines.append(f"  next: {c}  ({c.memory.total / GB:.1f} GB)")
+        lines += [f"   not {c}: {c.problem}" for c in sorted(simpler.values(), key=lambda c: (c.pp, c.tp))]
+        lines += [f"  next: {c}  ({_size(c.memory.total)})" for c in self.candidates[1:top]]
         counts = {}
         for c in self.rejected:
-            counts[c.problem.split(":")[0]] = counts.get(c.problem.split(":")[0], 0) + 1
-        lines.append(f"  {len(self.candidates)} layouts fit; rejected: " +
-                     "; ".join(f"{n} × {why}" for why, n in sorted(counts.items(), key=lambda kv: -kv[1])))
+            kind = c.problem.split(":")[0]
+            counts[kind] = counts.get(kind, 0) + 1
+        lines.append(f"  {len(self.candidates)} layouts fit; rejected: " + ("; ".join(
+            f"{k} × {why}" for why, k in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"))
         return "\n".join(lines)
 
     def explain(self, top: int = 3) -> None:
@@ -161,12 +164,8 @@ def plan(args: ModelArgs | str, n_gpus: int, gpu_mem_bytes: float, *, gpus_per_n
          seq_len: int, micro_batch: int = 1, global_batch: int | None = None,
          precision: str = "mixed", checkpointing: str = "none", flash_attention: bool = True,
          reserve: float = 0.1) -> Plan:
-    """All layouts of `n_gpus`, ranked (see the module doc); raises if none can work.
+    """Every layout of `n_gpus`, ranked (see the module doc); raises if none can work.
     `global_batch`: sequences per optimizer step (None: no limit on data parallelism)."""
-    from ..config import Config
-    from .parallelize import check_parallel_config, loss_parallel_enabled, sequence_parallel_enabled
-    from .pipeline import split_layers
-
     args = ModelArgs.preset(args) if isinstance(args, str) else args
     if n_gpus < 1 or gpus_per_node < 1 or micro_batch < 1 or seq_len < 1 or gpu_mem_bytes <= 0:
         raise TitanliteError(f"need positive n_gpus, gpus_per_node, micro_batch, seq_len and memory, got "
@@ -180,84 +179,97 @@ def plan(args: ModelArgs | str, n_gpus: int, gpu_mem_bytes: float, *, gpus_per_n
     with torch.device("meta"):  # counted, never allocated
         model = Transformer(args)
     usable = (1 - reserve) * gpu_mem_bytes
-
-    @functools.cache
-    def stage_params(pp: int, tp: int) -> list[int]:
-        # Parameters per pipeline stage on one GPU: matrices split tp ways, norm weights do not.
-        layers = split_layers(args.n_layers, pp)
-        counts = [0] * pp
-        for name, p in model.named_parameters():
-            if name.startswith("layers."):
-                s = next(i for i, r in enumerate(layers) if int(name.split(".")[1]) in r)
-            else:
-                s = 0 if name.startswith("tok_embeddings") else pp - 1
-            counts[s] += p.numel() // tp if p.dim() == 2 else p.numel()
-        return counts
-
     divisors = [d for d in range(1, n_gpus + 1) if n_gpus % d == 0]
     fitting, rejected = [], []
-    for pp in divisors:
-        for tp in (d for d in divisors if (n_gpus // pp) % d == 0):
-            for dp_shard in (d for d in divisors if (n_gpus // (pp * tp)) % d == 0):
-                c = Candidate(pp, n_gpus // (pp * tp * dp_shard), dp_shard, tp)
-                dp = c.dp_replicate * dp_shard
-                local = global_batch // dp if global_batch and global_batch % dp == 0 else None
-                m = local // micro_batch if local else (2 * pp if pp > 1 else 1)  # micro-batches per step
-                cfg = Config()
-                cfg.parallel.pp, cfg.parallel.tp = pp, tp
-                cfg.parallel.pp_microbatches = m
-                cfg.training.seq_len, cfg.training.batch_size = seq_len, m * micro_batch
-                if tp > gpus_per_node or gpus_per_node % tp:
-                    c.problem = (f"TP across nodes: tp={tp} must divide the {gpus_per_node} GPUs of a node "
-                                 f"(TP talks in every layer; only a node's links are fast enough)")
-                elif global_batch and (global_batch % dp or (global_batch // dp) % micro_batch or m < pp):
-                    c.problem = (f"batch too small: global_batch={global_batch} over dp={dp} ranks does not give "
-                                 f"each whole micro-batches of {micro_batch}" + (f", at least pp={pp}" if pp > 1 else ""))
-                else:
-                    try:  # exactly what the trainer would refuse
-                        check_parallel_config(cfg, c.dims, args)
-                    except TitanliteError as e:
-                        c.problem = f"trainer refuses: {e}"
-                if c.problem:
-                    rejected.append(c)
-                    continue
-                # Heaviest stage: states for its parameters, activations for its in-flight micro-batches.
-                sp, lp = sequence_parallel_enabled(cfg, c.dims) and tp > 1, loss_parallel_enabled(cfg, c.dims)
-                per_layer = activation_bytes_per_layer(args, seq_len, micro_batch, tp, sequence_parallel=sp,
-                                                       flash_attention=flash_attention, checkpointing=checkpointing)
-                full_layer = activation_bytes_per_layer(args, seq_len, micro_batch, tp, sequence_parallel=sp,
-                                                        flash_attention=flash_attention)
-                layers = split_layers(args.n_layers, pp)
-                stages = []
-                for s, n_params in enumerate(stage_params(pp, tp)):
-                    z = zero_bytes_per_rank(n_params, dp_shard, 3 if dp_shard > 1 else 0, precision=precision)
-                    acts = len(layers[s]) * (pp - s) * per_layer + (full_layer if checkpointing == "full" else 0)
-                    logits = 6 * micro_batch * seq_len * args.vocab_size / (tp if lp else 1) if s == pp - 1 else 0
-                    stages.append(Memory(z["params"], z["grads"], z["optimizer"], round(acts), round(logits)))
-                c.memory = max(stages, key=lambda mem: mem.total)
-                if c.memory.total > usable:
-                    c.problem = f"out of memory: needs {c.memory} > {usable / GB:.1f} GB usable"
-                    rejected.append(c)
-                    continue
-                c.reasons = _reasons(c, args, m, usable, gpus_per_node, n_gpus, precision)
-                fitting.append(c)
+    for pp, tp, dp_shard in ((p, t, s) for p in divisors for t in divisors for s in divisors
+                             if n_gpus % (p * t * s) == 0):
+        c = Candidate(pp, n_gpus // (pp * tp * dp_shard), dp_shard, tp)
+        dp = c.dp_replicate * dp_shard
+        # Micro-batches per data-parallel rank and step: what the global batch leaves, or 2 per stage.
+        m = global_batch // dp // micro_batch if global_batch else (2 * pp if pp > 1 else 1)
+        cfg = _trainer_config(pp, tp, m, micro_batch, seq_len)
+        if tp > gpus_per_node or gpus_per_node % tp:
+            c.problem = (f"TP across nodes: tp={tp} must divide the {gpus_per_node} GPUs of a node "
+                         f"(TP talks in every layer; only a node's links are fast enough)")
+        elif global_batch and (global_batch % (dp * micro_batch) or m < pp):
+            c.problem = (f"batch too small: global_batch={global_batch} does not give each of the {dp} "
+                         f"data-parallel ranks whole micro-batches of {micro_batch}"
+                         + (f", at least pp={pp} of them" if pp > 1 else ""))
+        else:
+            c.problem = _trainer_refuses(cfg, c.dims, args)
+        if c.problem is None:
+            c.memory = _heaviest_stage(model, cfg, c, seq_len, micro_batch, precision, checkpointing,
+                                       flash_attention)
+            if c.memory.total > usable:
+                c.problem = f"out of memory: needs {c.memory} > {_size(usable)} usable"
+        if c.problem is None:
+            c.reasons = _reasons(c, args, m, usable, gpus_per_node, precision)
+        (rejected if c.problem else fitting).append(c)
     if not fitting:
         closest = min((c for c in rejected if c.memory), key=lambda c: c.memory.total, default=None)
         hint = f"; the smallest, {closest}, needs {closest.memory}" if closest else ""
-        raise TitanliteError(f"no layout of {n_gpus} GPUs can train this model within {usable / GB:.1f} GB "
+        raise TitanliteError(f"no layout of {n_gpus} GPUs can train this model within {_size(usable)} "
                              f"per GPU{hint}: use more GPUs, checkpointing='full', a smaller micro_batch "
                              f"or seq_len (plan(...) rejected {len(rejected)} layouts)")
 
     def crosses_nodes(c: Candidate) -> bool:  # tp is innermost, then dp_shard (mesh.py)
         return n_gpus > gpus_per_node and c.tp * c.dp_shard > gpus_per_node
 
+    # The rules of thumb, in order: no PP, no TP, DDP when it fits, HSDP over FSDP across nodes.
     fitting.sort(key=lambda c: (c.pp, c.tp, c.dp_shard > 1, crosses_nodes(c), -c.dp_shard))
     return Plan(args, n_gpus, gpu_mem_bytes, gpus_per_node, usable, model.num_params(), fitting, rejected)
 
 
-def _reasons(c: Candidate, args, m, usable, gpus_per_node, n_gpus, precision) -> list[str]:
-    out = [f"fits: {c.memory} of {usable / GB:.1f} GB usable"]
-    per = "16" if precision == "mixed" else "16 (fp32: 4 + 4 + 8)"
+def _trainer_config(pp: int, tp: int, m: int, micro_batch: int, seq_len: int):
+    from ..config import Config
+    cfg = Config()
+    cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.pp_microbatches = pp, tp, m
+    cfg.training.seq_len, cfg.training.batch_size = seq_len, m * micro_batch
+    return cfg
+
+
+def _trainer_refuses(cfg, dims: ParallelDims, args: ModelArgs) -> str | None:
+    """What titanlite's trainer would refuse (TP divides the heads, a layer per stage, ...)."""
+    from .parallelize import check_parallel_config
+    try:
+        check_parallel_config(cfg, dims, args)
+    except TitanliteError as e:
+        return f"trainer refuses: {e}"
+    return None
+
+
+def _heaviest_stage(model, cfg, c: Candidate, seq_len, micro_batch, precision, checkpointing,
+                    flash_attention) -> Memory:
+    """Bytes per GPU on the pipeline stage that needs the most (see the module doc)."""
+    from .parallelize import loss_parallel_enabled, sequence_parallel_enabled
+    from .pipeline import split_layers
+    args, pp, tp = model.args, c.pp, c.tp
+    layers = split_layers(args.n_layers, pp)
+    # Parameters per stage on one GPU: the stage's matrices split tp ways, norm weights whole.
+    params = [0] * pp
+    for name, p in model.named_parameters():
+        if name.startswith("layers."):
+            stage = next(s for s, r in enumerate(layers) if int(name.split(".")[1]) in r)
+        else:
+            stage = 0 if name.startswith("tok_embeddings") else pp - 1
+        params[stage] += p.numel() // tp if p.dim() == 2 else p.numel()
+    sp = sequence_parallel_enabled(cfg, c.dims) and tp > 1
+    kw = dict(sequence_parallel=sp, flash_attention=flash_attention)
+    per_layer = activation_bytes_per_layer(args, seq_len, micro_batch, tp, checkpointing=checkpointing, **kw)
+    recompute = activation_bytes_per_layer(args, seq_len, micro_batch, tp, **kw) if checkpointing == "full" else 0
+    vocab_split = tp if loss_parallel_enabled(cfg, c.dims) else 1
+    stages = []
+    for s in range(pp):
+        z = zero_bytes_per_rank(params[s], c.dp_shard, 3 if c.dp_shard > 1 else 0, precision=precision)
+        acts = len(layers[s]) * (pp - s) * per_layer + recompute  # 1F1B: pp - s micro-batches in flight
+        logits = 6 * micro_batch * seq_len * args.vocab_size / vocab_split if s == pp - 1 else 0
+        stages.append(Memory(z["params"], z["grads"], z["optimizer"], round(acts), round(logits)))
+    return max(stages, key=lambda mem: mem.total)
+
+
+def _reasons(c: Candidate, args, m, usable, gpus_per_node, precision) -> list[str]:
+    out = [f"fits: {c.memory} of {_size(usable)} usable"]
+    per = sum(PRECISIONS[precision])  # bytes per parameter: weight + gradient + optimizer state
     if c.dp_shard > 1 and c.dp_replicate == 1:
         out.append(f"FSDP: parameters, gradients and optimizer state sharded over {c.dp_shard} GPUs "
                    f"(ZeRO-3: {per}·Ψ/{c.dp_shard} bytes)")
@@ -274,8 +286,6 @@ def _reasons(c: Candidate, args, m, usable, gpus_per_node, n_gpus, precision) ->
     if c.pp > 1:
         out.append(f"PP {c.pp}: ~{args.n_layers // c.pp} layers per stage; 1F1B bubble (pp-1)/m = "
                    f"{(c.pp - 1) / m:.2f} with m={m} micro-batches; only activations cross between stages")
-    if c.dp_replicate * c.dp_shard == 1 and n_gpus == 1:
-        out.append("one GPU: nothing to split")
     return out
 
 
