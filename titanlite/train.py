@@ -36,7 +36,7 @@ from .distributed.parallelize import loss_parallel_enabled, parallelize
 from .distributed.pipeline import clip_grad_norm_ as pipeline_clip_grad_norm_
 from .errors import TitanliteError
 from .metrics import MetricsLogger
-from .models.llama import ModelArgs, Transformer
+from .models.llama import ModelArgs, Transformer, build_model
 from .resilience.faults import check_fault, inject_fault
 from .weights import load_weights  # noqa: F401  (re-exported: titanlite.train.load_weights)
 
@@ -218,7 +218,8 @@ class Trainer:
             with grad_sync(self.model, sync=i == last or d.strategy != "ddp"), \
                     loss_context(self.loss_parallel):  # TP: the sharded softmax, and its backward
                 if self.pipe is not None:  # forward and backward, micro-batch by micro-batch
-                    total += self.pipe.step(x, y, num_tokens=global_tokens / dp)
+                    with self.precision.autocast():
+                        total += self.pipe.step(x, y, num_tokens=global_tokens / dp)
                     continue
                 loss = self.loss_on(x, y, num_tokens=global_tokens / dp)
                 self.precision.backward(loss)
@@ -267,15 +268,21 @@ class Trainer:
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None,
                temperature: float = 0.8, top_k: int = 40, seed: int = 1234) -> str:
         """Continue `prompt` with top-k sampling (own generator: does not disturb training RNG)."""
+        model = self.model
         if self.pipe is not None:
-            # Every new token would have to travel through all stages, one at a time.
-            return "(no text samples in pipeline-parallel runs)"
+            # A token at a time through every stage would be slow: gather the stages' weights
+            # (all ranks take part) and let rank 0 sample from the whole model on its own.
+            from .distributed.pipeline import gather_state_dict
+            state = gather_state_dict(self.model_parts, self.mesh["pp"])
+            if not self.dist.is_main:
+                return ""
+            model = build_model(self.model_args, "cpu").to(self.dtype)
+            model.load_state_dict(state)
         e = self.cfg.eval
         prompt = e.prompt if prompt is None else prompt
         ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_token_id or 0]
-        x = torch.tensor([ids], device=self.device)
+        x = torch.tensor([ids], device=next(model.parameters()).device)
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        model = self.model
         model.eval()
         for _ in range(max_new_tokens or e.sample_tokens):
             with eager():  # prompts of every length would each trigger a recompile
@@ -286,7 +293,7 @@ class Trainer:
             logits = logits / max(temperature, 1e-5)
             kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
             probs = torch.softmax(logits.masked_fill(logits < kth, -float("inf")), dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=gen).to(self.device)
+            nxt = torch.multinomial(probs, 1, generator=gen).to(x.device)
             x = torch.cat([x, nxt.view(1, 1)], dim=1)
         model.train()
         return self.tokenizer.decode(x[0].tolist())

@@ -17,11 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..efficiency import apply_efficiency
-from ..efficiency.accumulation import count_targets
 from ..errors import TitanliteError
 from ..models.llama import ModelArgs, Transformer, build_model
 from .ddp import apply_ddp
@@ -120,6 +118,9 @@ def check_parallel_config(cfg, dims: ParallelDims, args: ModelArgs | None = None
     if args is not None and dims.tp > 1:
         from .tensor_parallel import check_tp
         check_tp(args, dims.tp, seq_len=t.seq_len, sequence_parallel=sequence_parallel_enabled(cfg, dims))
+    if dims.pp > 1 and p.pp_schedule == "zbv" and cfg.eval.every:
+        raise TitanliteError("torch's zero-bubble V schedule cannot run forward-only, so it cannot "
+                             "evaluate: set --eval.every 0, or use --parallel.pp_schedule interleaved_zb")
     if args is not None and dims.pp > 1:
         from .pipeline import check_pipeline
         check_pipeline(pp=dims.pp, schedule=p.pp_schedule, n_layers=args.n_layers,
@@ -161,13 +162,7 @@ class Pipeline:
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Mean token loss of one batch, forward only (torch's schedule.eval)."""
-        self.loss_fn.num_tokens = max(1, count_targets(y))
-        last = any(s.is_last for s in self.stages)
-        losses = [] if last else None
-        args = (x,) if any(s.is_first for s in self.stages) else ()
-        self.schedule.eval(*args, target=y if last else None, losses=losses)
-        total = (torch.stack(losses).sum().float() if last
-                 else torch.zeros((), device=self.stages[0].device))
-        dist.all_reduce(total, group=self.pp_mesh.get_group())
-        return total.item()
+        """Mean token loss of one batch, forward only through the same schedule."""
+        from .pipeline import pipeline_eval
+        return pipeline_eval(self.schedule, self.stages, x, y, loss_fn=self.loss_fn,
+                             pp_group=self.pp_mesh).item()

@@ -227,7 +227,7 @@ def pipeline_eval(schedule, stages: list, x: torch.Tensor, y: torch.Tensor, *, l
     if type(schedule).__name__ in {cls for cls, style in SCHEDULES.values() if style == "v"}:
         # Its stages that share a rank hand gradients over locally, even in eval (torch 2.13).
         raise TitanliteError(f"torch's {type(schedule).__name__} cannot run forward-only: evaluate "
-                             f"through a 'gpipe' or 'interleaved_zb' schedule, or on gather_state_dict")
+                             f"the gathered model (gather_state_dict), or train with interleaved_zb")
     loss_fn.num_tokens = max(1, count_targets(y))
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     losses = [] if last else None
@@ -241,8 +241,10 @@ def pipeline_eval(schedule, stages: list, x: torch.Tensor, y: torch.Tensor, *, l
 def gather_state_dict(parts: list, pp_group=None) -> dict[str, torch.Tensor]:
     """The plain model's state dict (CPU tensors) on every rank of the pipeline: the stages keep
     the full model's names, so the union of their state dicts is the whole model's. For
-    sampling, export and checks; it briefly holds the whole model on every rank."""
-    local = {k: v.detach().cpu() for part in parts for k, v in part.state_dict().items()}
+    sampling, export and checks; it briefly holds the whole model on every rank. FSDP-sharded
+    parts are gathered over their data-parallel ranks first (all of them must call this)."""
+    local = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+             for part in parts for k, v in part.state_dict().items()}
     if not dist.is_initialized():
         return local
     group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
@@ -254,7 +256,9 @@ def gather_state_dict(parts: list, pp_group=None) -> dict[str, torch.Tensor]:
 def clip_grad_norm_(parameters, max_norm: float, pp_group=None, norm_type: float = 2.0) -> torch.Tensor:
     """Clip by the norm of the *whole* model's gradient, although each rank holds only its
     stages: ‖g‖² is a sum over parameters, so the ranks add their local sums (max for the
-    inf-norm) over the pipeline group before anyone scales. Returns the total norm."""
+    inf-norm) over the pipeline group before anyone scales. Returns the total norm.
+    `pp_group`: the pipeline's group (None: the default group, right only when the whole
+    world is one pipeline; with data parallelism too, pass mesh["pp"])."""
     params = [p for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
     if hasattr(norm, "full_tensor"):  # FSDP × PP: a DTensor norm of this rank's shards

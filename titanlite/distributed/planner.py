@@ -176,11 +176,9 @@ def plan(args: ModelArgs | str, n_gpus: int, gpu_mem_bytes: float, *, gpus_per_n
     if global_batch is not None and global_batch % micro_batch:
         raise TitanliteError(f"global_batch={global_batch} is not a multiple of micro_batch={micro_batch}: "
                              f"choose a global batch of whole micro-batches")
-    with torch.device("meta"):  # counted, never allocated
-        model = Transformer(args)
     usable = (1 - reserve) * gpu_mem_bytes
     divisors = [d for d in range(1, n_gpus + 1) if n_gpus % d == 0]
-    fitting, rejected = [], []
+    fitting, rejected, params = [], [], {}
     for pp, tp, dp_shard in ((p, t, s) for p in divisors for t in divisors for s in divisors
                              if n_gpus % (p * t * s) == 0):
         c = Candidate(pp, n_gpus // (pp * tp * dp_shard), dp_shard, tp)
@@ -198,8 +196,10 @@ def plan(args: ModelArgs | str, n_gpus: int, gpu_mem_bytes: float, *, gpus_per_n
         else:
             c.problem = _trainer_refuses(cfg, c.dims, args)
         if c.problem is None:
-            c.memory = _heaviest_stage(model, cfg, c, seq_len, micro_batch, precision, checkpointing,
-                                       flash_attention)
+            if (pp, tp) not in params:
+                params[pp, tp] = stage_params(args, pp, tp)
+            c.memory = _heaviest_stage(args, cfg, c, params[pp, tp], seq_len, micro_batch, precision,
+                                       checkpointing, flash_attention)
             if c.memory.total > usable:
                 c.problem = f"out of memory: needs {c.memory} > {_size(usable)} usable"
         if c.problem is None:
@@ -217,7 +217,9 @@ def plan(args: ModelArgs | str, n_gpus: int, gpu_mem_bytes: float, *, gpus_per_n
 
     # The rules of thumb, in order: no PP, no TP, DDP when it fits, HSDP over FSDP across nodes.
     fitting.sort(key=lambda c: (c.pp, c.tp, c.dp_shard > 1, crosses_nodes(c), -c.dp_shard))
-    return Plan(args, n_gpus, gpu_mem_bytes, gpus_per_node, usable, model.num_params(), fitting, rejected)
+    with torch.device("meta"):
+        num_params = Transformer(args).num_params()
+    return Plan(args, n_gpus, gpu_mem_bytes, gpus_per_node, usable, num_params, fitting, rejected)
 
 
 def _trainer_config(pp: int, tp: int, m: int, micro_batch: int, seq_len: int):
@@ -238,29 +240,38 @@ def _trainer_refuses(cfg, dims: ParallelDims, args: ModelArgs) -> str | None:
     return None
 
 
-def _heaviest_stage(model, cfg, c: Candidate, seq_len, micro_batch, precision, checkpointing,
-                    flash_attention) -> Memory:
-    """Bytes per GPU on the pipeline stage that needs the most (see the module doc)."""
-    from .parallelize import loss_parallel_enabled, sequence_parallel_enabled
+def stage_params(args: ModelArgs, pp: int, tp: int) -> list[int]:
+    """Parameters one GPU of each pipeline stage holds before FSDP shards them: the stage's
+    matrices split tp ways (TP splits every Linear and the embedding), norm weights whole."""
     from .pipeline import split_layers
-    args, pp, tp = model.args, c.pp, c.tp
     layers = split_layers(args.n_layers, pp)
-    # Parameters per stage on one GPU: the stage's matrices split tp ways, norm weights whole.
-    params = [0] * pp
+    with torch.device("meta"):  # counted, never allocated
+        model = Transformer(args)
+    counts = [0] * pp
     for name, p in model.named_parameters():
         if name.startswith("layers."):
             stage = next(s for s, r in enumerate(layers) if int(name.split(".")[1]) in r)
         else:
             stage = 0 if name.startswith("tok_embeddings") else pp - 1
-        params[stage] += p.numel() // tp if p.dim() == 2 else p.numel()
+        counts[stage] += p.numel() // tp if p.dim() == 2 else p.numel()
+    return counts
+
+
+def _heaviest_stage(args, cfg, c: Candidate, params: list[int], seq_len, micro_batch, precision,
+                    checkpointing, flash_attention) -> Memory:
+    """Bytes per GPU on the pipeline stage that needs the most (see the module doc)."""
+    from .parallelize import loss_parallel_enabled, sequence_parallel_enabled
+    from .pipeline import split_layers
+    pp, tp = c.pp, c.tp
+    layers = split_layers(args.n_layers, pp)
     sp = sequence_parallel_enabled(cfg, c.dims) and tp > 1
     kw = dict(sequence_parallel=sp, flash_attention=flash_attention)
     per_layer = activation_bytes_per_layer(args, seq_len, micro_batch, tp, checkpointing=checkpointing, **kw)
     recompute = activation_bytes_per_layer(args, seq_len, micro_batch, tp, **kw) if checkpointing == "full" else 0
     vocab_split = tp if loss_parallel_enabled(cfg, c.dims) else 1
     stages = []
-    for s in range(pp):
-        z = zero_bytes_per_rank(params[s], c.dp_shard, 3 if c.dp_shard > 1 else 0, precision=precision)
+    for s, n_params in enumerate(params):
+        z = zero_bytes_per_rank(n_params, c.dp_shard, 3 if c.dp_shard > 1 else 0, precision=precision)
         acts = len(layers[s]) * (pp - s) * per_layer + recompute  # 1F1B: pp - s micro-batches in flight
         logits = 6 * micro_batch * seq_len * args.vocab_size / vocab_split if s == pp - 1 else 0
         stages.append(Memory(z["params"], z["grads"], z["optimizer"], round(acts), round(logits)))
@@ -289,13 +300,33 @@ def _reasons(c: Candidate, args, m, usable, gpus_per_node, precision) -> list[st
     return out
 
 
-def torch_mesh_groups(pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1,
-                      device: str = "cpu") -> dict:
-    """In a launched job (`launch_function`): the DeviceMesh the trainer builds, and for each dim
-    this rank's group as torch holds it, to check against `ParallelDims.groups`."""
+def inspect_layout(pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, *,
+                   device: str = "cpu", model: dict | None = None) -> dict:
+    """Run in every rank of a launched job (`launch_function`): build the trainer's DeviceMesh
+    and its model parts (`parallelize`, the trainer's own chain) for this layout, and report
+    what this rank really has: its mesh coordinates, for each dim the ranks of its process
+    group as torch holds them and the ranks that answered an all-gather over it, and how many
+    parameter elements it stores (its DTensor shards), to hold against `stage_params`."""
     import torch.distributed as dist
-    dims = ParallelDims.resolve(dp_replicate, dp_shard, dist.get_world_size(), tp=tp, pp=pp)
-    mesh = dims.build_mesh(torch.device(device).type)
-    return {"rank": dist.get_rank(), "mesh": mesh.mesh.tolist(),
-            **{n: {"mesh": mesh[n].mesh.tolist(), "group": dist.get_process_group_ranks(mesh.get_group(n))}
-               for n in DIM_NAMES}}
+
+    from ..config import Config
+    from .env import init_distributed
+    from .parallelize import parallelize
+    env = init_distributed(device)
+    dims = ParallelDims.resolve(dp_replicate, dp_shard, env.world_size, tp=tp, pp=pp)
+    mesh = dims.build_mesh(env.device.type)
+    out = {"rank": env.rank, "coordinates": {n: mesh.get_local_rank(n) for n in DIM_NAMES}}
+    for n in DIM_NAMES:
+        group = mesh.get_group(n)
+        answered = [torch.zeros(1, dtype=torch.long, device=env.device) for _ in range(mesh[n].size())]
+        dist.all_gather(answered, torch.tensor([env.rank], device=env.device), group=group)
+        out[n] = {"mesh": mesh[n].mesh.tolist(), "group": dist.get_process_group_ranks(group),
+                  "answered": [int(t) for t in answered]}
+    cfg = Config()
+    cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.dp_shard, cfg.parallel.dp_replicate = pp, tp, dp_shard, dp_replicate
+    cfg.parallel.pp_microbatches, cfg.training.batch_size = pp, pp
+    args = ModelArgs.preset("debug", **(model or {}))
+    parts, _ = parallelize(args, cfg, env, dims, mesh, torch.float32)
+    out["param_elements"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                                for part in parts for p in part.parameters())
+    return out
