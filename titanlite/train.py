@@ -399,6 +399,7 @@ class Trainer:
                 "device": hardware.device_name(self.device), "dtype": str(self.dtype), "compute_dtype": str(self.compute_dtype),
                 "peak_flops": self.peak.flops, "peak_label": self.peak.label,
                 "world_size": self.dist.world_size, "parallel": self.dims.strategy,
+                "tp": self.dims.tp, "pp": self.dims.pp, "layout": self.dims.describe(),
                 "dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
                 "float8": getattr(self.model, "fp8_info", None),
                 "torch": torch.__version__}

@@ -81,7 +81,8 @@ def launch(cfg=None, nproc: int = 2, *, overrides: dict | None = None, callbacks
     t = cfg.training
     check_fault(cfg.fault, t.steps, nproc)
     resolve_batch(t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=dims.dp)
-    name = cfg.metrics.run_name or f"{cfg.model.preset}-{dims.strategy}{nproc}-{time.strftime('%Y%m%d-%H%M%S')}"
+    layout = dims.describe().replace(" × ", "-").replace("=", "")
+    name = cfg.metrics.run_name or f"{cfg.model.preset}-{layout}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg.metrics.run_name, cfg.metrics.progress = name, False  # the live plot is the progress
     run_dir = Path(cfg.metrics.log_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -19,16 +19,15 @@ Memory per GPU, in bytes, of the heaviest pipeline stage:
 - params / grads / optimizer: ZeRO's formula (zero.py) for Ψ_local, the stage's parameters with
   every matrix split tp ways (norm weights are replicated), sharded dp_shard ways (stage 3;
   stage 0 = DDP when dp_shard = 1). dp_replicate saves nothing: each replica holds it all.
-- activations, per transformer layer and micro-batch, 16-bit (Korthikanti et al. 2022,
-  "Reducing Activation Recomputation in Large Transformer Models", §4):
-      s·b·h·(34 + 5·a·s/h)                 no TP
-      s·b·h·(10 + 24/t + 5·a·s/(h·t))       TP over t ranks
-      s·b·h·(34 + 5·a·s/h) / t              TP with sequence parallel
-  s: sequence, b: micro-batch, h: dim, a: heads. Flash attention (torch's SDPA) never stores the
-  a·s² scores: the 5·a·s/h term drops. Full activation checkpointing keeps each layer's input
-  (2·s·b·h, /t with SP) and one layer's activations during its recompute. Under 1F1B, stage r
-  of pp holds pp - r micro-batches in flight. The paper counts a GPT block (4h MLP, dropout);
-  Llama's SwiGLU block differs: an estimate of the right size, not a measurement.
+- activations of one layer and micro-batch in bf16: `activation_memory_estimate` (checkpointing.py:
+  Korthikanti et al. 2022's count, "Reducing Activation Recomputation in Large Transformer
+  Models", re-derived for this Llama block with flash attention; equal to the bytes measured on
+  CPU). Split over TP ranks as the paper does: attention and MLP tensors t ways; the norms'
+  tensors stay whole on every TP rank, unless sequence parallelism splits them too (then all
+  of it is /t). For a GPT block the paper's totals are s·b·h·(34 + 5·a·s/h), with TP
+  s·b·h·(10 + 24/t + 5·a·s/(h·t)), with TP + SP that /t. With activation checkpointing (full,
+  op, selective: notebook 04) add one block's activations, alive while it is recomputed.
+  Under 1F1B, stage r of pp holds pp - r micro-batches in flight.
 - logits (our addition): 6·b·s·V bytes on the last stage, bf16 logits and their fp32 copy for
   the loss, /t with loss parallel.
 `reserve` is left for what is not counted: CUDA context, FSDP's gathered and prefetched layers,
@@ -37,10 +36,12 @@ communication buffers, fragmentation.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..efficiency.checkpointing import MODES as AC_MODES
+from ..efficiency.checkpointing import activation_memory_estimate
 from ..errors import TitanliteError
 from ..models.llama import ModelArgs, Transformer
 from .mesh import DIM_NAMES, ParallelDims
@@ -145,47 +146,56 @@ class Plan:
 
 
 def activation_bytes_per_layer(args: ModelArgs, seq_len: int, micro_batch: int, tp: int = 1, *,
-                               sequence_parallel: bool = True, flash_attention: bool = True,
-                               checkpointing: str = "none") -> float:
-    """Korthikanti et al. 2022, one layer, one micro-batch, 16-bit activations (see the top)."""
-    s, b, h, a = seq_len, micro_batch, args.dim, args.n_heads
-    scores = 0.0 if flash_attention else 5 * a * s / h
-    sp = sequence_parallel and tp > 1
+                               sequence_parallel: bool = True, checkpointing: str = "none",
+                               every: int = 2) -> float:
+    """Saved activations of one layer (the model's average) for one micro-batch on one TP rank,
+    bf16 (see the top). `checkpointing`: none | full | op | selective (every `every`-th block)."""
+    if checkpointing not in AC_MODES:
+        raise TitanliteError(f"checkpointing '{checkpointing}' is not one of {', '.join(AC_MODES)}")
+
+    def estimate(n_layers: int, mode: str = checkpointing) -> int:
+        return activation_memory_estimate(replace(args, n_layers=n_layers), micro_batch, seq_len, 2,
+                                          mode, every)
+    block = estimate(2, "none") - estimate(1, "none")  # one more block: one block's share
+    final_norm = estimate(1, "none") - block           # what else estimate() counts; a block has two
+    if sequence_parallel or tp == 1:  # everything splits over the TP ranks (the sequence, or heads)
+        return (estimate(args.n_layers) - final_norm) / args.n_layers / tp
     if checkpointing == "full":
-        return 2 * s * b * h / (tp if sp else 1)
-    if checkpointing != "none":
-        raise TitanliteError(f"checkpointing '{checkpointing}' is not modelled: use 'none' or 'full'")
-    if tp == 1 or sp:
-        return s * b * h * (34 + scores) / tp
-    return s * b * h * (10 + 24 / tp + scores / tp)
+        return estimate(2) - estimate(1)  # each block keeps its input, whole on every TP rank
+    if checkpointing == "none":  # the norms' tensors whole on every TP rank, the rest split
+        return 2 * final_norm + (block - 2 * final_norm) / tp
+    raise TitanliteError(f"checkpointing '{checkpointing}' with TP but without sequence parallelism is not "
+                         f"modelled: use 'none' or 'full'")
 
 
 def plan(args: ModelArgs | str, n_gpus: int, gpu_mem_bytes: float, *, gpus_per_node: int = 8,
          seq_len: int, micro_batch: int = 1, global_batch: int | None = None,
-         precision: str = "mixed", checkpointing: str = "none", flash_attention: bool = True,
-         reserve: float = 0.1) -> Plan:
+         precision: str = "mixed", checkpointing: str = "none", reserve: float = 0.1) -> Plan:
     """Every layout of `n_gpus`, ranked (see the module doc); raises if none can work.
     `global_batch`: sequences per optimizer step (None: no limit on data parallelism)."""
     args = ModelArgs.preset(args) if isinstance(args, str) else args
     if n_gpus < 1 or gpus_per_node < 1 or micro_batch < 1 or seq_len < 1 or gpu_mem_bytes <= 0:
-        raise TitanliteError(f"need positive n_gpus, gpus_per_node, micro_batch, seq_len and memory, got "
-                             f"{n_gpus}, {gpus_per_node}, {micro_batch}, {seq_len}, {gpu_mem_bytes}")
+        raise TitanliteError(f"n_gpus, gpus_per_node, micro_batch, seq_len and gpu_mem_bytes must be "
+                             f"positive, got {n_gpus}, {gpus_per_node}, {micro_batch}, {seq_len}, "
+                             f"{gpu_mem_bytes}: pass positive numbers")
     if n_gpus > gpus_per_node and n_gpus % gpus_per_node:
         raise TitanliteError(f"{n_gpus} GPUs do not fill whole nodes of {gpus_per_node}: use a multiple of "
                              f"{gpus_per_node} GPUs, or set gpus_per_node to what your nodes have")
+    if checkpointing not in AC_MODES:
+        raise TitanliteError(f"checkpointing '{checkpointing}' is not one of {', '.join(AC_MODES)}")
     if global_batch is not None and global_batch % micro_batch:
         raise TitanliteError(f"global_batch={global_batch} is not a multiple of micro_batch={micro_batch}: "
                              f"choose a global batch of whole micro-batches")
     usable = (1 - reserve) * gpu_mem_bytes
     divisors = [d for d in range(1, n_gpus + 1) if n_gpus % d == 0]
-    fitting, rejected, params = [], [], {}
+    fitting, rejected, params, shapes = [], [], {}, _named_shapes(args)
     for pp, tp, dp_shard in ((p, t, s) for p in divisors for t in divisors for s in divisors
                              if n_gpus % (p * t * s) == 0):
         c = Candidate(pp, n_gpus // (pp * tp * dp_shard), dp_shard, tp)
         dp = c.dp_replicate * dp_shard
         # Micro-batches per data-parallel rank and step: what the global batch leaves, or 2 per stage.
         m = global_batch // dp // micro_batch if global_batch else (2 * pp if pp > 1 else 1)
-        cfg = _trainer_config(pp, tp, m, micro_batch, seq_len)
+        cfg, refused = _trainer_check(pp, tp, m, micro_batch, seq_len, c.dims, args)
         if tp > gpus_per_node or gpus_per_node % tp:
             c.problem = (f"TP across nodes: tp={tp} must divide the {gpus_per_node} GPUs of a node "
                          f"(TP talks in every layer; only a node's links are fast enough)")
@@ -194,13 +204,16 @@ def plan(args: ModelArgs | str, n_gpus: int, gpu_mem_bytes: float, *, gpus_per_n
                          f"data-parallel ranks whole micro-batches of {micro_batch}"
                          + (f", at least pp={pp} of them" if pp > 1 else ""))
         else:
-            c.problem = _trainer_refuses(cfg, c.dims, args)
+            c.problem = refused
         if c.problem is None:
             if (pp, tp) not in params:
-                params[pp, tp] = stage_params(args, pp, tp)
-            c.memory = _heaviest_stage(args, cfg, c, params[pp, tp], seq_len, micro_batch, precision,
-                                       checkpointing, flash_attention)
-            if c.memory.total > usable:
+                params[pp, tp] = stage_params(args, pp, tp, shapes)
+            try:
+                c.memory = _heaviest_stage(args, cfg, c, params[pp, tp], seq_len, micro_batch, precision,
+                                           checkpointing)
+            except TitanliteError as e:
+                c.problem = f"not modelled: {e}"
+            if c.memory is not None and c.memory.total > usable:
                 c.problem = f"out of memory: needs {c.memory} > {_size(usable)} usable"
         if c.problem is None:
             c.reasons = _reasons(c, args, m, usable, gpus_per_node, precision)
@@ -217,57 +230,59 @@ def plan(args: ModelArgs | str, n_gpus: int, gpu_mem_bytes: float, *, gpus_per_n
 
     # The rules of thumb, in order: no PP, no TP, DDP when it fits, HSDP over FSDP across nodes.
     fitting.sort(key=lambda c: (c.pp, c.tp, c.dp_shard > 1, crosses_nodes(c), -c.dp_shard))
-    with torch.device("meta"):
-        num_params = Transformer(args).num_params()
+    num_params = sum(math.prod(shape) for _, shape in shapes)  # named_parameters: a tied weight once
     return Plan(args, n_gpus, gpu_mem_bytes, gpus_per_node, usable, num_params, fitting, rejected)
 
 
-def _trainer_config(pp: int, tp: int, m: int, micro_batch: int, seq_len: int):
+def _trainer_check(pp: int, tp: int, m: int, micro_batch: int, seq_len: int, dims: ParallelDims,
+                   args: ModelArgs):
+    """The trainer's config for this layout, and what the trainer would refuse about it (TP must
+    divide the heads, PP needs a layer per stage, ...), or None."""
     from ..config import Config
+    from .parallelize import check_parallel_config
     cfg = Config()
     cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.pp_microbatches = pp, tp, m
     cfg.training.seq_len, cfg.training.batch_size = seq_len, m * micro_batch
-    return cfg
-
-
-def _trainer_refuses(cfg, dims: ParallelDims, args: ModelArgs) -> str | None:
-    """What titanlite's trainer would refuse (TP divides the heads, a layer per stage, ...)."""
-    from .parallelize import check_parallel_config
     try:
         check_parallel_config(cfg, dims, args)
     except TitanliteError as e:
-        return f"trainer refuses: {e}"
-    return None
+        return cfg, f"trainer refuses: {e}"
+    return cfg, None
 
 
-def stage_params(args: ModelArgs, pp: int, tp: int) -> list[int]:
+def stage_params(args: ModelArgs, pp: int, tp: int, shapes: list | None = None) -> list[int]:
     """Parameters one GPU of each pipeline stage holds before FSDP shards them: the stage's
-    matrices split tp ways (TP splits every Linear and the embedding), norm weights whole."""
+    matrices split tp ways (TP splits every Linear and the embedding), norm weights whole.
+    `shapes`: the model's (name, shape) list, when the caller has it already."""
     from .pipeline import split_layers
     layers = split_layers(args.n_layers, pp)
-    with torch.device("meta"):  # counted, never allocated
-        model = Transformer(args)
     counts = [0] * pp
-    for name, p in model.named_parameters():
+    for name, shape in shapes or _named_shapes(args):
         if name.startswith("layers."):
             stage = next(s for s, r in enumerate(layers) if int(name.split(".")[1]) in r)
         else:
             stage = 0 if name.startswith("tok_embeddings") else pp - 1
-        counts[stage] += p.numel() // tp if p.dim() == 2 else p.numel()
+        counts[stage] += math.prod(shape) // tp if len(shape) == 2 else math.prod(shape)
     return counts
 
 
+def _named_shapes(args: ModelArgs) -> list[tuple[str, tuple]]:
+    with torch.device("meta"):  # counted, never allocated
+        return [(n, tuple(p.shape)) for n, p in Transformer(args).named_parameters()]
+
+
 def _heaviest_stage(args, cfg, c: Candidate, params: list[int], seq_len, micro_batch, precision,
-                    checkpointing, flash_attention) -> Memory:
+                    checkpointing) -> Memory:
     """Bytes per GPU on the pipeline stage that needs the most (see the module doc)."""
     from .parallelize import loss_parallel_enabled, sequence_parallel_enabled
     from .pipeline import split_layers
     pp, tp = c.pp, c.tp
     layers = split_layers(args.n_layers, pp)
     sp = sequence_parallel_enabled(cfg, c.dims) and tp > 1
-    kw = dict(sequence_parallel=sp, flash_attention=flash_attention)
-    per_layer = activation_bytes_per_layer(args, seq_len, micro_batch, tp, checkpointing=checkpointing, **kw)
-    recompute = activation_bytes_per_layer(args, seq_len, micro_batch, tp, **kw) if checkpointing == "full" else 0
+    per_layer = activation_bytes_per_layer(args, seq_len, micro_batch, tp, sequence_parallel=sp,
+                                           checkpointing=checkpointing)
+    recompute = (activation_bytes_per_layer(args, seq_len, micro_batch, tp, sequence_parallel=sp)
+                 if checkpointing != "none" else 0)  # one block recomputed at a time
     vocab_split = tp if loss_parallel_enabled(cfg, c.dims) else 1
     stages = []
     for s, n_params in enumerate(params):
@@ -300,33 +315,39 @@ def _reasons(c: Candidate, args, m, usable, gpus_per_node, precision) -> list[st
     return out
 
 
-def inspect_layout(pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, *,
-                   device: str = "cpu", model: dict | None = None) -> dict:
-    """Run in every rank of a launched job (`launch_function`): build the trainer's DeviceMesh
-    and its model parts (`parallelize`, the trainer's own chain) for this layout, and report
-    what this rank really has: its mesh coordinates, for each dim the ranks of its process
-    group as torch holds them and the ranks that answered an all-gather over it, and how many
-    parameter elements it stores (its DTensor shards), to hold against `stage_params`."""
-    import torch.distributed as dist
+# ----- checking a layout against what torch builds (notebook 11) -----------------------------
 
-    from ..config import Config
-    from .env import init_distributed
-    from .parallelize import parallelize
-    env = init_distributed(device)
-    dims = ParallelDims.resolve(dp_replicate, dp_shard, env.world_size, tp=tp, pp=pp)
-    mesh = dims.build_mesh(env.device.type)
-    out = {"rank": env.rank, "coordinates": {n: mesh.get_local_rank(n) for n in DIM_NAMES}}
+def inspect_layout(mesh, parts) -> dict:
+    """What this rank really has under a layout: its mesh coordinates; for each dim, the ranks
+    of its process group as torch holds them and the ranks that answer an all-gather over it;
+    and the parameter elements it stores (its DTensor shards), to hold against `stage_params`."""
+    import torch.distributed as dist
+    rank, device = dist.get_rank(), mesh.device_type
+    out = {"rank": rank, "coordinates": {n: mesh.get_local_rank(n) for n in DIM_NAMES}}
     for n in DIM_NAMES:
         group = mesh.get_group(n)
-        answered = [torch.zeros(1, dtype=torch.long, device=env.device) for _ in range(mesh[n].size())]
-        dist.all_gather(answered, torch.tensor([env.rank], device=env.device), group=group)
+        answered = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(mesh[n].size())]
+        dist.all_gather(answered, torch.tensor([rank], device=device), group=group)
         out[n] = {"mesh": mesh[n].mesh.tolist(), "group": dist.get_process_group_ranks(group),
                   "answered": [int(t) for t in answered]}
-    cfg = Config()
-    cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.dp_shard, cfg.parallel.dp_replicate = pp, tp, dp_shard, dp_replicate
-    cfg.parallel.pp_microbatches, cfg.training.batch_size = pp, pp
-    args = ModelArgs.preset("debug", **(model or {}))
-    parts, _ = parallelize(args, cfg, env, dims, mesh, torch.float32)
     out["param_elements"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
                                 for part in parts for p in part.parameters())
     return out
+
+
+def layout_lab(cfg) -> dict:
+    """A `launch_function` target: each rank builds the Trainer for `cfg` (a Config), reports
+    what the layout gave it (`inspect_layout`), trains while streaming its records to the
+    launcher's callbacks, and saves the gathered weights, exactly as `titanlite train` does."""
+    import os
+
+    from ..train import Trainer
+    from .run_function import report
+    job = os.environ.get("TITANLITE_JOB_DIR", cfg.metrics.log_dir)
+    cfg.metrics.log_dir, cfg.metrics.run_name, cfg.metrics.progress = job, "trainer", False
+    trainer = Trainer(cfg)
+    layout = inspect_layout(trainer.mesh, trainer.model_parts)
+    history = trainer.fit(callbacks=[report])
+    trainer.save_weights(history.run_dir)
+    return {"layout": layout, "losses": history.losses, "grad_norms": [r["grad_norm"] for r in history.train],
+            "run_dir": str(history.run_dir)}
