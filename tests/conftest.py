@@ -41,3 +41,18 @@ def tiny_overrides(data_dir: Path, tmp_path: Path, **extra) -> dict:
          "metrics.progress": False}
     o.update(extra)
     return o
+
+
+def run_torchrun(script, *args, nproc: int = 2, timeout: float = 120):
+    """Run `script` under torchrun with `nproc` ranks on this machine (1 thread each); the
+    test fails with the ranks' output if the job does."""
+    import subprocess
+    import sys
+
+    from titanlite.distributed.launcher import _free_port
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script), *map(str, args)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc

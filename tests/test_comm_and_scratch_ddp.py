@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import socket
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -18,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
+from conftest import run_torchrun
 
 WORLD = 2
 VOCAB, SEQ, MICRO = 256, 16, 2
@@ -213,20 +212,10 @@ def _worker(out_dir: str) -> None:
 
 
 # ------------------------------------------------------------------------------ the tests
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_torchrun(__file__, out, nproc=WORLD)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

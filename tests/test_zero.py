@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -21,6 +17,8 @@ import torch
 from titanlite.distributed.zero import (fsdp_shard_numel, measure_state_bytes, zero1_partition,
                                         zero_bytes_per_rank)
 from titanlite.errors import TitanliteError
+
+from conftest import run_torchrun
 
 WORLD = 2
 VOCAB = 4095  # odd: dim 0 of the embedding does not split evenly over 2 ranks
@@ -122,22 +120,12 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("zero")
     script = out / "worker.py"
     script.write_text(f"VOCAB = {VOCAB}\nSTRATEGIES = {STRATEGIES!r}\n" + WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script), str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_torchrun(str(script), out, nproc=WORLD)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
