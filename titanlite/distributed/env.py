@@ -92,6 +92,12 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, backend=name, device=dev)
 
 
+def group_device() -> str:
+    """The device type the running process group moves: nccl CUDA tensors, gloo CPU ones
+    (a job launched on CPU ranks stays on the CPU even on a machine with GPUs)."""
+    return "cuda" if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+
+
 def destroy_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         with warnings.catch_warnings():

@@ -27,7 +27,7 @@ from ..errors import TitanliteError
 from ..models.llama import ModelArgs, build_model
 from .comm import CommCounter
 from .ddp import apply_ddp, grad_sync
-from .env import init_distributed
+from .env import group_device, init_distributed
 from .run_function import report
 from .scratch_ddp import ScratchDataParallel, allreduce_mean_
 
@@ -35,9 +35,7 @@ from .scratch_ddp import ScratchDataParallel, allreduce_mean_
 # ----- shared pieces ---------------------------------------------------------------------------
 
 def _join(device: str | None, threads: int | None):
-    if device is None:  # the device the process group already talks: nccl moves CUDA tensors
-        device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-    env = init_distributed(device)
+    env = init_distributed(device or group_device())
     if not env.distributed:
         raise TitanliteError("the data-parallel lab needs several processes in a process group: "
                              "start it with titanlite's launch_function(..., nproc=2) or torchrun")

@@ -37,7 +37,7 @@ from ..errors import TitanliteError, closest
 from ..models.llama import ModelArgs, Transformer, build_model
 from .comm import CommCounter
 from .ddp import apply_ddp
-from .env import init_distributed, pick_backend, torchrun_env
+from .env import group_device, init_distributed, pick_backend, torchrun_env
 from .fsdp import apply_fsdp, describe_sharding, precompute_fp8_scales, shard_and_init
 from .zero import (fsdp_shard_numel, measure_state_bytes, unsharded_param_bytes, zero1_partition,
                    zero_bytes_per_rank)
@@ -52,9 +52,7 @@ def _join(device: str | None):
     A world of one (torchrun --nproc-per-node 1, or a plain process such as a notebook kernel)
     still gets a process group, because DDP and FSDP need one: torchrun's rendezvous, or an
     in-memory store; `titanlite.distributed.env.destroy_distributed()` ends it."""
-    if device is None:  # the device the process group already talks: nccl moves CUDA tensors
-        device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-    env = init_distributed(device)
+    env = init_distributed(device or group_device())
     if not dist.is_initialized():
         alone = {} if torchrun_env() else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
         dist.init_process_group(pick_backend("auto", env.device.type),

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from ..efficiency.accumulation import IGNORE_INDEX, loss_sum
 from ..models.llama import ModelArgs, build_model
 from .comm import CommCounter
-from .env import init_distributed
+from .env import group_device, init_distributed
 from .run_function import report
 from .tensor_parallel import apply_tp, loss_context, tp_loss_sum
 
@@ -147,9 +147,7 @@ class ScratchParallelMLP(nn.Module):
 
 def _join(device):
     """This rank's DistEnv and a 1-D "tp" mesh over every rank (run_function joined the group)."""
-    if device is None:  # nccl moves CUDA tensors
-        device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-    env = init_distributed(device)
+    env = init_distributed(device or group_device())
     return env, init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("tp",))
 
 
