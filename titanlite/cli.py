@@ -28,7 +28,8 @@ def _train(args, overrides: list[str]) -> None:
             f"on {on} ({trainer.dtype}); MFU against {trainer.peak.label}")
         history = trainer.fit()
         trainer.save_weights(history.run_dir)
-    finally:
+        trainer.close(barrier=True)
+    finally:  # after a failure: leave at once (a peer may be gone, a barrier would hang)
         trainer.close()
     if not trainer.dist.is_main:
         return

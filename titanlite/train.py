@@ -386,9 +386,10 @@ class Trainer:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
-    def close(self) -> None:
-        """Leave the process group (a no-op for a single process)."""
-        destroy_distributed()
+    def close(self, barrier: bool = False) -> None:
+        """Leave the process group (a no-op for a single process); barrier=True after a
+        successful run, so no rank tears down while another still talks to it."""
+        destroy_distributed(barrier)
 
     def _write_run_info(self, run_dir: Path) -> None:
         import json

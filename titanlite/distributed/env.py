@@ -98,8 +98,13 @@ def group_device() -> str:
     return "cuda" if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(barrier: bool = False) -> None:
+    """Leave the process group. barrier=True (only after success: a failed rank's peers may
+    be gone) waits until every rank is done first; a rank that tears gloo down while a peer
+    still talks to it can abort the whole process ("terminate called ...")."""
     if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dist.destroy_process_group()

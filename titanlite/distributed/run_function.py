@@ -23,8 +23,10 @@ def main(job_dir: str) -> None:
     fn = getattr(importlib.import_module(module), name)
     try:
         result = fn(**spec["kwargs"])
-    finally:
+    except BaseException:
         destroy_distributed()
+        raise
+    destroy_distributed(barrier=True)
     tmp = job / f"result.rank{env.rank}.pt.tmp"
     torch.save(result, tmp)
     tmp.rename(job / f"result.rank{env.rank}.pt")  # the launcher never reads half a file
