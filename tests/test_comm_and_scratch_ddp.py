@@ -314,4 +314,6 @@ def test_plain_and_functional_collectives_are_counted(runs):
 
 
 if __name__ == "__main__":
+    from titanlite.distributed.env import exit_worker
     _worker(sys.argv[1])
+    exit_worker(0)

@@ -89,6 +89,28 @@ def test_a_killed_rank_is_reported_and_the_others_stopped(data_dir, tmp_path):
     _assert_no_job_processes()
 
 
+def _summary(entries) -> str:
+    blocks = [f"[{i}]:\n  time      : 2026-11-22_07:32:01\n  rank      : {r} (local_rank: {r})\n"
+              f"  exitcode  : {c} (pid: 1)\n  error_file: {e}\n" for i, (r, c, e) in enumerate(entries)]
+    return f"Failures:\n{blocks[1]}----\nRoot Cause (first observed failure):\n{blocks[0]}====\n"
+
+
+def test_a_killed_rank_is_named_even_when_its_peer_is_stamped_first(tmp_path):
+    """torchrun's clock has one-second resolution: the peer's 'connection closed' can be the
+    'first observed failure' although the killed rank caused it (seen once on CI)."""
+    import json
+    from titanlite.distributed.launcher import _failure
+    peer = tmp_path / "error.json"
+    peer.write_text(json.dumps({"message": {"message": "RuntimeError: Connection closed by peer",
+                                            "extraInfo": {"py_callstack": "..."}}}))
+    (tmp_path / "launcher.log").write_text(_summary([(1, 1, peer), (0, -9, "<N/A>")]))
+    assert "rank 0 was killed by signal SIGKILL" in str(_failure(tmp_path, 1, ""))
+    # A genuine error stays the root cause, and the agent's own SIGTERM never is.
+    peer.write_text(json.dumps({"message": {"message": "ValueError: bad", "extraInfo": {"py_callstack": "..."}}}))
+    (tmp_path / "launcher.log").write_text(_summary([(1, 1, peer), (0, -15, "<N/A>")]))
+    assert "rank 1 failed: ValueError: bad" in str(_failure(tmp_path, 1, ""))
+
+
 def test_a_hung_rank_times_out_instead_of_hanging(data_dir, tmp_path):
     cfg = _cfg(data_dir, tmp_path, **{"parallel.timeout_s": 4})
     start = time.perf_counter()

@@ -101,7 +101,7 @@ WORKER = textwrap.dedent("""
     import json, sys, warnings
     import torch
     import torch.distributed as dist
-    from titanlite.distributed.env import init_distributed, destroy_distributed
+    from titanlite.distributed.env import init_distributed, destroy_distributed, exit_worker
     from titanlite.distributed import lab_fsdp
     from titanlite.errors import TitanliteError
 
@@ -115,8 +115,8 @@ WORKER = textwrap.dedent("""
     out["fp8"] = lab_fsdp.fp8_all_gather_check(vocab_size=VOCAB, steps=2, min_dim=32, device="cpu")
     with open(f"{sys.argv[1]}/rank{env.rank}.json", "w") as f:
         json.dump(out, f)
-    dist.barrier()
-    destroy_distributed()
+    destroy_distributed(barrier=True)
+    exit_worker(0)
 """)
 
 

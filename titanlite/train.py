@@ -413,4 +413,5 @@ if __name__ == "__main__":  # torchrun ... -m titanlite.train --config ...
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from titanlite.cli import main as _cli_main
-    sys.exit(record(_cli_main)(["train", *sys.argv[1:]]))
+    from titanlite.distributed.env import exit_worker
+    exit_worker(record(_cli_main)(["train", *sys.argv[1:]]) or 0)  # see exit_worker

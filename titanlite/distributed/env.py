@@ -110,6 +110,17 @@ def destroy_distributed(barrier: bool = False) -> None:
             dist.destroy_process_group()
 
 
+def exit_worker(code: int = 0) -> None:
+    """End a torchrun worker now: flush output, then `os._exit`, skipping interpreter
+    finalization. Objects gloo's C++ threads still hold are destroyed there after Python is
+    half torn down, which aborts the process now and then ("terminate called without an active
+    exception", SIGABRT, seen on a loaded 2-core CI machine after a fully successful run).
+    Call it only when all results are on disk and the group is destroyed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def all_reduce_sum(value: torch.Tensor, group=None) -> torch.Tensor:
     """Sum a tensor over the group in place (no-op in a single process)."""
     if dist.is_available() and dist.is_initialized():

@@ -227,31 +227,54 @@ def job_processes(job_id: str) -> list[int]:
     return pids
 
 
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|[Tt]imed out|"
+                        r"ECONNRESET|Socket closed|Read error|Write error")
+
+
+def _failed_ranks(summary: str) -> list[dict]:
+    """torchrun's failure summary as [{rank, code, error_file}], root cause first."""
+    entries = []
+    for block in re.split(r"\n\s*\[\d+\]:\s*\n", summary)[1:]:
+        rank, code = re.search(r"rank\s*:\s*(\d+)", block), re.search(r"exitcode\s*:\s*(-?\d+)", block)
+        if rank and code:
+            error_file = re.search(r"error_file\s*:\s*(\S+)", block)
+            entries.append({"rank": int(rank.group(1)), "code": int(code.group(1)),
+                            "error_file": Path(error_file.group(1)) if error_file else None})
+    return entries
+
+
 def _failure(run_dir: Path, returncode: int, last_steps: str) -> TitanliteError:
     """Show the failing rank's traceback; return the one-line error to raise.
 
     torchrun names the root cause (the first rank observed to fail) in its summary; the other
-    ranks usually fail *because* of it (a closed connection, a timed-out collective)."""
+    ranks usually fail *because* of it (a closed connection, a timed-out collective). Its clock
+    has one-second resolution, so a peer's "connection closed" can be stamped before the agent
+    notices the killed rank: a rank killed by a signal (other than the agent's own SIGTERM)
+    is then the better root cause."""
     log = (run_dir / "launcher.log").read_text()
     where = f"last step per rank: {last_steps or 'none logged'}; logs in {run_dir / 'logs'}"
-    cause = log.split("Root Cause (first observed failure):", 1)
-    if len(cause) == 2:
-        block = cause[1]
-        rank = int(re.search(r"rank\s*:\s*(\d+)", block).group(1))
-        code = int(re.search(r"exitcode\s*:\s*(-?\d+)", block).group(1))
-        error_file = Path(re.search(r"error_file\s*:\s*(\S+)", block).group(1))
-        if error_file.is_file():
-            info = json.loads(error_file.read_text())["message"]
-            print(f"--- rank {rank} failed; its traceback: ---\n{info['extraInfo']['py_callstack']}",
-                  file=sys.stderr)
+    parts = log.rsplit("Root Cause (first observed failure):", 1)
+    if len(parts) == 2:
+        failures = parts[0].rsplit("Failures:", 1)[-1]
+        root, *others = _failed_ranks("\n" + parts[1]) + _failed_ranks("\n" + failures)
+        message = None
+        if root["error_file"] is not None and root["error_file"].is_file():
+            info = json.loads(root["error_file"].read_text())["message"]
             message = info["message"].strip().splitlines()[-1]
-            hint = (" - a peer stopped answering (hung or dead rank?)"
-                    if "Timed out" in message or "timed out" in message else "")
+            killed = [f for f in others if f["code"] < 0 and -f["code"] != signal.SIGTERM]
+            if killed and _PEER_GONE.search(message):
+                root, message = killed[0], None
+            else:
+                print(f"--- rank {root['rank']} failed; its traceback: ---\n"
+                      f"{info['extraInfo']['py_callstack']}", file=sys.stderr)
+        rank, code = root["rank"], root["code"]
+        if message is not None:
+            hint = " - a peer stopped answering (hung or dead rank?)" if "imed out" in message else ""
             return TitanliteError(f"rank {rank} failed: {message}{hint} ({where})")
         if code < 0:
             name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
             return TitanliteError(f"rank {rank} was killed by signal {name} ({where})")
-        for f in (run_dir / "logs").glob(f"**/attempt_*/{rank}/stderr.log"):
+        for f in sorted((run_dir / "logs").glob(f"**/attempt_*/{rank}/stderr.log")):
             lines = [ln for ln in f.read_text().splitlines() if ln.startswith("titanlite: error:")]
             if lines:
                 return TitanliteError(f"rank {rank}: {lines[-1][len('titanlite: error: '):]}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .env import destroy_distributed, init_distributed
+from .env import destroy_distributed, exit_worker, init_distributed
 
 
 @record  # an exception's traceback goes to the file torchrun names: the launcher shows it
@@ -46,3 +46,4 @@ def report(record: dict) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_worker(0)  # result saved, group left: skip finalization (see exit_worker)
