@@ -17,12 +17,12 @@ def in_notebook() -> bool:
     return "ipykernel" in sys.modules
 
 
-def progress_bar(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool, initial: int = 0):
     # In notebooks the live plot is the progress display; a bar there would only add noise.
     if not enabled or in_notebook():
         return None
     from tqdm import tqdm
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
 
 def say(text: str, bar) -> None:

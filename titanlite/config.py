@@ -145,7 +145,22 @@ class FaultSection:
     rank: int = 0  # which rank fails
     step: int = 1  # at the start of this step (1-based); slow: from this step on
     slow_s: float = 0.5  # slow: extra seconds per step
-    once: bool = True  # only in the first attempt, so a restarted job can finish
+    once: bool = True  # only in the first `attempts` attempts, so a restarted job can finish
+    attempts: int = 1  # with once: how many attempts fail (attempt k at step + k*step_gap)
+    step_gap: int = 0
+    during: str = "step"  # step: as the step begins | save: while a checkpoint is being saved
+
+
+@dataclass
+class CheckpointSection:
+    enabled: bool = False
+    folder: str | None = None  # None: <run dir>/checkpoints
+    every: int = 0  # save every N steps, and after the last step; 0: only after the last
+    mode: str = "sync"  # sync | async (background thread) | async_process (background process)
+    keep_latest_k: int = 2  # committed checkpoints kept; 0 keeps all
+    resume: bool = True  # start from the newest committed checkpoint in `folder`, if any
+    load: str | None = None  # or from this checkpoint (e.g. another run's; resharded on load)
+    verify: str = "crc"  # before loading, check every file's size and CRC-32 | only "size"
 
 
 @dataclass
@@ -162,6 +177,7 @@ class Config:
     eval: EvalSection = field(default_factory=EvalSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     fault: FaultSection = field(default_factory=FaultSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -185,6 +201,11 @@ class Config:
         _check_choice("float8.recipe", self.float8.recipe, ("tensorwise", "rowwise"))
         _check_choice("float8.emulate", self.float8.emulate, ("auto", "true", "false"))
         _check_choice("fault.kind", self.fault.kind, ("none", "exception", "kill", "hang", "slow"))
+        _check_choice("fault.during", self.fault.during, ("step", "save"))
+        _check_choice("checkpoint.mode", self.checkpoint.mode, ("sync", "async", "async_process"))
+        _check_choice("checkpoint.verify", self.checkpoint.verify, ("crc", "size"))
+        _check_nonnegative(self, "checkpoint.every", "checkpoint.keep_latest_k", "fault.step_gap")
+        _check_positive(self, "fault.attempts")
         p = self.parallel
         _check_choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
         _check_choice("parallel.reshard_after_forward", p.reshard_after_forward, ("default", "always", "never"))

@@ -37,7 +37,11 @@ from .distributed.pipeline import clip_grad_norm_ as pipeline_clip_grad_norm_
 from .errors import TitanliteError
 from .metrics import MetricsLogger
 from .models.llama import ModelArgs, Transformer, build_model
-from .resilience.faults import check_fault, inject_fault
+from .resilience.checkpoint import Checkpointer
+from .resilience.faults import attempt, check_fault, inject_fault
+from .resilience.goodput import GoodputLog
+from .resilience.stragglers import StragglerDetector
+from .resilience.train_state import TrainState
 from .weights import load_weights  # noqa: F401  (re-exported: titanlite.train.load_weights)
 
 # Presets sized for training here take their vocabulary from the tokenizer; the large ones
@@ -52,6 +56,8 @@ class History:
     val: list[dict] = field(default_factory=list)
     samples: dict[int, str] = field(default_factory=dict)
     run_dir: Path | None = None
+    checkpoints: list[dict] = field(default_factory=list)  # what each save cost
+    resumed_from: Path | None = None
 
     @property
     def losses(self) -> list[float]:
@@ -175,6 +181,7 @@ class Trainer:
         self.compute_dtype = self.precision.dtype or self.dtype
         self.peak = self._get_peak()
         self.step = 0
+        self.checkpointer = None  # fit() opens one when [checkpoint] asks
 
     def _get_peak(self) -> hardware.Peak:
         """The MFU denominator of one device. Ranks sharing a machine would disturb each
@@ -204,6 +211,9 @@ class Trainer:
         global batch, so the accumulated gradient is exactly the big batch's gradient.
         """
         dp, d = self.dims.dp, self.dims
+        # How long this rank took to get here, its first collective of the step: a straggler
+        # shows up here (afterwards everyone waits for everyone).
+        ready_s = time.perf_counter() - self._step_start if hasattr(self, "_step_start") else 0.0
         local = torch.tensor(float(sum(count_targets(y) for _, y in micro_batches)), device=self.device)
         # Every TP and PP rank of a data-parallel slice holds the same batch: count it once.
         global_tokens = all_reduce_sum(local).item() / (d.tp * d.pp)
@@ -225,6 +235,8 @@ class Trainer:
                 self.precision.backward(loss)
             total += loss.detach()
         params = [q for part in self.model_parts for q in part.parameters()]
+        if self.checkpointer is not None:  # async save: its copy of the weights must be done
+            self._staging_wait_s += self.checkpointer.wait_for_staging()
         if self.pipe is not None:  # the norm of all stages' gradients, summed over the pipeline
             grad_norm = float(pipeline_clip_grad_norm_(params, self.cfg.training.grad_clip or float("inf"),
                                                        pp_group=self.mesh["pp"]))
@@ -243,7 +255,7 @@ class Trainer:
         # .item() waits for the device, so the step time measured around this is honest.
         # Each rank holds its slice's loss (TP ranks and PP stages alike): average the slices.
         return {"loss": all_reduce_sum(total).item() / (dp * d.tp * d.pp), "grad_norm": grad_norm,
-                "skipped": skipped}
+                "skipped": skipped, "ready_s": ready_s}
 
     def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [tuple(t.to(self.device, non_blocking=True) for t in self.data.train.next_batch())
@@ -301,42 +313,57 @@ class Trainer:
     # ----- the loop -------------------------------------------------------------------------
     def fit(self, callbacks=()) -> History:
         cfg, t, m = self.cfg, self.cfg.training, self.cfg.metrics
-        run_name = self._same_on_all_ranks(
-            m.run_name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_name = self._same_on_all_ranks(self._run_name())
         history = History(run_dir=Path(m.log_dir) / run_name)
         main, rank = self.dist.is_main, self.dist.rank
         # Rank 0 writes metrics.jsonl; the others metrics.rank<r>.jsonl (their step times and
         # memory differ; a straggler shows there). The notebook launcher tails them all.
+        # A restarted attempt appends to the same files.
         logger = MetricsLogger(history.run_dir, tensorboard=m.tensorboard and main,
                                filename="metrics.jsonl" if main else f"metrics.rank{rank}.jsonl")
         if main:
             self._write_run_info(history.run_dir)
+        goodput = GoodputLog(history.run_dir, enabled=main)
+        history.resumed_from = self._open_checkpoint(history.run_dir, goodput)
+        stragglers = StragglerDetector()
 
         def emit(record: dict) -> None:
             if self.dist.distributed:
                 record["rank"] = rank
+            if attempt():
+                record["attempt"] = attempt()
             logger.log(record)
-            (history.train if record["kind"] == "train" else history.val).append(record)
+            {"train": history.train, "val": history.val}.get(record["kind"], history.checkpoints).append(record)
             for cb in callbacks:
                 cb(record)
 
-        history.samples[0] = self.sample()
-        bar = progress_bar(t.steps, enabled=m.progress and main)
+        history.samples[self.step] = self.sample()
+        bar = progress_bar(t.steps, enabled=m.progress and main, initial=self.step)
         tokens_per_step = self.global_batch * t.seq_len
         start = time.perf_counter()
         try:
-            for _ in range(t.steps):
+            while self.step < t.steps:
+                self._step_start = step_start = time.perf_counter()
+                self._staging_wait_s = 0.0
                 inject_fault(cfg.fault, self.step + 1, self.dist.rank)  # off unless [fault] asks
-                step_start = time.perf_counter()
                 hardware.reset_peak_memory(self.device)
                 lr = self.scheduler.get_last_lr()[0]
                 out = self.train_step(self.next_micro_batches())
                 self.step += 1
                 dt = time.perf_counter() - step_start
+                goodput.step(self.step, dt - self._staging_wait_s)
+                if self._staging_wait_s:
+                    goodput.checkpoint(self.step, self._staging_wait_s)
                 loss = out["loss"]
                 if not math.isfinite(loss) and not out["skipped"]:
                     raise TitanliteError(f"loss became {loss} at step {self.step}: lower "
                                          f"--optimizer.lr (now {cfg.optimizer.lr}) or enable clipping")
+                ready = self._gather_ready_times(out["ready_s"])
+                slow = stragglers.update(ready) if len(ready) > 1 else []
+                if slow and main:
+                    say(f"[step {self.step}] straggler rank(s) {slow}: ready after "
+                        f"{', '.join(f'{ready[r]:.2f}s' for r in slow)} vs median "
+                        f"{sorted(ready)[len(ready) // 2]:.2f}s", bar)
                 tps = tokens_per_step / dt
                 if self.step % m.log_every == 0 or self.step == t.steps:
                     record = {"kind": "train", "step": self.step, "loss": loss, "lr": lr,
@@ -344,14 +371,24 @@ class Trainer:
                               "mfu": hardware.mfu(self.flops_per_token * tps, self.peak),
                               "peak_memory_bytes": hardware.peak_memory_bytes(self.device),
                               "step_time_s": dt, "elapsed_s": time.perf_counter() - start,
-                              "tokens": self.step * tokens_per_step, "peak_label": self.peak.label}
+                              "tokens": self.step * tokens_per_step, "peak_label": self.peak.label,
+                              "ready_s": out["ready_s"]}
                     if self.dist.distributed:  # MFU per device: the job's FLOPs over all peaks
                         record.update(world_size=self.dist.world_size,
                                       mfu=record["mfu"] / self.dist.world_size)
+                        if main:
+                            record.update(ready_s_by_rank=ready, stragglers=slow)
                     if self.precision.scaler.is_enabled():
                         record.update(loss_scale=self.precision.scale, skipped=out["skipped"],
                                       skipped_steps=self.precision.skipped_steps)
                     emit(record)
+                if self._checkpoint_due():
+                    saved = self.checkpointer.save(
+                        TrainState(self), self.step,
+                        before_commit=lambda: inject_fault(cfg.fault, self.step, rank, phase="save"))
+                    goodput.checkpoint(self.step, saved.blocked_s)
+                    emit({"kind": "checkpoint", "step": self.step, "blocked_s": saved.blocked_s,
+                          "mode": saved.mode})
                 if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == t.steps):
                     emit({"kind": "val", "step": self.step, "val_loss": self.evaluate(),
                           "elapsed_s": time.perf_counter() - start})
@@ -366,11 +403,67 @@ class Trainer:
             if bar is not None:
                 bar.close()
             logger.close()
+        if self.checkpointer is not None:  # the last async save commits before we say done
+            blocked = self.checkpointer.wait()
+            self.checkpointer.close()
+            self.checkpointer = None
+            goodput.checkpoint(self.step, blocked)
         history.samples[self.step] = self.sample()
+        goodput.end()
         for cb in callbacks:
             if hasattr(cb, "on_train_end"):
                 cb.on_train_end()
         return history
+
+    # ----- checkpoints, restarts, stragglers -----------------------------------------------
+    def _run_name(self) -> str:
+        m, c = self.cfg.metrics, self.cfg.checkpoint
+        if m.run_name:
+            return m.run_name
+        if (c.enabled and c.resume and not c.folder
+                and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+            # A restarted attempt must find the first one's checkpoints: a name with the
+            # time in it would differ.
+            raise TitanliteError("auto-resume under torchrun --max-restarts needs a fixed run "
+                                 "directory: set --metrics.run_name NAME (or --checkpoint.folder DIR)")
+        return f"{self.cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+    def _open_checkpoint(self, run_dir: Path, goodput) -> Path | None:
+        """Open the checkpointer [checkpoint] asks for and restore the newest committed
+        checkpoint (this run's own, after a restart) or `checkpoint.load`. Returns what was
+        loaded, or None for a fresh start."""
+        c = self.cfg.checkpoint
+        if not (c.enabled or c.load):
+            return None
+        import json
+        describe = json.loads(json.dumps({
+            "model_args": self.model_args.to_dict(), "layout": self.dims.describe(),
+            "world_size": self.dist.world_size, "global_batch": self.global_batch}))
+        ckpt = Checkpointer(Path(c.folder) if c.folder else run_dir / "checkpoints", mode=c.mode,
+                            keep_latest_k=c.keep_latest_k, describe=describe)
+        source = (ckpt.latest() if c.enabled and c.resume else None) or (Path(c.load) if c.load else None)
+        if source is not None:
+            start = time.perf_counter()
+            ckpt.load(TrainState(self), source, crc=c.verify == "crc")
+            goodput.restore(self.step, time.perf_counter() - start)
+            if self.dist.is_main:
+                say(f"resumed from {source} at step {self.step}", None)
+        self.checkpointer = ckpt if c.enabled else None
+        return source
+
+    def _checkpoint_due(self) -> bool:
+        every = self.cfg.checkpoint.every
+        return self.checkpointer is not None and (
+            self.step == self.cfg.training.steps or (every > 0 and self.step % every == 0))
+
+    def _gather_ready_times(self, ready_s: float) -> list[float]:
+        """Every rank's time-to-first-collective of this step (one float each)."""
+        if not self.dist.distributed:
+            return [ready_s]
+        mine = torch.tensor([ready_s], device=self.device)
+        everyone = [torch.zeros_like(mine) for _ in range(self.dist.world_size)]
+        torch.distributed.all_gather(everyone, mine)
+        return [x.item() for x in everyone]
 
     def save_weights(self, run_dir: str | Path) -> Path:
         """Final weights (safetensors) and tokenizer beside run.json, for `titanlite export-hf`.

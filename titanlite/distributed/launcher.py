@@ -5,7 +5,7 @@
 
 `launch` runs exactly what you would type in a shell,
 
-    torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port P -m titanlite.train --config <run>/config.toml
+    torchrun --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:P -m titanlite.train --config <run>/config.toml
 
 and, while it runs, tails every rank's metrics file into your callbacks (the live plot). When a
 rank fails, torchrun stops the others; we then show the failing rank's traceback and raise one
@@ -122,8 +122,14 @@ def _run(module_args, nproc, run_dir: Path, *, device, backend, threads, callbac
     env[JOB_ENV] = job_id
     # Ranks on one CPU share its cores; torchrun would otherwise default to 1 thread and warn.
     env.setdefault("OMP_NUM_THREADS", str(threads or max(1, (os.cpu_count() or 1) // nproc)))
+    # Restartable rendezvous: c10d (not static --master-addr/--master-port) and workers on a
+    # store of their own. With torchrun's shared store a restarted attempt can read the dead
+    # attempt's gloo addresses and fail with "Connection refused" or hang (torch 2.13, seen
+    # here; pytorch/pytorch#135712), so --max-restarts would never recover.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job_id[:12],
            "--max-restarts", str(max_restarts), "--log-dir", str(run_dir / "logs"),
            "--redirects", "3", *(["--tee", "3"] if echo else []), *module_args]
     shown = "torchrun " + shlex.join(cmd[3:])

@@ -9,7 +9,9 @@
 - slow:      the rank sleeps `slow_s` extra every step from `step` on (a straggler: thermal
              throttling, a noisy neighbour); everyone waits for it at each collective.
 By default only the first attempt fails (TORCHELASTIC_RESTART_COUNT=0), so a restarted job can
-resume and finish, as after a real, transient fault.
+resume and finish, as after a real, transient fault. `attempts = k` makes the first k attempts
+fail, attempt a at step `step + a * step_gap` (several failures in one job, for goodput);
+`during = "save"` strikes while a checkpoint is being written instead of as the step begins.
 """
 from __future__ import annotations
 
@@ -29,24 +31,36 @@ class InjectedFailure(RuntimeError):
 def check_fault(fault, steps: int, world_size: int) -> None:
     if fault.kind == "none":
         return
-    if not 1 <= fault.step <= steps:
-        raise TitanliteError(f"fault.step={fault.step} is outside this run's steps 1..{steps}: the "
+    last = fault.step + (fault.attempts - 1) * fault.step_gap if fault.once else fault.step
+    if not 1 <= fault.step <= steps or last > steps:
+        where = f"fault.step={fault.step}" if last == fault.step else \
+            f"the last injected failure (step {fault.step} + {fault.attempts - 1} x {fault.step_gap} = {last})"
+        raise TitanliteError(f"{where} is outside this run's steps 1..{steps}: the "
                              f"failure would never happen; choose a step in that range")
     if not 0 <= fault.rank < world_size:
         raise TitanliteError(f"fault.rank={fault.rank} does not exist in a job of {world_size} "
                              f"process(es): choose 0..{world_size - 1}")
 
 
-def inject_fault(fault, step: int, rank: int) -> None:
-    """Called by the trainer as each step begins (step counts from 1)."""
-    if fault.kind == "none" or rank != fault.rank or step < fault.step:
+def attempt() -> int:
+    """Which attempt of the job this is: 0, then 1 after torchrun's first restart, ..."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def inject_fault(fault, step: int, rank: int, phase: str = "step") -> None:
+    """Called by the trainer as each step begins (step counts from 1), and with phase="save"
+    while a checkpoint is being saved after that step."""
+    if fault.kind == "none" or rank != fault.rank:
         return
-    if fault.once and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    a = attempt()
+    if fault.once and a >= fault.attempts:
         return
+    at = fault.step + (a * fault.step_gap if fault.once else 0)
     if fault.kind == "slow":
-        time.sleep(fault.slow_s)
+        if step >= at and phase == "step":
+            time.sleep(fault.slow_s)
         return
-    if step != fault.step:
+    if step != at or phase != fault.during:
         return
     if fault.kind == "exception":
         raise InjectedFailure(f"injected failure on rank {rank} at step {step} (fault.kind=exception)")

@@ -1,0 +1,259 @@
+"""Distributed checkpoints that are never half there: DCP save/load with an atomic commit.
+
+    ckpt = Checkpointer("runs/x/checkpoints", mode="async", keep_latest_k=2)
+    ckpt.save(state, step)        # returns after the blocking part; the write goes on behind
+    step = ckpt.load(state)       # the newest complete checkpoint, verified, resharded to this run
+
+Layout on disk (one folder per step):
+    step-00000040/             committed: DCP's data files (one per rank, "__<rank>_0.distcp"),
+        .metadata              DCP's index: which byte range of which file holds which shard
+        titanlite.json         what was trained (model shape, layout) + every file's size & CRC
+    step-00000050.partial/     a save in progress, or one a crash interrupted: never loaded
+
+The commit is a directory rename, which POSIX makes atomic: a kill at any moment leaves either
+the old set of committed checkpoints or the new one. A committed folder is still checked file
+by file before loading (sizes, CRC-32), so a truncated or damaged one fails with one clear line.
+
+Modes: "sync" blocks training for the whole write. "async" (torch's `dcp.async_save`, thread)
+blocks only to *stage* (copy the state to CPU memory; pinned on CUDA) and writes in a background
+thread on its own gloo group, so it never interleaves with training's collectives. The copy
+itself also runs in the background: the trainer calls `wait_for_staging()` before the next
+optimizer step changes the weights. "async_process" writes from a separate process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import warnings
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ..errors import TitanliteError
+
+MODES = ("sync", "async", "async_process")
+COMMIT_FILE = "titanlite.json"
+
+
+def step_dir(folder: Path, step: int) -> Path:
+    return Path(folder) / f"step-{step:08d}"
+
+
+def committed(folder: str | Path) -> list[Path]:
+    """Committed checkpoints in `folder`, oldest first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("step-????????") if (p / COMMIT_FILE).is_file())
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify(path: str | Path, crc: bool = True) -> dict:
+    """The commit record of a checkpoint folder, after checking that every file it lists is
+    there with its size (and CRC-32). Raises one clear line otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise TitanliteError(f"checkpoint directory '{path}' does not exist: check the path, or "
+                             f"list the saved ones with titanlite.resilience.committed(<folder>)")
+    record = path / COMMIT_FILE
+    if not record.is_file():
+        raise TitanliteError(f"'{path}' is not a committed checkpoint (no {COMMIT_FILE}): its save "
+                             f"never finished; load an earlier one from {path.parent}")
+    info = json.loads(record.read_text())
+    for name, (size, want) in info["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise TitanliteError(f"checkpoint '{path}' is missing {name} (a shard written by one "
+                                 f"rank): it cannot be restored; load an earlier checkpoint")
+        if f.stat().st_size != size:
+            raise TitanliteError(f"checkpoint '{path}': {name} has {f.stat().st_size} bytes, "
+                                 f"{size} were written (truncated copy?); load an earlier checkpoint")
+        if crc and _crc32(f) != want:
+            raise TitanliteError(f"checkpoint '{path}': {name} is corrupt (CRC-32 mismatch); "
+                                 f"load an earlier checkpoint")
+    return info
+
+
+@dataclass
+class SaveTiming:
+    step: int
+    blocked_s: float  # training stood still this long (for async: staging + the call)
+    mode: str
+
+
+class Checkpointer:
+    """Saves into `folder`, keeps the newest `keep_latest_k` (0: all), loads the newest."""
+
+    def __init__(self, folder: str | Path, *, mode: str = "sync", keep_latest_k: int = 2,
+                 describe: dict | None = None):
+        if mode not in MODES:
+            raise TitanliteError(f"checkpoint mode '{mode}' is not one of {MODES}")
+        if isinstance(keep_latest_k, bool) or not isinstance(keep_latest_k, int) or keep_latest_k < 0:
+            raise TitanliteError(f"keep_latest_k must be 0 (keep all) or a positive integer, "
+                                 f"got {keep_latest_k!r}")
+        self.folder, self.mode, self.keep = Path(folder), mode, keep_latest_k
+        self.describe = describe or {}  # what was trained: checked against the loading run
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self._pending = None  # the background write + commit of an async save
+        self._staging = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="titanlite-commit")
+        self._pg = None
+        if mode != "sync" and self.distributed:
+            # A group of its own, so the background write's collectives never interleave with
+            # training's (torchtitan does the same).
+            self._pg = dist.new_group(backend="gloo")
+
+    # ----- saving -------------------------------------------------------------------------
+    def save(self, state, step: int, before_commit=None) -> SaveTiming:
+        """Write `state` (a dict or Stateful) as checkpoint `step`. `before_commit()` runs on
+        every rank once its data is handed over (failure injection uses it)."""
+        start = time.perf_counter()
+        self.wait()  # one save in flight at a time: the previous one commits first
+        final = step_dir(self.folder, step)
+        tmp = final.with_name(final.name + ".partial")
+        if self.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        self._barrier()
+        sd = state.state_dict() if hasattr(state, "state_dict") else state
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's notes on planners and deprecated names
+            if self.mode == "sync":
+                dcp.save(sd, storage_writer=writer)
+                done = None
+            else:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+                cuda = torch.cuda.is_available()
+                stager = DefaultStager(StagingOptions(use_pinned_memory=cuda,
+                                                      use_shared_memory=self.mode == "async_process",
+                                                      use_async_staging=True, use_non_blocking_copy=cuda))
+                kind = AsyncCheckpointerType.PROCESS if self.mode == "async_process" else AsyncCheckpointerType.THREAD
+                response = dcp.async_save(sd, storage_writer=writer, process_group=self._pg,
+                                          async_checkpointer_type=kind, async_stager=stager)
+                self._staging, done = response.staging_completion, response.upload_completion
+        if before_commit is not None:
+            before_commit()
+        if done is None:
+            self._commit(tmp, final, step)
+            if self.distributed:
+                self._barrier()  # everyone returns with the checkpoint committed
+        else:
+            self._pending = self._pool.submit(self._finish, done, tmp, final, step)
+        return SaveTiming(step, time.perf_counter() - start, self.mode)
+
+    def wait_for_staging(self) -> float:
+        """Async: block until the state has been copied out (call before weights change)."""
+        start = time.perf_counter()
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+        return time.perf_counter() - start
+
+    def wait(self) -> float:
+        """Block until the save in flight (if any) is written and committed."""
+        start = time.perf_counter()
+        self.wait_for_staging()
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()  # re-raises a failed background write here
+        return time.perf_counter() - start
+
+    def _finish(self, done, tmp: Path, final: Path, step: int) -> None:
+        done.result()  # every rank's data is written and rank 0 wrote .metadata
+        self._commit(tmp, final, step)
+
+    def _commit(self, tmp: Path, final: Path, step: int) -> None:
+        """Rank 0: record every file's size and CRC, then rename: the checkpoint exists."""
+        if self.rank != 0:
+            return
+        files = {f.name: [f.stat().st_size, _crc32(f)] for f in sorted(tmp.iterdir()) if f.is_file()}
+        info = {"format": 1, "step": step, "time": time.time(), "files": files, **self.describe}
+        record = tmp / COMMIT_FILE
+        record.write_text(json.dumps(info, indent=1))
+        with open(record, "rb+") as f:
+            os.fsync(f.fileno())
+        if final.exists():  # the same step saved again (a resumed run): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.folder)
+        self._prune(step)
+
+    def _prune(self, newest: int) -> None:
+        keep = committed(self.folder)[-self.keep:] if self.keep else committed(self.folder)
+        for old in committed(self.folder):
+            if old not in keep:
+                gone = old.with_name(old.name + ".deleting")  # never a half-deleted "committed" one
+                os.rename(old, gone)
+                shutil.rmtree(gone, ignore_errors=True)
+        for stale in self.folder.glob("step-*.partial"):
+            if int(stale.name[5:13]) < newest:
+                shutil.rmtree(stale, ignore_errors=True)
+
+    # ----- loading ------------------------------------------------------------------------
+    def latest(self) -> Path | None:
+        found = committed(self.folder)
+        return found[-1] if found else None
+
+    def load(self, state, path: str | Path | None = None, crc: bool = True) -> int:
+        """Fill `state` from checkpoint `path` (default: the newest committed one); returns its
+        step. Every rank reads the pieces its own layout needs (resharding)."""
+        path = Path(path) if path is not None else self.latest()
+        if path is None:
+            raise TitanliteError(f"no committed checkpoint in '{self.folder}' to load")
+        info = verify(path, crc=crc)
+        self._check_compatible(path, info)
+        sd = state.state_dict() if hasattr(state, "state_dict") else state
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(sd, checkpoint_id=path)
+        if hasattr(state, "load_state_dict"):
+            state.load_state_dict(sd)
+        return int(info["step"])
+
+    def _check_compatible(self, path: Path, info: dict) -> None:
+        saved, here = info.get("model_args"), self.describe.get("model_args")
+        if saved and here and saved != here:
+            diff = ", ".join(f"{k}: {saved.get(k)} there vs {here.get(k)} here"
+                             for k in sorted(set(saved) | set(here)) if saved.get(k) != here.get(k))
+            raise TitanliteError(f"checkpoint '{path}' holds a different model ({diff}): load it "
+                                 f"with the model settings it was trained with, or start a new "
+                                 f"checkpoint folder")
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Finish the save in flight; stop the background workers."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            if self._pg is not None:
+                dist.destroy_process_group(self._pg)
+                self._pg = None

@@ -1,0 +1,87 @@
+"""Goodput: the share of wall time that became training the final model kept.
+
+Rank 0 appends the job's timeline to <run dir>/goodput.jsonl, one JSON line per event, and every
+restarted attempt appends to the same file:
+
+    start       an attempt began (with the moment its process started)
+    restore     it loaded a checkpoint (seconds spent)
+    step        a step finished (seconds it took)
+    checkpoint  a save blocked training (seconds)
+    end         the job finished
+
+`summarize()` replays it. A step that was computed twice (done, lost in a failure before the
+next checkpoint, redone after the restart) counts as productive only the last time; the earlier
+run of it is lost work. Everything else - start-up, restarts, restores, checkpoint stalls,
+evaluation - is overhead. goodput = productive / wall.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from .faults import attempt
+
+
+def process_start_time() -> float:
+    """When this process started (epoch seconds): Linux /proc, else now. Start-up (imports,
+    rendezvous, building the model) is part of what a restart costs."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+class GoodputLog:
+    def __init__(self, run_dir: str | Path, enabled: bool = True):
+        self.path = Path(run_dir) / "goodput.jsonl"
+        self.enabled = enabled
+        self.attempt = attempt()
+        self._write(event="start", process_start=process_start_time())
+
+    def _write(self, **event) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"t": time.time(), "attempt": self.attempt, **event}) + "\n")
+
+    def restore(self, step: int, seconds: float) -> None:
+        self._write(event="restore", step=step, seconds=seconds)
+
+    def step(self, step: int, seconds: float) -> None:
+        self._write(event="step", step=step, seconds=seconds)
+
+    def checkpoint(self, step: int, seconds: float) -> None:
+        self._write(event="checkpoint", step=step, seconds=seconds)
+
+    def end(self) -> None:
+        self._write(event="end")
+
+
+def summarize(path: str | Path) -> dict:
+    """Wall time split into productive / lost / checkpoint / restore / other, and goodput."""
+    path = Path(path)
+    path = path / "goodput.jsonl" if path.is_dir() else path
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    starts = [e for e in events if e["event"] == "start"]
+    if not starts:
+        raise ValueError(f"{path} has no start event: not a goodput log")
+    last_run: dict[int, float] = {}  # step -> seconds of its last (kept) computation
+    total_steps = 0.0
+    for e in events:
+        if e["event"] == "step":
+            last_run[e["step"]] = e["seconds"]
+            total_steps += e["seconds"]
+    productive = sum(last_run.values())
+    wall = max(e["t"] for e in events) - min(s["process_start"] for s in starts)
+    ckpt = sum(e["seconds"] for e in events if e["event"] == "checkpoint")
+    restore = sum(e["seconds"] for e in events if e["event"] == "restore")
+    lost = total_steps - productive
+    return {"wall_s": wall, "productive_s": productive, "lost_s": lost, "checkpoint_s": ckpt,
+            "restore_s": restore, "other_s": wall - productive - lost - ckpt - restore,
+            "goodput": productive / wall if wall > 0 else 0.0, "attempts": len(starts),
+            "failures": len(starts) - 1, "steps": max(last_run, default=0),
+            "finished": events[-1]["event"] == "end"}

@@ -1,0 +1,47 @@
+"""Straggler detection from per-rank timings.
+
+In synchronous training every rank waits for the slowest at each collective, so per-rank *step*
+times all equal the straggler's. What differs is how long each rank took to get *ready*: the
+time from the step's start to its first collective (loading the batch, host work, a noisy
+neighbour, an injected `fault.kind=slow`). The trainer measures that per rank and gathers it;
+a rank whose median over a window is well above the median rank is a straggler.
+(Stragglers inside the GPU's compute need device-side timings; this catches the host side.)
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+
+class StragglerDetector:
+    def __init__(self, window: int = 5, ratio: float = 2.0, min_gap_s: float = 0.05):
+        self.window, self.ratio, self.min_gap_s = window, ratio, min_gap_s
+        self._history: deque[list[float]] = deque(maxlen=window)
+
+    def update(self, ready_s_by_rank: list[float]) -> list[int]:
+        """Add one step's per-rank ready times; return the ranks that are stragglers now
+        (judged once the window is full)."""
+        self._history.append(list(ready_s_by_rank))
+        if len(self._history) < self.window:
+            return []
+        per_rank = [statistics.median(step[r] for step in self._history)
+                    for r in range(len(ready_s_by_rank))]
+        typical = statistics.median(per_rank)
+        return [r for r, t in enumerate(per_rank)
+                if t > self.ratio * typical and t - typical > self.min_gap_s]
+
+
+def detect_stragglers(records: list[dict], **kwargs) -> list[int]:
+    """Offline: the straggler ranks of a finished job, from its per-rank train records (each
+    with "rank" and "ready_s"), over the steps every rank logged."""
+    by_step: dict[int, dict[int, float]] = {}
+    for r in records:
+        if r.get("kind") == "train" and "ready_s" in r:
+            by_step.setdefault(r["step"], {})[r.get("rank", 0)] = r["ready_s"]
+    ranks = sorted({rank for step in by_step.values() for rank in step})
+    detector = StragglerDetector(**{"window": max(1, len(by_step)), **kwargs})
+    flagged: list[int] = []
+    for step in sorted(by_step):
+        if set(by_step[step]) == set(ranks):
+            flagged = detector.update([by_step[step][rank] for rank in ranks])
+    return [ranks[i] for i in flagged]
