@@ -3,6 +3,7 @@
     titanlite train --config configs/debug.toml --training.steps 50
     titanlite peaks [--device cpu] [--refresh]
     titanlite export-hf runs/<name> out/hf-model
+    titanlite export-checkpoint runs/<name>/checkpoints/step-00000100 out/hf-model [--format torch]
 
 Bad input ends in one line on stderr and exit status 2, never a traceback wall.
 """
@@ -70,6 +71,15 @@ def _export_hf(args, _overrides) -> None:
     print(f"wrote a Hugging Face LlamaForCausalLM to {out}")
 
 
+def _export_checkpoint(args, _overrides) -> None:
+    from .resilience.export import export_hf, export_torch
+    if args.format == "hf":
+        out = export_hf(args.checkpoint, args.out)
+    else:
+        out = export_torch(args.checkpoint, args.out, full=args.format == "torch-full")
+    print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="titanlite", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir")
     p.add_argument("out_dir")
     p.set_defaults(func=_export_hf)
+    p = sub.add_parser("export-checkpoint", help="a distributed checkpoint (runs/<name>/checkpoints/"
+                       "step-N) as one file or a Hugging Face directory")
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.add_argument("--format", choices=("hf", "torch", "torch-full"), default="hf",
+                   help="hf: LlamaForCausalLM directory; torch: the weights in one torch.save "
+                        "file; torch-full: the whole training state in one file")
+    p.set_defaults(func=_export_checkpoint)
 
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "train":

@@ -449,6 +449,8 @@ class Trainer:
             if self.dist.is_main:
                 say(f"resumed from {source} at step {self.step}", None)
         self.checkpointer = ckpt if c.enabled else None
+        if c.enabled and self.dist.is_main and not (ckpt.folder / "tokenizer").is_dir():
+            self.tokenizer.save_pretrained(str(ckpt.folder / "tokenizer"))  # for export_hf
         return source
 
     def _checkpoint_due(self) -> bool:
