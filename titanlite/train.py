@@ -435,12 +435,8 @@ class Trainer:
         c = self.cfg.checkpoint
         if not (c.enabled or c.load):
             return None
-        import json
-        describe = json.loads(json.dumps({
-            "model_args": self.model_args.to_dict(), "layout": self.dims.describe(),
-            "world_size": self.dist.world_size, "global_batch": self.global_batch}))
         ckpt = Checkpointer(Path(c.folder) if c.folder else run_dir / "checkpoints", mode=c.mode,
-                            keep_latest_k=c.keep_latest_k, describe=describe)
+                            keep_latest_k=c.keep_latest_k)
         source = (ckpt.latest() if c.enabled and c.resume else None) or (Path(c.load) if c.load else None)
         if source is not None:
             start = time.perf_counter()

@@ -117,6 +117,7 @@ class Checkpointer:
         self.describe = describe or {}  # what was trained: checked against the loading run
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
+        self._described = self.describe
         self._pending = None  # the background write + commit of an async save
         self._staging = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="titanlite-commit")
@@ -139,6 +140,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         self._barrier()
         sd = state.state_dict() if hasattr(state, "state_dict") else state
+        self._described = state.describe() if hasattr(state, "describe") else self.describe
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's notes on planners and deprecated names
@@ -192,7 +194,7 @@ class Checkpointer:
         if self.rank != 0:
             return
         files = {f.name: [f.stat().st_size, _crc32(f)] for f in sorted(tmp.iterdir()) if f.is_file()}
-        info = {"format": 1, "step": step, "time": time.time(), "files": files, **self.describe}
+        info = {"format": 1, "step": step, "time": time.time(), "files": files, **self._described}
         record = tmp / COMMIT_FILE
         record.write_text(json.dumps(info, indent=1))
         with open(record, "rb+") as f:
@@ -226,17 +228,23 @@ class Checkpointer:
         if path is None:
             raise TitanliteError(f"no committed checkpoint in '{self.folder}' to load")
         info = verify(path, crc=crc)
-        self._check_compatible(path, info)
+        self._check_compatible(path, info, state.describe() if hasattr(state, "describe") else self.describe)
         sd = state.state_dict() if hasattr(state, "state_dict") else state
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(sd, checkpoint_id=path)
+            try:
+                dcp.load(sd, checkpoint_id=path)
+            except dcp.api.CheckpointException as e:
+                first = next((ln for ln in str(e).splitlines()[::-1] if "Error" in ln), str(e)[-200:])
+                raise TitanliteError(f"checkpoint '{path}' does not fit this run ({first.strip()}): "
+                                     f"load it with the settings it was saved with") from None
         if hasattr(state, "load_state_dict"):
             state.load_state_dict(sd)
         return int(info["step"])
 
-    def _check_compatible(self, path: Path, info: dict) -> None:
-        saved, here = info.get("model_args"), self.describe.get("model_args")
+    @staticmethod
+    def _check_compatible(path: Path, info: dict, describe: dict) -> None:
+        saved, here = info.get("model_args"), describe.get("model_args")
         if saved and here and saved != here:
             diff = ", ".join(f"{k}: {saved.get(k)} there vs {here.get(k)} here"
                              for k in sorted(set(saved) | set(here)) if saved.get(k) != here.get(k))

@@ -70,6 +70,14 @@ class TrainState(Stateful):
         self.trainer = trainer
         self.parts = trainer.model_parts
 
+    def describe(self) -> dict:
+        """What was trained, kept in the commit record and checked before a load."""
+        import json
+        t = self.trainer
+        return json.loads(json.dumps({
+            "model_args": t.model_args.to_dict(), "layout": t.dims.describe(),
+            "world_size": t.dist.world_size, "global_batch": t.global_batch}))
+
     def state_dict(self) -> dict:
         t = self.trainer
         with warnings.catch_warnings():

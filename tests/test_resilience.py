@@ -1,0 +1,259 @@
+"""Checkpoints and recovery: bit-exact resume, atomic commits, damaged checkpoints refused,
+resharding on load, export, goodput accounting, straggler detection."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import run_torchrun, tiny_overrides
+from titanlite import TitanliteError
+from titanlite.config import load_config
+from titanlite.distributed import launch
+from titanlite.resilience.checkpoint import Checkpointer, committed, verify
+from titanlite.resilience.export import export_hf, export_torch, load_model
+from titanlite.resilience.faults import InjectedFailure
+from titanlite.resilience.goodput import summarize
+from titanlite.resilience.stragglers import StragglerDetector, detect_stragglers
+from titanlite.resilience.train_state import TrainState
+from titanlite.train import Trainer
+
+STEPS = 8
+BASE = {"training.steps": STEPS, "eval.every": 0, "training.deterministic": True}
+
+
+def _overrides(data_dir, tmp_path, name, **extra):
+    o = tiny_overrides(data_dir, tmp_path, **{**BASE, **extra})
+    o["metrics.run_name"] = name
+    return o
+
+
+def _last_per_step(records) -> list[float]:
+    last = {}
+    for r in records:
+        last[r["step"]] = r["loss"]
+    return [last[s] for s in sorted(last)]
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory) -> list[float]:
+    """One uninterrupted single-process run: the losses every resumed run must reproduce."""
+    tmp = tmp_path_factory.mktemp("ref")
+    return Trainer(load_config(None, _overrides(data_dir, tmp, "ref"))).fit().losses
+
+
+# ----- resume, in one process --------------------------------------------------------------
+@pytest.mark.parametrize("fail_at, every", [(2, 1), (6, 3), (8, 3)])
+def test_resume_after_a_failure_is_bit_identical(data_dir, tmp_path, monkeypatch, reference, fail_at, every):
+    o = _overrides(data_dir, tmp_path, "ft", **{"checkpoint.enabled": True, "checkpoint.every": every,
+                                                "fault.kind": "exception", "fault.step": fail_at})
+    with pytest.raises(InjectedFailure):
+        Trainer(load_config(None, o)).fit()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # what torchrun sets on a restart
+    history = Trainer(load_config(None, o)).fit()
+    saved = (fail_at - 1) // every * every  # the newest checkpoint before the failure
+    assert [r["step"] for r in history.train] == list(range(saved + 1, STEPS + 1))
+    assert history.losses == reference[saved:]  # ==, not approximately
+    assert all(r["attempt"] == 1 for r in history.train)
+    g = summarize(history.run_dir)
+    assert g["failures"] == 1 and g["steps"] == STEPS and g["finished"]
+    # Steps done after the last checkpoint and before the failure were computed twice.
+    assert (g["lost_s"] > 0) == (fail_at - 1 > saved)
+    assert 0 < g["goodput"] < 1
+
+
+def test_keep_latest_k_and_a_leftover_partial_save_is_ignored(data_dir, tmp_path):
+    o = _overrides(data_dir, tmp_path, "k", **{"checkpoint.enabled": True, "checkpoint.every": 2,
+                                               "checkpoint.keep_latest_k": 2})
+    history = Trainer(load_config(None, o)).fit()
+    folder = history.run_dir / "checkpoints"
+    assert [p.name for p in committed(folder)] == ["step-00000006", "step-00000008"]
+    assert len(history.checkpoints) == 4 and all(c["blocked_s"] > 0 for c in history.checkpoints)
+    # A save that died half-way: data files but no commit record. Never picked up.
+    partial = folder / "step-00000010.partial"
+    shutil.copytree(folder / "step-00000008", partial)
+    (partial / "titanlite.json").unlink()
+    assert Checkpointer(folder).latest().name == "step-00000008"
+    with pytest.raises(TitanliteError, match="not a committed checkpoint .* never finished"):
+        verify(partial)
+
+
+# ----- damaged or mismatched checkpoints: one clear line, nothing overwritten -----------------
+@pytest.fixture
+def saved(data_dir, tmp_path):
+    o = _overrides(data_dir, tmp_path, "s", **{"training.steps": 2, "checkpoint.enabled": True})
+    history = Trainer(load_config(None, o)).fit()
+    return o, committed(history.run_dir / "checkpoints")[-1]
+
+
+def _load_into_fresh(o, path):
+    trainer = Trainer(load_config(None, {**o, "checkpoint.enabled": False}))
+    return Checkpointer(path.parent).load(TrainState(trainer), path)
+
+
+def test_damaged_checkpoints_are_refused(saved):
+    o, path = saved
+    shard = path / "__0_0.distcp"
+    data = shard.read_bytes()
+    with pytest.raises(TitanliteError, match="does not exist"):
+        _load_into_fresh(o, path.with_name("step-99999999"))
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TitanliteError, match=r"__0_0.distcp has \d+ bytes, \d+ were written \(truncated"):
+        _load_into_fresh(o, path)
+    shard.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    with pytest.raises(TitanliteError, match="__0_0.distcp is corrupt"):
+        _load_into_fresh(o, path)
+    shard.unlink()
+    with pytest.raises(TitanliteError, match="is missing __0_0.distcp"):
+        _load_into_fresh(o, path)
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_left_alone(saved):
+    o, path = saved
+    before = {f.name: f.read_bytes() for f in path.iterdir()}
+    with pytest.raises(TitanliteError, match=r"different model \(.*n_layers: 2 there vs 3 here"):
+        _load_into_fresh({**o, "model.n_layers": 3}, path)
+    with pytest.raises(TitanliteError, match="different model"):  # also through the trainer
+        Trainer(load_config(None, {**o, "model.n_layers": 3, "checkpoint.load": str(path),
+                                   "checkpoint.enabled": False})).fit()
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == before
+
+
+def test_an_injection_beyond_the_run_is_refused(data_dir, tmp_path):
+    o = _overrides(data_dir, tmp_path, "f", **{"fault.kind": "kill", "fault.step": 3,
+                                               "fault.attempts": 3, "fault.step_gap": 4})
+    with pytest.raises(TitanliteError, match=r"last injected failure \(step 3 \+ 2 x 4 = 11\) is outside"):
+        Trainer(load_config(None, o))
+
+
+def test_export_to_one_file_and_to_hugging_face(saved, tmp_path):
+    from transformers import LlamaForCausalLM
+    o, path = saved
+    model = load_model(path)
+    weights = torch.load(export_torch(path, tmp_path / "model.pt"), weights_only=True)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    full = torch.load(export_torch(path, tmp_path / "state.pt", full=True), weights_only=False)
+    assert full["step"] == 2 and set(full) == {"model", "optimizer", "scheduler", "data", "rng", "step"}
+    hf = LlamaForCausalLM.from_pretrained(export_hf(path, tmp_path / "hf"))
+    x = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(hf(x).logits, model(x))
+
+
+# ----- several processes: torchrun restarts, resharding ---------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, during, fail_at", [("sync", "step", 5), ("async", "save", 6)])
+def test_torchrun_restart_resumes_bit_identically(data_dir, tmp_path, mode, during, fail_at):
+    """2-process FSDP, a rank SIGKILLed (between steps, or while a checkpoint is being
+    written), torchrun --max-restarts 1 restarts the job, which resumes from the newest
+    committed checkpoint and reproduces the uninterrupted run's losses bit for bit."""
+    layout = {"parallel.dp_shard": 2}
+    ref = launch(load_config(None, _overrides(data_dir, tmp_path, "ref", **layout)), nproc=2)
+    o = _overrides(data_dir, tmp_path, "ft", **layout, **{
+        "checkpoint.enabled": True, "checkpoint.every": 3, "checkpoint.mode": mode,
+        "fault.kind": "kill", "fault.rank": 1, "fault.step": fail_at, "fault.during": during})
+    result = launch(load_config(None, o), nproc=2, max_restarts=1)
+    attempts = {r.get("attempt", 0) for r in result.train}
+    assert attempts == {0, 1}
+    assert _last_per_step(result.train) == ref.losses
+    g = summarize(result.run_dir)
+    assert g["failures"] == 1 and g["finished"] and g["steps"] == STEPS
+    # The kill during the save of step 6 left it uncommitted: the restart began after step 3.
+    resumed = min(r["step"] for r in result.train if r.get("attempt") == 1)
+    assert resumed == 4
+
+
+RESHARD_WORKER = textwrap.dedent("""
+    import json, sys
+    import torch
+    from titanlite.config import load_config
+    from titanlite.resilience.checkpoint import Checkpointer
+    from titanlite.resilience.train_state import TrainState
+    from titanlite.train import Trainer
+    from titanlite.weights import full_state_dict
+    from titanlite.distributed.env import exit_worker
+    overrides, path, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+    trainer = Trainer(load_config(None, overrides))
+    step = Checkpointer(path).load(TrainState(trainer), path + "/step-00000003")
+    state = full_state_dict(trainer.model)
+    exp_avg = {n: trainer.optimizer.state[p]["exp_avg"].full_tensor()  # a collective: all ranks
+               for n, p in trainer.model.named_parameters()}
+    if trainer.dist.is_main:
+        torch.save({"step": step, "model": state, "lr": trainer.scheduler.get_last_lr(),
+                    "exp_avg": exp_avg,
+                    "data": trainer.data.train.sampler.state_dict()}, out)
+    trainer.close(barrier=True)
+    exit_worker(0)
+""")
+
+
+@pytest.mark.slow
+def test_save_on_two_fsdp_ranks_load_on_one_and_on_tensor_parallel(data_dir, tmp_path):
+    o = _overrides(data_dir, tmp_path, "fsdp", **{"training.steps": 3, "parallel.dp_shard": 2,
+                                                  "checkpoint.enabled": True})
+    result = launch(load_config(None, o), nproc=2)
+    folder = result.run_dir / "checkpoints"
+    path = committed(folder)[-1]
+    assert sorted(f.name for f in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "titanlite.json"]
+    whole = load_model(path).state_dict()
+    full = torch.load(export_torch(path, tmp_path / "state.pt", full=True), weights_only=False)
+
+    # 1 process: the FSDP shards become whole tensors, optimizer moments included.
+    # The global batch stays 8 (the data position must mean the same samples): 1 rank x 8.
+    trainer = Trainer(load_config(None, {**o, "parallel.dp_shard": -1, "training.batch_size": 8,
+                                         "checkpoint.enabled": False}))
+    assert Checkpointer(folder).load(TrainState(trainer), path) == 3
+    assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in whole.items())
+    for p_name, p in trainer.model.named_parameters():
+        moments = trainer.optimizer.state[p]
+        assert torch.equal(moments["exp_avg"], full["optimizer"][f"state.{p_name}.exp_avg"])
+        assert torch.equal(moments["exp_avg_sq"], full["optimizer"][f"state.{p_name}.exp_avg_sq"])
+    trainer.close()
+
+    # 2 processes with tensor parallelism instead of FSDP: a different cut of the same tensors.
+    script, out = tmp_path / "reshard.py", tmp_path / "tp.pt"
+    script.write_text(RESHARD_WORKER)
+    tp = {**o, "parallel.dp_shard": 1, "parallel.tp": 2, "training.batch_size": 8, "checkpoint.enabled": False}
+    run_torchrun(script, json.dumps(tp), folder, out, nproc=2, timeout=240)
+    got = torch.load(out, weights_only=False)
+    assert got["step"] == 3 and got["lr"] == pytest.approx(trainer.scheduler.get_last_lr())
+    assert set(got["model"]) == set(whole)
+    assert all(torch.equal(got["model"][k], v) for k, v in whole.items())
+    assert all(torch.equal(m, full["optimizer"][f"state.{n}.exp_avg"]) for n, m in got["exp_avg"].items())
+
+
+# ----- goodput and stragglers ------------------------------------------------------------------
+def test_goodput_counts_a_recomputed_step_once(tmp_path):
+    events = [
+        {"event": "start", "attempt": 0, "t": 1.0, "process_start": 0.0},
+        {"event": "step", "attempt": 0, "t": 2.0, "step": 1, "seconds": 1.0},
+        {"event": "checkpoint", "attempt": 0, "t": 2.5, "step": 1, "seconds": 0.5},
+        {"event": "step", "attempt": 0, "t": 3.5, "step": 2, "seconds": 1.0},  # lost in the crash
+        {"event": "start", "attempt": 1, "t": 6.0, "process_start": 5.0},
+        {"event": "restore", "attempt": 1, "t": 6.5, "step": 1, "seconds": 0.5},
+        {"event": "step", "attempt": 1, "t": 7.5, "step": 2, "seconds": 1.0},
+        {"event": "end", "attempt": 1, "t": 8.0}]
+    (tmp_path / "goodput.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    g = summarize(tmp_path)
+    assert g == {"wall_s": 8.0, "productive_s": 2.0, "lost_s": 1.0, "checkpoint_s": 0.5,
+                 "restore_s": 0.5, "other_s": 4.0, "goodput": 0.25, "attempts": 2, "failures": 1,
+                 "steps": 2, "finished": True}
+
+
+def test_straggler_detector():
+    d = StragglerDetector(window=3, ratio=2.0, min_gap_s=0.05)
+    assert d.update([0.01, 0.01, 0.30, 0.01]) == []  # window not full yet
+    d.update([0.01, 0.02, 0.31, 0.01])
+    assert d.update([0.02, 0.01, 0.29, 0.01]) == [2]
+    quiet = StragglerDetector(window=2)
+    quiet.update([0.010, 0.030])  # 3x slower but only 20 ms: noise, not a straggler
+    assert quiet.update([0.010, 0.031]) == []
+    records = [{"kind": "train", "step": s, "rank": r, "ready_s": 0.4 if r == 1 else 0.01}
+               for s in range(1, 6) for r in range(2)] + [
+              {"kind": "train", "step": s, "rank": 2, "ready_s": 0.01} for s in range(1, 6)]
+    assert detect_stragglers(records) == [1]

@@ -1,0 +1,300 @@
+"""Notebook 12's measurements, shared with bench/checkpoint.py.
+
+    disk_write_bandwidth(folder)           # bytes/s this disk sustains, fsync included
+    blocking_times("small", folder)        # seconds training stands still per save, per mode
+    anatomy(step_dir)                      # what a DCP checkpoint holds: data files vs metadata
+    train_and_save(overrides)              # in every rank: the trainer, checkpoints on
+    load_resharded(overrides, step_dir)    # in every rank: another layout loads a checkpoint
+
+The last two return the trainer's whole state (sharded tensors gathered to full ones), so a
+notebook can compare what one layout saved with what another loaded, tensor by tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..errors import TitanliteError
+from ..models.llama import ModelArgs, build_model
+from .checkpoint import Checkpointer, committed
+from .train_state import TrainState
+
+SAVE_MODES = ("torch.save", "sync", "async", "async_process")
+
+
+def disk_write_bandwidth(folder: str | Path, nbytes: int = 256 << 20, block: int = 8 << 20) -> float:
+    """Bytes per second for writing `nbytes` of random data to a file in `folder` and fsyncing
+    it (random: no file system can compress it away). The file is removed afterwards."""
+    if nbytes < block or block <= 0:
+        raise TitanliteError(f"disk_write_bandwidth needs nbytes >= block > 0, got {nbytes} and {block}")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    path = Path(folder) / f".bandwidth-{os.getpid()}.bin"
+    data = os.urandom(block)
+    try:
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            for _ in range(nbytes // block):
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # until the disk has it, not only the page cache
+        seconds = time.perf_counter() - start
+    finally:
+        path.unlink(missing_ok=True)
+    return (nbytes // block) * block / seconds
+
+
+def training_state(preset: str = "small", seed: int = 0):
+    """A model of `preset` after one AdamW step (so the moments exist), and its state in the
+    shape TrainState saves: {"model": ..., "optimizer": ...} with flat, per-parameter keys."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    args = ModelArgs.preset(preset)
+    torch.manual_seed(seed)
+    model = build_model(args, "cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _forward_backward(model, args)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model_sd, optim_sd = get_state_dict(model, optimizer,
+                                            options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return model, {"model": model_sd, "optimizer": optim_sd}
+
+
+def _forward_backward(model, args: ModelArgs, batch: int = 2, seq: int = 64) -> None:
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _bytes_in(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+
+def _time_torch_save(state: dict, path: Path) -> tuple[float, int]:
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())  # DCP writes with sync_files=True: the same promise
+    seconds = time.perf_counter() - start
+    size = path.stat().st_size
+    path.unlink()
+    return seconds, size
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path):
+    """Point file descriptor 2 at `path`. DCP's checkpoint process, spawned inside, inherits it
+    and logs INFO lines there for good, instead of into the notebook's output."""
+    import sys
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "a") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _stop_checkpoint_process() -> None:
+    """End the daemon process `async_process` saves spawned (torch keeps one per process and
+    offers no public way to stop it; it would otherwise live as long as this kernel)."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+    proc = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    if proc is not None:
+        executor._CHECKPOINT_PROCESS = None
+        with contextlib.suppress(Exception):
+            proc.__del__()  # sends TERMINATE, joins, SIGTERM if it lingers
+
+
+def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=None) -> dict:
+    """`repeats` saves through a Checkpointer. blocked: the save() call plus wait_for_staging()
+    right after it (the most an async save can stall training); done: until committed.
+    overlapped (async, with overlap_with): a forward+backward runs between the two, as the
+    trainer's next step does, and only what is left of the staging is waited for."""
+    ckpt = Checkpointer(folder, mode=mode, keep_latest_k=1)
+    out = {"blocked_s": [], "done_s": [], "overlapped_s": []}
+    steps = iter(range(1, 2 * repeats + 1))
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            ckpt.save(state, next(steps))
+            ckpt.wait_for_staging()
+            out["blocked_s"].append(time.perf_counter() - start)
+            ckpt.wait()
+            out["done_s"].append(time.perf_counter() - start)
+            if mode != "sync" and overlap_with is not None:
+                start = time.perf_counter()
+                call = ckpt.save(state, next(steps)).blocked_s
+                overlap_with()
+                residual = ckpt.wait_for_staging()
+                out["overlapped_s"].append(call + residual)
+                out.setdefault("compute_s", []).append(time.perf_counter() - start - call - residual)
+                ckpt.wait()
+        out["bytes"] = _bytes_in(committed(folder)[-1])
+    finally:
+        ckpt.close()
+    return out
+
+
+def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench",
+                   modes=SAVE_MODES, repeats: int = 3, overlap: bool = True, keep: bool = False) -> dict:
+    """How long each way of saving stops training, on a `preset` model with its AdamW state.
+
+    Returns {"preset", "params", "state_bytes", "modes": {mode: {"bytes", "blocked_s" (one
+    per repeat), "first_s", "steady_s" (median after the first), "done_s", ...}}}. The first
+    async_process save spawns the background process: `first_s` vs `steady_s` shows that."""
+    unknown = [m for m in modes if m not in SAVE_MODES]
+    if unknown or repeats < 1:
+        raise TitanliteError(f"blocking_times: modes must be among {SAVE_MODES} (got {unknown}) and "
+                             f"repeats >= 1 (got {repeats})")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model, state = training_state(preset)
+    storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()  # tied weights once
+                for part in state.values() for v in part.values() if torch.is_tensor(v)}
+    result = {"preset": preset, "params": sum(p.numel() for p in model.parameters()),
+              "state_bytes": sum(storages.values()), "modes": {}}
+    # Async saves write on a gloo group of their own, and the process mode's worker joins one:
+    # a plain process gets a world of one for the measurement (ended below).
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    step = (lambda: _forward_backward(model, ModelArgs.preset(preset))) if overlap else None
+    if overlap:  # the step alone, to see how much a copy running beside it slows it down
+        result["compute_alone_s"] = statistics.median(_seconds(step) for _ in range(3))
+    try:
+        for mode in modes:
+            if mode == "torch.save":
+                runs = [_time_torch_save(state, folder / "state.pt") for _ in range(repeats)]
+                r = {"blocked_s": [s for s, _ in runs], "done_s": [s for s, _ in runs], "bytes": runs[0][1]}
+            elif mode == "async_process":
+                with _stderr_to(folder / "checkpoint-process.log"):
+                    r = _time_dcp(mode, state, folder / mode, repeats, step)
+            else:
+                r = _time_dcp(mode, state, folder / mode, repeats, step)
+            r["first_s"] = r["blocked_s"][0]
+            r["steady_s"] = statistics.median(r["blocked_s"][1:] or r["blocked_s"])
+            r["done_steady_s"] = statistics.median(r["done_s"][1:] or r["done_s"])
+            if not r.get("overlapped_s"):
+                r.pop("overlapped_s", None)
+            result["modes"][mode] = r
+            if not keep:
+                shutil.rmtree(folder / mode, ignore_errors=True)
+    finally:
+        if "async_process" in modes:
+            _stop_checkpoint_process()
+        if own_group:
+            dist.destroy_process_group()
+    return result
+
+
+def anatomy(checkpoint: str | Path) -> dict:
+    """The files of a DCP checkpoint with their sizes, and its `.metadata` index: for every
+    entry the global shape, and for tensors every chunk (offsets, sizes) with the file and
+    byte range that hold it. Sharded tensors show one chunk per rank that owned a piece."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    path = Path(checkpoint)
+    files = {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
+    meta = FileSystemReader(str(path)).read_metadata()
+    where = {(i.fqn, tuple(i.offset or ())): s for i, s in meta.storage_data.items()}
+    entries = {}
+    for key, m in meta.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            chunks = []
+            for c in m.chunks:
+                s = where.get((key, tuple(c.offsets)))
+                chunks.append({"offsets": list(c.offsets), "sizes": list(c.sizes),
+                               "file": s.relative_path if s else None,
+                               "byte_offset": s.offset if s else None, "length": s.length if s else None})
+            entries[key] = {"kind": "tensor", "shape": list(m.size), "dtype": str(m.properties.dtype),
+                            "chunks": chunks}
+        else:  # pickled Python values: step counters, the schedule, RNG states
+            s = where.get((key, ()))
+            entries[key] = {"kind": "bytes", "file": s.relative_path if s else None,
+                            "length": s.length if s else None}
+    return {"path": str(path), "files": files,
+            "data_bytes": sum(v for k, v in files.items() if k.endswith(".distcp")),
+            "metadata_bytes": files.get(".metadata", 0), "entries": entries}
+
+
+# ----- in every rank of a launch_function job (or a plain process: a world of one) ---------
+
+def full_train_state(trainer) -> dict:
+    """TrainState's model and optimizer entries as whole CPU tensors (every rank must call
+    it: DTensor shards are gathered), plus the step."""
+    from torch.distributed.tensor import DTensor
+    state = TrainState(trainer).state_dict()
+
+    def whole(v):
+        if isinstance(v, DTensor):
+            v = v.full_tensor()
+        return v.detach().cpu().clone() if torch.is_tensor(v) else v
+    return {"model": {k: whole(v) for k, v in state["model"].items()},
+            "optimizer": {k: whole(v) for k, v in state["optimizer"].items()}, "step": state["step"]}
+
+
+def _layout(trainer, key: str = "layers.0.attention.q_proj.weight") -> dict:
+    """How this rank holds one weight: its local shape and placements (the layout, shown)."""
+    p = dict(trainer.model.named_parameters())[key]
+    local = p.to_local() if hasattr(p, "to_local") else p
+    return {"layout": trainer.dims.describe(), "rank": trainer.dist.rank, "key": key,
+            "shape": list(p.shape), "local_shape": list(local.shape),
+            "placements": [str(x) for x in getattr(p, "placements", ())]}
+
+
+def _trainer(overrides: dict):
+    from ..config import load_config
+    from ..train import Trainer
+    o = dict(overrides)
+    job = os.environ.get("TITANLITE_JOB_DIR")
+    if job:  # log where launch_function tails, so the notebook's live plot sees the steps
+        o.update({"metrics.log_dir": str(Path(job).parent), "metrics.run_name": Path(job).name})
+    return Trainer(load_config(None, o))
+
+
+def train_and_save(overrides: dict) -> dict:
+    """Train with [checkpoint] on (set checkpoint.folder in `overrides`); return the state of
+    the last save, whole, on rank 0, and every rank's layout."""
+    trainer = _trainer({**overrides, "checkpoint.enabled": True})
+    history = trainer.fit()
+    state = full_train_state(trainer)  # fit() ends with the last save committed
+    return {**_layout(trainer), "state": state if trainer.dist.is_main else None,
+            "checkpoints": history.checkpoints,
+            "committed": [p.name for p in committed(trainer.cfg.checkpoint.folder)]}
+
+
+def load_resharded(overrides: dict, checkpoint: str | Path) -> dict:
+    """Build a Trainer in the layout `overrides` asks for, load `checkpoint` into it (each rank
+    reads the pieces its shards need), and return the loaded state, whole, on rank 0."""
+    trainer = _trainer({**overrides, "checkpoint.enabled": False})
+    ckpt = Checkpointer(Path(checkpoint).parent, describe={"model_args": trainer.model_args.to_dict()})
+    try:
+        start = time.perf_counter()
+        step = ckpt.load(TrainState(trainer), checkpoint)
+        seconds = time.perf_counter() - start
+    finally:
+        ckpt.close()
+    state = full_train_state(trainer)
+    return {**_layout(trainer), "step": step, "load_s": seconds,
+            "state": state if trainer.dist.is_main else None}
