@@ -34,10 +34,20 @@ def _train(args, overrides: list[str]) -> None:
         trainer.close()
     if not trainer.dist.is_main:
         return
+    if not history.train:
+        print(f"nothing to train: {history.resumed_from} is already at step {trainer.step} of "
+              f"{cfg.training.steps}; raise --training.steps to go on")
+        return
     last = history.train[-1]
     val = f", val loss {history.val[-1]['val_loss']:.3f}" if history.val else ""
     print(f"done: {trainer.step} steps, loss {history.train[0]['loss']:.3f} → {last['loss']:.3f}{val}, "
           f"{last['tokens_per_sec']:,.0f} tokens/s, MFU {100 * last['mfu']:.2f}%")
+    if history.resumed_from is not None or cfg.checkpoint.enabled:
+        from .resilience.goodput import summarize
+        g = summarize(history.run_dir)
+        print(f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f} s wall time over "
+              f"{g['attempts']} attempt(s) (lost {g['lost_s']:.1f} s to recomputation, "
+              f"{g['checkpoint_s']:.1f} s to checkpoints, {g['restore_s']:.1f} s to restores)")
     print(f"sample: {history.samples[trainer.step]!r}")
     print(f"metrics: {history.run_dir / 'metrics.jsonl'}")
 

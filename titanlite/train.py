@@ -37,10 +37,10 @@ from .distributed.pipeline import clip_grad_norm_ as pipeline_clip_grad_norm_
 from .errors import TitanliteError
 from .metrics import MetricsLogger
 from .models.llama import ModelArgs, Transformer, build_model
-from .resilience.checkpoint import Checkpointer
 from .resilience.faults import attempt, check_fault, inject_fault
 from .resilience.goodput import GoodputLog
-from .resilience.stragglers import StragglerDetector
+from .resilience.resume import open_checkpoint, run_name_for
+from .resilience.stragglers import StragglerDetector, gather_ready_times
 from .resilience.train_state import TrainState
 from .weights import load_weights  # noqa: F401  (re-exported: titanlite.train.load_weights)
 
@@ -313,7 +313,7 @@ class Trainer:
     # ----- the loop -------------------------------------------------------------------------
     def fit(self, callbacks=()) -> History:
         cfg, t, m = self.cfg, self.cfg.training, self.cfg.metrics
-        run_name = self._same_on_all_ranks(self._run_name())
+        run_name = self._same_on_all_ranks(run_name_for(cfg))
         history = History(run_dir=Path(m.log_dir) / run_name)
         main, rank = self.dist.is_main, self.dist.rank
         # Rank 0 writes metrics.jsonl; the others metrics.rank<r>.jsonl (their step times and
@@ -324,7 +324,7 @@ class Trainer:
         if main:
             self._write_run_info(history.run_dir)
         goodput = GoodputLog(history.run_dir, enabled=main)
-        history.resumed_from = self._open_checkpoint(history.run_dir, goodput)
+        history.resumed_from = open_checkpoint(self, history.run_dir, goodput)
         stragglers = StragglerDetector()
 
         def emit(record: dict) -> None:
@@ -358,7 +358,7 @@ class Trainer:
                 if not math.isfinite(loss) and not out["skipped"]:
                     raise TitanliteError(f"loss became {loss} at step {self.step}: lower "
                                          f"--optimizer.lr (now {cfg.optimizer.lr}) or enable clipping")
-                ready = self._gather_ready_times(out["ready_s"])
+                ready = gather_ready_times(out["ready_s"], self.device)
                 slow = stragglers.update(ready) if len(ready) > 1 else []
                 if slow and main:
                     say(f"[step {self.step}] straggler rank(s) {slow}: ready after "
@@ -416,52 +416,10 @@ class Trainer:
         return history
 
     # ----- checkpoints, restarts, stragglers -----------------------------------------------
-    def _run_name(self) -> str:
-        m, c = self.cfg.metrics, self.cfg.checkpoint
-        if m.run_name:
-            return m.run_name
-        if (c.enabled and c.resume and not c.folder
-                and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
-            # A restarted attempt must find the first one's checkpoints: a name with the
-            # time in it would differ.
-            raise TitanliteError("auto-resume under torchrun --max-restarts needs a fixed run "
-                                 "directory: set --metrics.run_name NAME (or --checkpoint.folder DIR)")
-        return f"{self.cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-    def _open_checkpoint(self, run_dir: Path, goodput) -> Path | None:
-        """Open the checkpointer [checkpoint] asks for and restore the newest committed
-        checkpoint (this run's own, after a restart) or `checkpoint.load`. Returns what was
-        loaded, or None for a fresh start."""
-        c = self.cfg.checkpoint
-        if not (c.enabled or c.load):
-            return None
-        ckpt = Checkpointer(Path(c.folder) if c.folder else run_dir / "checkpoints", mode=c.mode,
-                            keep_latest_k=c.keep_latest_k)
-        source = (ckpt.latest() if c.enabled and c.resume else None) or (Path(c.load) if c.load else None)
-        if source is not None:
-            start = time.perf_counter()
-            ckpt.load(TrainState(self), source, crc=c.verify == "crc")
-            goodput.restore(self.step, time.perf_counter() - start)
-            if self.dist.is_main:
-                say(f"resumed from {source} at step {self.step}", None)
-        self.checkpointer = ckpt if c.enabled else None
-        if c.enabled and self.dist.is_main and not (ckpt.folder / "tokenizer").is_dir():
-            self.tokenizer.save_pretrained(str(ckpt.folder / "tokenizer"))  # for export_hf
-        return source
-
     def _checkpoint_due(self) -> bool:
         every = self.cfg.checkpoint.every
         return self.checkpointer is not None and (
             self.step == self.cfg.training.steps or (every > 0 and self.step % every == 0))
-
-    def _gather_ready_times(self, ready_s: float) -> list[float]:
-        """Every rank's time-to-first-collective of this step (one float each)."""
-        if not self.dist.distributed:
-            return [ready_s]
-        mine = torch.tensor([ready_s], device=self.device)
-        everyone = [torch.zeros_like(mine) for _ in range(self.dist.world_size)]
-        torch.distributed.all_gather(everyone, mine)
-        return [x.item() for x in everyone]
 
     def save_weights(self, run_dir: str | Path) -> Path:
         """Final weights (safetensors) and tokenizer beside run.json, for `titanlite export-hf`.

@@ -66,5 +66,9 @@ if [[ -n "${LOCAL_ADDR:-}" ]]; then
     args+=(--local-addr "$LOCAL_ADDR")
 fi
 
+# Workers keep a rendezvous store of their own: with torchrun's shared one a restarted
+# attempt can read the failed attempt's addresses and never connect (torch 2.13, pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+
 echo "node.sh: machine $NODE_RANK of $NNODES, $NPROC_PER_NODE processes, rendezvous at $MASTER_ADDR:$MASTER_PORT (job ${RDZV_ID:-titanlite})" >&2
 exec "$TORCHRUN" "${args[@]}" -m titanlite.train "$@"

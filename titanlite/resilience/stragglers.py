@@ -31,6 +31,18 @@ class StragglerDetector:
                 if t > self.ratio * typical and t - typical > self.min_gap_s]
 
 
+def gather_ready_times(ready_s: float, device) -> list[float]:
+    """Every rank's time-to-first-collective of this step (one float each)."""
+    import torch
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [ready_s]
+    mine = torch.tensor([ready_s], device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [x.item() for x in everyone]
+
+
 def detect_stragglers(records: list[dict], **kwargs) -> list[int]:
     """Offline: the straggler ranks of a finished job, from its per-rank train records (each
     with "rank" and "ready_s"), over the steps every rank logged."""
