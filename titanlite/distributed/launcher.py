@@ -50,7 +50,14 @@ class LaunchResult:
 
     @property
     def losses(self) -> list[float]:
-        return [x["loss"] for x in self.train]
+        """Rank 0's loss per step. After a restart the steps since the last checkpoint were
+        trained twice: the run's loss for a step is its last (the kept) one."""
+        last = {x["step"]: x["loss"] for x in self.train}
+        return [last[step] for step in sorted(last)]
+
+    @property
+    def attempts(self) -> int:
+        return 1 + max((x.get("attempt", 0) for x in self.records), default=0)
 
 
 # ----- the two entry points ------------------------------------------------------------------
