@@ -257,3 +257,14 @@ def test_straggler_detector():
                for s in range(1, 6) for r in range(2)] + [
               {"kind": "train", "step": s, "rank": 2, "ready_s": 0.01} for s in range(1, 6)]
     assert detect_stragglers(records) == [1]
+
+
+@pytest.mark.slow
+def test_a_slow_rank_is_flagged_as_a_straggler(data_dir, tmp_path):
+    o = _overrides(data_dir, tmp_path, "slow", **{"parallel.dp_shard": 2, "fault.kind": "slow",
+                                                  "fault.rank": 1, "fault.step": 2, "fault.slow_s": 0.3})
+    result = launch(load_config(None, o), nproc=2)
+    last = result.train[-1]
+    assert last["stragglers"] == [1]
+    assert last["ready_s_by_rank"][1] >= 0.3 > last["ready_s_by_rank"][0]
+    assert detect_stragglers(result.records) == [1]

@@ -4,7 +4,7 @@ In synchronous training every rank waits for the slowest at each collective, so 
 times all equal the straggler's. What differs is how long each rank took to get *ready*: the
 time from the step's start to its first collective (loading the batch, host work, a noisy
 neighbour, an injected `fault.kind=slow`). The trainer measures that per rank and gathers it;
-a rank whose median over a window is well above the median rank is a straggler.
+a rank whose median over a window is well above the other ranks' median is a straggler.
 (Stragglers inside the GPU's compute need device-side timings; this catches the host side.)
 """
 from __future__ import annotations
@@ -26,9 +26,12 @@ class StragglerDetector:
             return []
         per_rank = [statistics.median(step[r] for step in self._history)
                     for r in range(len(ready_s_by_rank))]
-        typical = statistics.median(per_rank)
-        return [r for r, t in enumerate(per_rank)
-                if t > self.ratio * typical and t - typical > self.min_gap_s]
+        flagged = []
+        for r, t in enumerate(per_rank):
+            others = statistics.median(per_rank[:r] + per_rank[r + 1:])  # judged against the rest
+            if t > self.ratio * others and t - others > self.min_gap_s:
+                flagged.append(r)
+        return flagged
 
 
 def gather_ready_times(ready_s: float, device) -> list[float]:
