@@ -146,13 +146,21 @@ def test_export_to_one_file_and_to_hugging_face(saved, tmp_path):
 
 
 # ----- several processes: torchrun restarts, resharding ---------------------------------------
+FSDP = {"parallel.dp_shard": 2}
+# Two pipeline stages per rank: this rank's model is several parts, whose names are merged.
+INTERLEAVED_PP = {"parallel.dp_shard": 1, "parallel.pp": 2, "model.tie_embeddings": False,
+                  "model.n_layers": 4, "parallel.pp_schedule": "interleaved_1f1b",
+                  "parallel.pp_stages_per_rank": 2, "parallel.pp_microbatches": 2}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, during, fail_at", [("sync", "step", 5), ("async", "save", 6)])
-def test_torchrun_restart_resumes_bit_identically(data_dir, tmp_path, mode, during, fail_at):
-    """2-process FSDP, a rank SIGKILLed (between steps, or while a checkpoint is being
+@pytest.mark.parametrize("layout, mode, during, fail_at", [
+    (FSDP, "sync", "step", 5), (FSDP, "async", "save", 6), (INTERLEAVED_PP, "sync", "step", 4)],
+    ids=["fsdp-kill-between-steps", "fsdp-kill-during-async-save", "interleaved-pp"])
+def test_torchrun_restart_resumes_bit_identically(data_dir, tmp_path, layout, mode, during, fail_at):
+    """2 processes, a rank SIGKILLed (between steps, or while a checkpoint is being
     written), torchrun --max-restarts 1 restarts the job, which resumes from the newest
     committed checkpoint and reproduces the uninterrupted run's losses bit for bit."""
-    layout = {"parallel.dp_shard": 2}
     ref = launch(load_config(None, _overrides(data_dir, tmp_path, "ref", **layout)), nproc=2)
     o = _overrides(data_dir, tmp_path, "ft", **layout, **{
         "checkpoint.enabled": True, "checkpoint.every": 3, "checkpoint.mode": mode,
@@ -163,7 +171,7 @@ def test_torchrun_restart_resumes_bit_identically(data_dir, tmp_path, mode, duri
     assert _last_per_step(result.train) == ref.losses
     g = summarize(result.run_dir)
     assert g["failures"] == 1 and g["finished"] and g["steps"] == STEPS
-    # The kill during the save of step 6 left it uncommitted: the restart began after step 3.
+    # The kill during the save of step 6 left it uncommitted: every restart began after step 3.
     resumed = min(r["step"] for r in result.train if r.get("attempt") == 1)
     assert resumed == 4
 
