@@ -39,6 +39,9 @@ import torch.distributed.checkpoint as dcp
 from ..errors import TitanliteError
 
 MODES = ("sync", "async", "async_process")
+# DCP's background writer says this from its own thread (outside any catch_warnings) when a
+# single process saves without a process group, which is what a one-process run is.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 COMMIT_FILE = "titanlite.json"
 
 
@@ -121,8 +124,12 @@ class Checkpointer:
         self._pending = None  # the background write + commit of an async save
         self._staging = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="titanlite-commit")
-        self._pg = None
-        if mode != "sync" and self.distributed:
+        self._pg, self._own_world = None, False
+        if mode == "async_process" and not self.distributed:
+            # torch's writer process joins the default group: give a lone process a group of one.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self._own_world = True
+        elif mode != "sync" and self.distributed:
             # A group of its own, so the background write's collectives never interleave with
             # training's (torchtitan does the same).
             self._pg = dist.new_group(backend="gloo")
@@ -227,7 +234,7 @@ class Checkpointer:
         path = Path(path) if path is not None else self.latest()
         if path is None:
             raise TitanliteError(f"no committed checkpoint in '{self.folder}' to load")
-        info = verify(path, crc=crc)
+        info = self._verify_once(path, crc)
         self._check_compatible(path, info, state.describe() if hasattr(state, "describe") else self.describe)
         sd = state.state_dict() if hasattr(state, "state_dict") else state
         with warnings.catch_warnings():
@@ -241,6 +248,22 @@ class Checkpointer:
         if hasattr(state, "load_state_dict"):
             state.load_state_dict(sd)
         return int(info["step"])
+
+    def _verify_once(self, path: Path, crc: bool) -> dict:
+        """Rank 0 reads the files for the check and tells everyone the verdict (N ranks each
+        reading the whole checkpoint would multiply the I/O by N)."""
+        if not self.distributed:
+            return verify(path, crc=crc)
+        box = [None]
+        if self.rank == 0:
+            try:
+                box[0] = verify(path, crc=crc)
+            except TitanliteError as e:
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], TitanliteError):
+            raise box[0]
+        return box[0]
 
     @staticmethod
     def _check_compatible(path: Path, info: dict, describe: dict) -> None:
@@ -262,6 +285,25 @@ class Checkpointer:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            if self.mode == "async_process":
+                stop_writer_process()
             if self._pg is not None:
                 dist.destroy_process_group(self._pg)
                 self._pg = None
+            if self._own_world:
+                dist.destroy_process_group()
+                self._own_world = False
+
+
+def stop_writer_process() -> None:
+    """End the writer process `async_process` saves spawned. torch keeps one per Python process,
+    bound to the process group of its first save, and has no public way to stop it: left alone
+    it outlives this run, and the next run's saves (on a new group) fail with "background
+    process is dead"."""
+    import contextlib
+    from torch.distributed.checkpoint import _async_process_executor as executor
+    proc = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    if proc is not None:
+        executor._CHECKPOINT_PROCESS = None
+        with contextlib.suppress(Exception):
+            proc.__del__()  # sends TERMINATE, joins, SIGTERM if it lingers

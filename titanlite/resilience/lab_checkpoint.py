@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..errors import TitanliteError
 from ..models.llama import ModelArgs, build_model
-from .checkpoint import Checkpointer, committed
+from .checkpoint import Checkpointer, committed, stop_writer_process
 from .train_state import TrainState
 
 SAVE_MODES = ("torch.save", "sync", "async", "async_process")
@@ -115,54 +115,43 @@ def _stderr_to(path: Path):
         os.close(saved)
 
 
-def _stop_checkpoint_process() -> None:
-    """End the daemon process `async_process` saves spawned (torch keeps one per process and
-    offers no public way to stop it; it would otherwise live as long as this kernel)."""
-    from torch.distributed.checkpoint import _async_process_executor as executor
-    proc = getattr(executor, "_CHECKPOINT_PROCESS", None)
-    if proc is not None:
-        executor._CHECKPOINT_PROCESS = None
-        with contextlib.suppress(Exception):
-            proc.__del__()  # sends TERMINATE, joins, SIGTERM if it lingers
-
-
 def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=None) -> dict:
     """`repeats` saves through a Checkpointer. blocked: the save() call plus wait_for_staging()
     right after it (the most an async save can stall training); done: until committed.
     overlapped (async, with overlap_with): a forward+backward runs between the two, as the
-    trainer's next step does, and only what is left of the staging is waited for."""
+    trainer's next step does, and only what is left of the staging is waited for (residual)."""
     ckpt = Checkpointer(folder, mode=mode, keep_latest_k=1)
-    out = {"blocked_s": [], "done_s": [], "overlapped_s": []}
+    out = {k: [] for k in ("blocked_s", "call_s", "staging_s", "done_s", "overlapped_s", "residual_s",
+                           "compute_s")}
     steps = iter(range(1, 2 * repeats + 1))
     try:
         for _ in range(repeats):
             start = time.perf_counter()
-            ckpt.save(state, next(steps))
-            ckpt.wait_for_staging()
+            out["call_s"].append(ckpt.save(state, next(steps)).blocked_s)
+            out["staging_s"].append(ckpt.wait_for_staging())
             out["blocked_s"].append(time.perf_counter() - start)
             ckpt.wait()
             out["done_s"].append(time.perf_counter() - start)
             if mode != "sync" and overlap_with is not None:
-                start = time.perf_counter()
                 call = ckpt.save(state, next(steps)).blocked_s
-                overlap_with()
-                residual = ckpt.wait_for_staging()
-                out["overlapped_s"].append(call + residual)
-                out.setdefault("compute_s", []).append(time.perf_counter() - start - call - residual)
+                out["compute_s"].append(_seconds(overlap_with))
+                out["residual_s"].append(ckpt.wait_for_staging())
+                out["overlapped_s"].append(call + out["residual_s"][-1])
                 ckpt.wait()
         out["bytes"] = _bytes_in(committed(folder)[-1])
     finally:
         ckpt.close()
-    return out
+    return {k: v for k, v in out.items() if v != []}
 
 
 def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench",
                    modes=SAVE_MODES, repeats: int = 3, overlap: bool = True, keep: bool = False) -> dict:
     """How long each way of saving stops training, on a `preset` model with its AdamW state.
 
-    Returns {"preset", "params", "state_bytes", "modes": {mode: {"bytes", "blocked_s" (one
-    per repeat), "first_s", "steady_s" (median after the first), "done_s", ...}}}. The first
-    async_process save spawns the background process: `first_s` vs `steady_s` shows that."""
+    Returns {"preset", "params", "state_bytes", "compute_alone_s", "modes": {mode: {"bytes",
+    "blocked_s", "done_s" (one per repeat), "first_s", "steady_s", "done_steady_s" (medians
+    after the first), and for async modes "staging_s", "overlapped_s", "residual_s",
+    "compute_s"}}}. The first async_process save spawns the writer process (in `done_s[0]`)."""
     unknown = [m for m in modes if m not in SAVE_MODES]
     if unknown or repeats < 1:
         raise TitanliteError(f"blocking_times: modes must be among {SAVE_MODES} (got {unknown}) and "
@@ -179,13 +168,16 @@ def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench"
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    step = (lambda: _forward_backward(model, ModelArgs.preset(preset))) if overlap else None
-    if overlap:  # the step alone, to see how much a copy running beside it slows it down
+    args = ModelArgs.preset(preset)
+    step = (lambda: _forward_backward(model, args)) if overlap else None
+    if overlap:  # the step alone (after a warm-up), to see how much a copy beside it slows it
+        step()
         result["compute_alone_s"] = statistics.median(_seconds(step) for _ in range(3))
     try:
         for mode in modes:
             if mode == "torch.save":
-                runs = [_time_torch_save(state, folder / "state.pt") for _ in range(repeats)]
+                target = folder / f"state.rank{dist.get_rank()}.pt"
+                runs = [_time_torch_save(state, target) for _ in range(repeats)]
                 r = {"blocked_s": [s for s, _ in runs], "done_s": [s for s, _ in runs], "bytes": runs[0][1]}
             elif mode == "async_process":
                 with _stderr_to(folder / "checkpoint-process.log"):
@@ -195,14 +187,13 @@ def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench"
             r["first_s"] = r["blocked_s"][0]
             r["steady_s"] = statistics.median(r["blocked_s"][1:] or r["blocked_s"])
             r["done_steady_s"] = statistics.median(r["done_s"][1:] or r["done_s"])
-            if not r.get("overlapped_s"):
-                r.pop("overlapped_s", None)
             result["modes"][mode] = r
             if not keep:
                 shutil.rmtree(folder / mode, ignore_errors=True)
+                (folder / "checkpoint-process.log").unlink(missing_ok=True)
     finally:
         if "async_process" in modes:
-            _stop_checkpoint_process()
+            stop_writer_process()
         if own_group:
             dist.destroy_process_group()
     return result
@@ -232,7 +223,7 @@ def anatomy(checkpoint: str | Path) -> dict:
         else:  # pickled Python values: step counters, the schedule, RNG states
             s = where.get((key, ()))
             entries[key] = {"kind": "bytes", "file": s.relative_path if s else None,
-                            "length": s.length if s else None}
+                            "byte_offset": s.offset if s else None, "length": s.length if s else None}
     return {"path": str(path), "files": files,
             "data_bytes": sum(v for k, v in files.items() if k.endswith(".distcp")),
             "metadata_bytes": files.get(".metadata", 0), "entries": entries}
@@ -254,7 +245,7 @@ def full_train_state(trainer) -> dict:
             "optimizer": {k: whole(v) for k, v in state["optimizer"].items()}, "step": state["step"]}
 
 
-def _layout(trainer, key: str = "layers.0.attention.q_proj.weight") -> dict:
+def _layout(trainer, key: str = "layers.0.attention.o_proj.weight") -> dict:
     """How this rank holds one weight: its local shape and placements (the layout, shown)."""
     p = dict(trainer.model.named_parameters())[key]
     local = p.to_local() if hasattr(p, "to_local") else p
