@@ -50,7 +50,7 @@ def reference(data_dir, tmp_path_factory) -> list[float]:
 # ----- resume, in one process --------------------------------------------------------------
 @pytest.mark.parametrize("fail_at, every", [(2, 1), (6, 3), (8, 3)])
 def test_resume_after_a_failure_is_bit_identical(data_dir, tmp_path, monkeypatch, reference, fail_at, every):
-    o = _overrides(data_dir, tmp_path, "ft", **{"checkpoint.enabled": True, "checkpoint.every": every,
+    o = _overrides(data_dir, tmp_path, "ft", **{"checkpoint.enable": True, "checkpoint.every": every,
                                                 "fault.kind": "exception", "fault.step": fail_at})
     with pytest.raises(InjectedFailure):
         Trainer(load_config(None, o)).fit()
@@ -68,7 +68,7 @@ def test_resume_after_a_failure_is_bit_identical(data_dir, tmp_path, monkeypatch
 
 
 def test_keep_latest_k_and_a_leftover_partial_save_is_ignored(data_dir, tmp_path):
-    o = _overrides(data_dir, tmp_path, "k", **{"checkpoint.enabled": True, "checkpoint.every": 2,
+    o = _overrides(data_dir, tmp_path, "k", **{"checkpoint.enable": True, "checkpoint.every": 2,
                                                "checkpoint.keep_latest_k": 2})
     history = Trainer(load_config(None, o)).fit()
     folder = history.run_dir / "checkpoints"
@@ -86,13 +86,13 @@ def test_keep_latest_k_and_a_leftover_partial_save_is_ignored(data_dir, tmp_path
 # ----- damaged or mismatched checkpoints: one clear line, nothing overwritten -----------------
 @pytest.fixture
 def saved(data_dir, tmp_path):
-    o = _overrides(data_dir, tmp_path, "s", **{"training.steps": 2, "checkpoint.enabled": True})
+    o = _overrides(data_dir, tmp_path, "s", **{"training.steps": 2, "checkpoint.enable": True})
     history = Trainer(load_config(None, o)).fit()
     return o, committed(history.run_dir / "checkpoints")[-1]
 
 
 def _load_into_fresh(o, path):
-    trainer = Trainer(load_config(None, {**o, "checkpoint.enabled": False}))
+    trainer = Trainer(load_config(None, {**o, "checkpoint.enable": False}))
     return Checkpointer(path.parent).load(TrainState(trainer), path)
 
 
@@ -120,7 +120,7 @@ def test_a_checkpoint_of_another_model_is_refused_and_left_alone(saved):
         _load_into_fresh({**o, "model.n_layers": 3}, path)
     with pytest.raises(TitanliteError, match="different model"):  # also through the trainer
         Trainer(load_config(None, {**o, "model.n_layers": 3, "checkpoint.load": str(path),
-                                   "checkpoint.enabled": False})).fit()
+                                   "checkpoint.enable": False})).fit()
     assert {f.name: f.read_bytes() for f in path.iterdir()} == before
 
 
@@ -163,7 +163,7 @@ def test_torchrun_restart_resumes_bit_identically(data_dir, tmp_path, layout, mo
     committed checkpoint and reproduces the uninterrupted run's losses bit for bit."""
     ref = launch(load_config(None, _overrides(data_dir, tmp_path, "ref", **layout)), nproc=2)
     o = _overrides(data_dir, tmp_path, "ft", **layout, **{
-        "checkpoint.enabled": True, "checkpoint.every": 3, "checkpoint.mode": mode,
+        "checkpoint.enable": True, "checkpoint.every": 3, "checkpoint.mode": mode,
         "fault.kind": "kill", "fault.rank": 1, "fault.step": fail_at, "fault.during": during})
     result = launch(load_config(None, o), nproc=2, max_restarts=1)
     attempts = {r.get("attempt", 0) for r in result.train}
@@ -203,7 +203,7 @@ RESHARD_WORKER = textwrap.dedent("""
 @pytest.mark.slow
 def test_save_on_two_fsdp_ranks_load_on_one_and_on_tensor_parallel(data_dir, tmp_path):
     o = _overrides(data_dir, tmp_path, "fsdp", **{"training.steps": 3, "parallel.dp_shard": 2,
-                                                  "checkpoint.enabled": True})
+                                                  "checkpoint.enable": True})
     result = launch(load_config(None, o), nproc=2)
     folder = result.run_dir / "checkpoints"
     path = committed(folder)[-1]
@@ -214,7 +214,7 @@ def test_save_on_two_fsdp_ranks_load_on_one_and_on_tensor_parallel(data_dir, tmp
     # 1 process: the FSDP shards become whole tensors, optimizer moments included.
     # The global batch stays 8 (the data position must mean the same samples): 1 rank x 8.
     trainer = Trainer(load_config(None, {**o, "parallel.dp_shard": -1, "training.batch_size": 8,
-                                         "checkpoint.enabled": False}))
+                                         "checkpoint.enable": False}))
     assert Checkpointer(folder).load(TrainState(trainer), path) == 3
     assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in whole.items())
     for p_name, p in trainer.model.named_parameters():
@@ -226,7 +226,7 @@ def test_save_on_two_fsdp_ranks_load_on_one_and_on_tensor_parallel(data_dir, tmp
     # 2 processes with tensor parallelism instead of FSDP: a different cut of the same tensors.
     script, out = tmp_path / "reshard.py", tmp_path / "tp.pt"
     script.write_text(RESHARD_WORKER)
-    tp = {**o, "parallel.dp_shard": 1, "parallel.tp": 2, "training.batch_size": 8, "checkpoint.enabled": False}
+    tp = {**o, "parallel.dp_shard": 1, "parallel.tp": 2, "training.batch_size": 8, "checkpoint.enable": False}
     run_torchrun(script, json.dumps(tp), folder, out, nproc=2, timeout=240)
     got = torch.load(out, weights_only=False)
     assert got["step"] == 3 and got["lr"] == pytest.approx(trainer.scheduler.get_last_lr())

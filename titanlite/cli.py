@@ -42,7 +42,7 @@ def _train(args, overrides: list[str]) -> None:
     val = f", val loss {history.val[-1]['val_loss']:.3f}" if history.val else ""
     print(f"done: {trainer.step} steps, loss {history.train[0]['loss']:.3f} → {last['loss']:.3f}{val}, "
           f"{last['tokens_per_sec']:,.0f} tokens/s, MFU {100 * last['mfu']:.2f}%")
-    if history.resumed_from is not None or cfg.checkpoint.enabled:
+    if history.resumed_from is not None or cfg.checkpoint.enable:
         from .resilience.goodput import summarize
         g = summarize(history.run_dir)
         print(f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f} s wall time over "

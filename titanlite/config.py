@@ -153,7 +153,7 @@ class FaultSection:
 
 @dataclass
 class CheckpointSection:
-    enabled: bool = False
+    enable: bool = False
     folder: str | None = None  # None: <run dir>/checkpoints
     every: int = 0  # save every N steps, and after the last step; 0: only after the last
     mode: str = "sync"  # sync | async (background thread) | async_process (background process)

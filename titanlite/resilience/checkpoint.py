@@ -177,10 +177,11 @@ class Checkpointer:
 
     def wait_for_staging(self) -> float:
         """Async: block until the state has been copied out (call before weights change)."""
+        if self._staging is None:
+            return 0.0
         start = time.perf_counter()
-        if self._staging is not None:
-            self._staging.result()
-            self._staging = None
+        self._staging.result()
+        self._staging = None
         return time.perf_counter() - start
 
     def wait(self) -> float:

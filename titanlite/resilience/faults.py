@@ -11,7 +11,8 @@
 By default only the first attempt fails (TORCHELASTIC_RESTART_COUNT=0), so a restarted job can
 resume and finish, as after a real, transient fault. `attempts = k` makes the first k attempts
 fail, attempt a at step `step + a * step_gap` (several failures in one job, for goodput);
-`during = "save"` strikes while a checkpoint is being written instead of as the step begins.
+`during = "save"` strikes while a checkpoint is being written instead of as the step begins
+(after this rank has handed its data over: rank 0 commits, so kill rank 0 to stop a commit).
 """
 from __future__ import annotations
 

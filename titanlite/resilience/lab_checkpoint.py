@@ -267,7 +267,7 @@ def _trainer(overrides: dict):
 def train_and_save(overrides: dict) -> dict:
     """Train with [checkpoint] on (set checkpoint.folder in `overrides`); return the state of
     the last save, whole, on rank 0, and every rank's layout."""
-    trainer = _trainer({**overrides, "checkpoint.enabled": True})
+    trainer = _trainer({**overrides, "checkpoint.enable": True})
     history = trainer.fit()
     state = full_train_state(trainer)  # fit() ends with the last save committed
     return {**_layout(trainer), "state": state if trainer.dist.is_main else None,
@@ -278,7 +278,7 @@ def train_and_save(overrides: dict) -> dict:
 def load_resharded(overrides: dict, checkpoint: str | Path) -> dict:
     """Build a Trainer in the layout `overrides` asks for, load `checkpoint` into it (each rank
     reads the pieces its shards need), and return the loaded state, whole, on rank 0."""
-    trainer = _trainer({**overrides, "checkpoint.enabled": False})
+    trainer = _trainer({**overrides, "checkpoint.enable": False})
     ckpt = Checkpointer(Path(checkpoint).parent, describe={"model_args": trainer.model_args.to_dict()})
     try:
         start = time.perf_counter()

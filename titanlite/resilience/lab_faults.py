@@ -73,6 +73,17 @@ def read_events(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def split_attempts(events: list[dict]) -> list[list[dict]]:
+    """The log cut into attempts, each from its "start" event: torchrun's restarts, and also a
+    job requeued by hand (a new torchrun counts its attempts from 0 again)."""
+    attempts: list[list[dict]] = []
+    for e in events:
+        if e["event"] == "start" or not attempts:
+            attempts.append([])
+        attempts[-1].append(e)
+    return attempts
+
+
 @dataclass
 class RunCosts:
     steps: int              # steps of the whole job
@@ -92,13 +103,13 @@ class RunCosts:
 
 
 def measure_costs(run_dir: str | Path) -> RunCosts:
-    """Read a run's costs and failure points from its goodput.jsonl (and run.json's config)."""
+    """Read a run's costs and failure points from its goodput.jsonl (and run.json's config).
+    The replay model knows synchronous saves only: with async ones, the stall is the staging."""
     run_dir = Path(run_dir)
+    events = read_events(run_dir)
     cfg = json.loads((run_dir / "run.json").read_text())["config"]
     steps, every = cfg["training"]["steps"], cfg["checkpoint"]["every"]
-    events = read_events(run_dir)
-    attempts = sorted({e["attempt"] for e in events})
-    by = {a: [e for e in events if e["attempt"] == a] for a in attempts}
+    by = split_attempts(events)
     step_events = [e for e in events if e["event"] == "step"]
     if not step_events:
         raise TitanliteError(f"{run_dir} logged no training step: nothing to measure")
@@ -108,23 +119,29 @@ def measure_costs(run_dir: str | Path) -> RunCosts:
         first = next((e for e in by[a] if e["event"] == "step"), None)
         return None if first is None else first["t"] - first["seconds"]
 
-    start0 = next(e for e in by[attempts[0]] if e["event"] == "start")
-    costs = RunCosts(steps=steps, every=every, step_s=sum(kept.values()) / len(kept),
-                     ckpt_cost_s=0.0, startup_s=first_step_start(attempts[0]) - start0["process_start"],
+    began = first_step_start(0) if first_step_start(0) is not None else by[0][-1]["t"]
+    costs = RunCosts(steps=steps, every=every, step_s=sum(kept.values()) / len(kept), ckpt_cost_s=0.0,
+                     startup_s=began - by[0][0].get("process_start", by[0][0]["t"]),
                      lost_steps=len(step_events) - len(kept))
-    # Saves before the last step, whichever attempt took them (a lost attempt's count too).
-    saves = {(e["attempt"], e["step"]) for e in events if e["event"] == "checkpoint"
-             and every and e["step"] % every == 0 and e["step"] < steps}
+    restored = [next((e["step"] for e in mine if e["event"] == "restore"), 0) for mine in by]
+    # Saves before the last step that finished, whichever attempt took them (a lost attempt's
+    # count too). A save finished if its attempt logged more after it, or the next attempt
+    # resumed from it; the trainer may log a ~0 s staging wait before a save a kill interrupts.
+    saves = 0
+    for a, mine in enumerate(by):
+        ends = {e["step"]: i for i, e in enumerate(mine) if e["event"] == "checkpoint"}
+        saves += sum(1 for step, i in ends.items() if every and step % every == 0 and step < steps
+                     and (i < len(mine) - 1 or (a + 1 < len(by) and restored[a + 1] == step)))
     stall = sum(e["seconds"] for e in events if e["event"] == "checkpoint" and e["step"] < steps)
-    costs.ckpt_cost_s = stall / len(saves) if saves else 0.0
-    for a, nxt in zip(attempts, attempts[1:]):
-        done = [e["step"] for e in by[a] if e["event"] == "step"]
-        last = max(done, default=0)
-        restored = next((e["step"] for e in by[nxt] if e["event"] == "restore"), 0)
-        costs.failures_at_step.append(last + (_AFTER_SAVE if restored == last and last else 0.0))
-        costs.restored_from.append(restored)
-        if first_step_start(nxt) is not None:
-            costs.restarts_s.append(first_step_start(nxt) - by[a][-1]["t"])
+    costs.ckpt_cost_s = stall / saves if saves else 0.0
+    for a, nxt in zip(range(len(by)), range(1, len(by))):
+        last = max((e["step"] for e in by[a] if e["event"] == "step"), default=restored[a])
+        after_save = restored[nxt] == last > restored[a]  # died after committing step `last`
+        costs.failures_at_step.append(last + (_AFTER_SAVE if after_save else 0.0))
+        costs.restored_from.append(restored[nxt])
+        # an attempt that died before its first step: its whole life is restart time
+        back = first_step_start(nxt) if first_step_start(nxt) is not None else by[nxt][-1]["t"]
+        costs.restarts_s.append(back - by[a][-1]["t"])
     if events[-1]["event"] == "end":
         costs.tail_s = events[-1]["t"] - step_events[-1]["t"]
     return costs
@@ -179,7 +196,8 @@ PARTS = (("productive_s", "productive", "tab:green"), ("lost_s", "lost (redone)"
 
 def plot_goodput_breakdown(breakdowns: dict[str, dict], title: str = ""):
     """Stacked horizontal bars of wall time per run (goodput.summarize-shaped dicts)."""
-    fig, ax = goodput_model._figure((9, 0.8 + 0.6 * len(breakdowns)))
+    height = 1.3 + 0.6 * len(breakdowns)
+    fig, ax = goodput_model._figure((9, height))
     labels = list(breakdowns)
     for i, label in enumerate(labels):
         left = 0.0
@@ -191,10 +209,10 @@ def plot_goodput_breakdown(breakdowns: dict[str, dict], title: str = ""):
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("wall time (s)")
-    ax.set_xlim(0, 1.25 * max(b["wall_s"] for b in breakdowns.values()))
-    ax.legend(fontsize=7, ncol=3, loc="lower right")
+    ax.set_xlim(0, 1.2 * max(b["wall_s"] for b in breakdowns.values()))
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=7, ncol=len(PARTS), loc="lower center")
     ax.set_title(title or "where the wall time went", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.35 / height, 1, 1))  # room for the legend below
     return fig
 
 
@@ -205,9 +223,8 @@ def plot_timeline(run_dir: str | Path, title: str = ""):
     t0 = min(e["process_start"] for e in events if e["event"] == "start")
     fig, ax = goodput_model._figure((8, 3.6))
     colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
-    for a in sorted({e["attempt"] for e in events}):
-        mine = [e for e in events if e["attempt"] == a]
-        start = next(e["process_start"] for e in mine if e["event"] == "start")
+    for a, mine in enumerate(split_attempts(events)):
+        start = mine[0].get("process_start", mine[0]["t"])
         steps = [e for e in mine if e["event"] == "step"]
         restored = next((e["step"] for e in mine if e["event"] == "restore"), 0)
         xs = [steps[0]["t"] - steps[0]["seconds"] - t0] if steps else []
@@ -215,8 +232,12 @@ def plot_timeline(run_dir: str | Path, title: str = ""):
         ax.plot(xs + [e["t"] - t0 for e in steps], [restored] * bool(xs) + [e["step"] for e in steps],
                 ".-", color=color, label=f"attempt {a}" + (f" (resumed at step {restored})" if restored else ""))
         ax.axvspan(start - t0, xs[0] if xs else mine[-1]["t"] - t0, color=color, alpha=0.12)
+        if mine[-1]["event"] != "end":  # this attempt died: mark where its log stops
+            ax.plot(mine[-1]["t"] - t0, steps[-1]["step"] if steps else restored, "x", color="black",
+                    markersize=9, label=None if a else "failure")
     ax.set(xlabel="wall time since the first process started (s)", ylabel="step completed")
     ax.set_title(title or "progress against wall time (shaded: start-up of each attempt)", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
+    fig.tight_layout()
     return fig

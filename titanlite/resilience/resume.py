@@ -19,7 +19,7 @@ def run_name_for(cfg) -> str:
     m, c = cfg.metrics, cfg.checkpoint
     if m.run_name:
         return m.run_name
-    if c.enabled and c.resume and not c.folder and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+    if c.enable and c.resume and not c.folder and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
         # A restarted attempt must find the first one's checkpoints: a name with the time in
         # it would differ.
         raise TitanliteError("auto-resume under torchrun --max-restarts needs a fixed run "
@@ -32,18 +32,18 @@ def open_checkpoint(trainer, run_dir: Path, goodput) -> Path | None:
     checkpoint (this run's own, after a restart) or else `checkpoint.load` (e.g. another run's,
     resharded to this layout). Returns what was loaded, or None for a fresh start."""
     c = trainer.cfg.checkpoint
-    if not (c.enabled or c.load):
+    if not (c.enable or c.load):
         return None
     ckpt = Checkpointer(Path(c.folder) if c.folder else run_dir / "checkpoints", mode=c.mode,
                         keep_latest_k=c.keep_latest_k)
-    source = (ckpt.latest() if c.enabled and c.resume else None) or (Path(c.load) if c.load else None)
+    source = (ckpt.latest() if c.enable and c.resume else None) or (Path(c.load) if c.load else None)
     if source is not None:
         start = time.perf_counter()
         ckpt.load(TrainState(trainer), source, crc=c.verify == "crc")
         goodput.restore(trainer.step, time.perf_counter() - start)
         if trainer.dist.is_main:
             say(f"resumed from {source} at step {trainer.step}", None)
-    trainer.checkpointer = ckpt if c.enabled else None
-    if c.enabled and trainer.dist.is_main and not (ckpt.folder / "tokenizer").is_dir():
+    trainer.checkpointer = ckpt if c.enable else None
+    if c.enable and trainer.dist.is_main and not (ckpt.folder / "tokenizer").is_dir():
         trainer.tokenizer.save_pretrained(str(ckpt.folder / "tokenizer"))  # for export_hf
     return source
