@@ -26,3 +26,14 @@ def test_ablation_table_has_every_requested_row(tmp_path):
 def test_ablation_rejects_unknown_variants(tmp_path):
     r = run("ablation.py", "--variants", "baseline,turbo", tmp_path=tmp_path)
     assert r.returncode == 2 and "unknown variant" in r.stderr
+
+
+def test_checkpoint_bench_reports_every_mode_and_the_targets(tmp_path):
+    r = run("checkpoint.py", "--folder", str(tmp_path / "ckpt"), "--json", str(tmp_path / "out.json"),
+            tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for row in ("torch.save + fsync", "DCP sync", "DCP async (thread)", "DCP async (process)",
+                "disk write bandwidth", "target <= 5%", "throughput / disk bandwidth"):
+        assert row in r.stdout, (row, r.stdout)
+    import json
+    assert json.loads((tmp_path / "out.json").read_text())  # the measurements, for plots
