@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 import warnings
 import zlib
@@ -213,7 +214,12 @@ class Checkpointer:
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(self.folder)
-        self._prune(step)
+        # Deleting old checkpoints need not stall training: the commit thread does it (a
+        # sync save's commit runs here, so hand it over).
+        if threading.current_thread() is threading.main_thread():
+            self._pool.submit(self._prune, step)
+        else:
+            self._prune(step)
 
     def _prune(self, newest: int) -> None:
         keep = committed(self.folder)[-self.keep:] if self.keep else committed(self.folder)
