@@ -182,6 +182,8 @@ class Trainer:
         self.peak = self._get_peak()
         self.step = 0
         self.checkpointer = None  # fit() opens one when [checkpoint] asks
+        self._step_start = time.perf_counter()  # fit() resets both as each step begins
+        self._staging_wait_s = 0.0
 
     def _get_peak(self) -> hardware.Peak:
         """The MFU denominator of one device. Ranks sharing a machine would disturb each
@@ -213,7 +215,7 @@ class Trainer:
         dp, d = self.dims.dp, self.dims
         # How long this rank took to get here, its first collective of the step: a straggler
         # shows up here (afterwards everyone waits for everyone).
-        ready_s = time.perf_counter() - self._step_start if hasattr(self, "_step_start") else 0.0
+        ready_s = time.perf_counter() - self._step_start
         local = torch.tensor(float(sum(count_targets(y) for _, y in micro_batches)), device=self.device)
         # Every TP and PP rank of a data-parallel slice holds the same batch: count it once.
         global_tokens = all_reduce_sum(local).item() / (d.tp * d.pp)

@@ -21,6 +21,7 @@ import os
 import time
 from pathlib import Path
 
+from ..errors import TitanliteError
 from .faults import attempt
 
 
@@ -61,11 +62,19 @@ class GoodputLog:
         self._write(event="end")
 
 
-def summarize(path: str | Path) -> dict:
-    """Wall time split into productive / lost / checkpoint / restore / other, and goodput."""
+def read_events(path: str | Path) -> list[dict]:
+    """The events of a run directory's goodput.jsonl (or of that file), in order."""
     path = Path(path)
     path = path / "goodput.jsonl" if path.is_dir() else path
-    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not path.is_file():
+        raise TitanliteError(f"{path} does not exist: pass the run directory of a titanlite run "
+                             f"(History.run_dir or LaunchResult.run_dir)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(path: str | Path) -> dict:
+    """Wall time split into productive / lost / checkpoint / restore / other, and goodput."""
+    events = read_events(path)
     starts = [e for e in events if e["event"] == "start"]
     if not starts:
         raise ValueError(f"{path} has no start event: not a goodput log")

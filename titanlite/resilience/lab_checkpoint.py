@@ -279,7 +279,7 @@ def load_resharded(overrides: dict, checkpoint: str | Path) -> dict:
     """Build a Trainer in the layout `overrides` asks for, load `checkpoint` into it (each rank
     reads the pieces its shards need), and return the loaded state, whole, on rank 0."""
     trainer = _trainer({**overrides, "checkpoint.enable": False})
-    ckpt = Checkpointer(Path(checkpoint).parent, describe={"model_args": trainer.model_args.to_dict()})
+    ckpt = Checkpointer(Path(checkpoint).parent)  # TrainState describes the model it checks
     try:
         start = time.perf_counter()
         step = ckpt.load(TrainState(trainer), checkpoint)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import TitanliteError
 from . import goodput_model
-from .goodput import summarize
+from .goodput import read_events, summarize
 
 # A failure just after a committed checkpoint: a hair past the step boundary, so the replay
 # resumes from that checkpoint (exactly on a boundary it strikes before the save).
@@ -64,14 +64,6 @@ def launch_expecting_failure(cfg, nproc: int, *, overrides: dict | None = None, 
 
 
 # ----- what a run cost, from its goodput.jsonl ------------------------------------------------
-
-def read_events(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "goodput.jsonl"
-    if not path.is_file():
-        raise TitanliteError(f"{path} does not exist: pass the run directory of a finished "
-                             f"titanlite run (LaunchResult.run_dir)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
 
 def split_attempts(events: list[dict]) -> list[list[dict]]:
     """The log cut into attempts, each from its "start" event: torchrun's restarts, and also a

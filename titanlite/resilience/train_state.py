@@ -42,9 +42,9 @@ def _owner_map(parts) -> dict[str, str]:
     """Plain parameter/buffer name -> the ModuleList name that holds it on this rank."""
     names = {}
     for i, part in enumerate(parts):
-        for key in part.state_dict():
-            plain = key.replace("module.", "", 1) if key.startswith("module.") else key
-            names[plain.replace("_orig_mod.", "")] = f"{i}.{plain.replace('_orig_mod.', '')}"
+        for key in part.state_dict():  # without DDP's "module." and compile's "_orig_mod."
+            plain = key.removeprefix("module.").replace("_orig_mod.", "")
+            names[plain] = f"{i}.{plain}"
     return names
 
 
