@@ -36,18 +36,14 @@ from .distributed.parallelize import loss_parallel_enabled, parallelize
 from .distributed.pipeline import clip_grad_norm_ as pipeline_clip_grad_norm_
 from .errors import TitanliteError
 from .metrics import MetricsLogger
-from .models.llama import ModelArgs, Transformer, build_model
+from .models.from_config import model_args_for
+from .models.llama import Transformer, build_model
 from .resilience.faults import attempt, check_fault, inject_fault
 from .resilience.goodput import GoodputLog
 from .resilience.resume import open_checkpoint, run_name_for
 from .resilience.stragglers import StragglerDetector, gather_ready_times
 from .resilience.train_state import TrainState
 from .weights import load_weights  # noqa: F401  (re-exported: titanlite.train.load_weights)
-
-# Presets sized for training here take their vocabulary from the tokenizer; the large ones
-# keep the published vocabulary so their parameter counts stay true.
-_VOCAB_FROM_TOKENIZER = ("debug", "small")
-
 
 @dataclass
 class History:
@@ -112,26 +108,6 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-
-
-def model_args_for(cfg: Config, tokenizer_vocab: int) -> ModelArgs:
-    m = cfg.model
-    args = ModelArgs.preset(m.preset, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
-                            n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
-                            max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings)
-    if m.vocab_size is None and m.preset in _VOCAB_FROM_TOKENIZER:
-        args.vocab_size = tokenizer_vocab
-    if args.vocab_size < tokenizer_vocab:
-        raise TitanliteError(
-            f"the tokenizer has {tokenizer_vocab} tokens but the model's vocab_size is "
-            f"{args.vocab_size}, so token ids would be out of range: set --model.vocab_size "
-            f"{tokenizer_vocab} (or leave it unset), or use a smaller tokenizer")
-    if cfg.training.seq_len > args.max_seq_len:
-        raise TitanliteError(
-            f"training.seq_len={cfg.training.seq_len} exceeds the model's maximum "
-            f"({args.max_seq_len} for preset '{m.preset}'): lower --training.seq_len or raise "
-            f"--model.max_seq_len")
-    return args
 
 
 class Trainer:
