@@ -124,12 +124,14 @@ def relative_spread(samples: list[float]) -> float:
     return (max(samples) - min(samples)) / statistics.median(samples) if len(samples) > 1 else 0.0
 
 
-def _matmul_worker(threads: int, seconds: float, n: int, start, out) -> None:
-    torch.set_num_threads(threads)
-    task = matmul_task(n, seconds=0.02)
-    task()  # imports, first kernels: before the common start
-    start.wait()
-    out.put(matmul_task(n, seconds=seconds)())
+def _matmul_worker(jobs, out, n: int) -> None:
+    matmul_task(n, seconds=0.02)()  # imports, first kernels: before any timed window
+    out.put("ready")
+    while (job := jobs.get()) is not None:
+        threads, seconds, start_at = job
+        torch.set_num_threads(threads)
+        time.sleep(max(0.0, start_at - time.time()))  # all workers of a layout start together
+        out.put(matmul_task(n, seconds=seconds)())
 
 
 def oversubscription(layouts, seconds: float = 1.0, n: int = 384) -> dict[tuple[int, int], float]:
@@ -137,20 +139,27 @@ def oversubscription(layouts, seconds: float = 1.0, n: int = 384) -> dict[tuple[
     `layouts`. More threads than cores makes OpenMP threads wait for each other (each parallel
     region ends at a barrier, and a descheduled thread holds everyone up)."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: a forked OpenMP runtime can hang
+    out = ctx.Queue()
+    workers = [(ctx.Process(target=_matmul_worker, args=(jobs, out, n)), jobs)
+               for jobs in (ctx.Queue() for _ in range(max(p for p, _ in layouts)))]
     totals = {}
-    for procs, threads in layouts:
-        start, out = ctx.Barrier(procs), ctx.Queue()
-        workers = [ctx.Process(target=_matmul_worker, args=(threads, seconds, n, start, out))
-                   for _ in range(procs)]
-        for w in workers:
+    try:
+        for w, _ in workers:
             w.start()
-        try:
-            totals[(procs, threads)] = sum(out.get(timeout=120) for _ in workers)
-        finally:
-            for w in workers:
-                w.join(timeout=30)
-                if w.is_alive():
-                    w.terminate()
+        for _ in workers:
+            out.get(timeout=300)
+        for procs, threads in layouts:
+            start_at = time.time() + 0.2
+            for _, jobs in workers[:procs]:
+                jobs.put((threads, seconds, start_at))
+            totals[(procs, threads)] = sum(out.get(timeout=300) for _ in range(procs))
+    finally:
+        for w, jobs in workers:
+            jobs.put(None)
+        for w, _ in workers:
+            w.join(timeout=30)
+            if w.is_alive():
+                w.terminate()
     return totals
 
 
@@ -212,7 +221,7 @@ def _measure_training_memory(cfg, out) -> None:  # runs in a fresh process, see 
 
     from .train import Trainer
     warm = Trainer(_tiny_copy(cfg))  # data, tokenizer, kernels, the cached peak: not the model
-    warm.fit()
+    warm.fit()  # one step
     del warm
     gc.collect()
     before = rss_bytes()
@@ -227,7 +236,7 @@ def _tiny_copy(cfg):
     import copy
     tiny = copy.deepcopy(cfg)
     tiny.model.preset, tiny.model.dim, tiny.model.n_layers = "debug", None, None
-    tiny.training.steps, tiny.training.batch_size, tiny.training.seq_len = 2, 1, cfg.training.seq_len
+    tiny.training.steps, tiny.training.batch_size, tiny.training.seq_len = 1, 1, cfg.training.seq_len
     tiny.training.threads = cfg.training.threads
     tiny.eval.every, tiny.eval.sample_tokens = 0, 1
     return tiny
