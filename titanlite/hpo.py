@@ -50,7 +50,8 @@ def suggest(trial: optuna.Trial, base, token_budget: int):
     t.steps = token_budget // tokens_per_step
     # Warm-up as a fraction of the run, so it means the same at every batch size.
     cfg.scheduler.warmup_steps = round(t.steps * trial.suggest_float("warmup_fraction", 0.0, 0.3))
-    cfg.metrics.run_name = f"{trial.study.study_name}-trial{trial.number}"
+    study = getattr(trial, "study", None)  # a FixedTrial (replaying chosen values) has none
+    cfg.metrics.run_name = f"{study.study_name if study else 'fixed'}-trial{trial.number}"
     return cfg
 
 
