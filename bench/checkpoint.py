@@ -86,7 +86,7 @@ def main() -> None:
     import torch
 
     from titanlite import hardware, is_smoke
-    from titanlite.resilience.lab_checkpoint import SAVE_MODES, blocking_times, disk_write_bandwidth
+    from titanlite.labs.nb12_distributed_checkpointing import SAVE_MODES, blocking_times, disk_write_bandwidth
 
     smoke = is_smoke()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

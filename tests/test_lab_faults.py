@@ -5,7 +5,8 @@ import json
 import pytest
 
 from titanlite.errors import TitanliteError
-from titanlite.resilience import goodput, lab_faults
+from titanlite.labs import nb13_fault_tolerance as lab
+from titanlite.resilience import goodput
 
 
 def test_final_losses_keep_the_last_attempt_of_each_step_in_step_order():
@@ -13,9 +14,9 @@ def test_final_losses_keep_the_last_attempt_of_each_step_in_step_order():
     records += [{"kind": "checkpoint", "step": 2}, {"kind": "val", "step": 4, "val_loss": 9.0}]
     records += [{"kind": "train", "step": s, "loss": s + 0.5, "attempt": 1} for s in (3, 4, 5)]
     records += [{"kind": "train", "step": s, "loss": -1.0, "rank": 1} for s in (1, 2, 3, 4, 5)]
-    assert lab_faults.final_losses(records) == [1.0, 2.0, 3.5, 4.5, 5.5]
-    assert lab_faults.final_losses(records, rank=1) == [-1.0] * 5
-    assert [r["step"] for r in lab_faults.final_records(list(reversed(records)))] == [1, 2, 3, 4, 5]
+    assert lab.final_losses(records) == [1.0, 2.0, 3.5, 4.5, 5.5]
+    assert lab.final_losses(records, rank=1) == [-1.0] * 5
+    assert [r["step"] for r in lab.final_records(list(reversed(records)))] == [1, 2, 3, 4, 5]
 
 
 def write_run(run_dir, *, steps=8, every=2, step_s=1.0, ckpt_s=0.5, startup_s=3.0, restart_s=4.0,
@@ -64,16 +65,16 @@ def write_run(run_dir, *, steps=8, every=2, step_s=1.0, ckpt_s=0.5, startup_s=3.
 @pytest.mark.parametrize("failures, restored, lost, at", [
     ((), [], 0, []),
     (((6, "step"),), [4], 1, [5.0]),                       # steps 1-5 done, resumes at 4: step 5 redone
-    (((5, "step"),), [4], 0, [4 + lab_faults._AFTER_SAVE]),  # died right after committing 4
+    (((5, "step"),), [4], 0, [4 + lab._AFTER_SAVE]),  # died right after committing 4
     (((4, "save"), (6, "save")), [2, 4], 4, [4.0, 6.0]),  # each save-kill falls back one checkpoint
 ])
 def test_costs_are_read_back_and_the_model_reproduces_the_wall_time(tmp_path, failures, restored, lost, at):
     run = write_run(tmp_path / "run", failures=failures)
-    c = lab_faults.measure_costs(run)
+    c = lab.measure_costs(run)
     assert (c.steps, c.every, c.restored_from, c.lost_steps, c.failures_at_step) == (8, 2, restored, lost, at)
     assert c.step_s == 1.0 and c.ckpt_cost_s == pytest.approx(0.5) and c.tail_s == pytest.approx(0.25)
     assert c.startup_s == pytest.approx(3.0) and c.restarts_s == pytest.approx([4.0] * len(failures))
-    cmp = lab_faults.measured_vs_model(run)
+    cmp = lab.measured_vs_model(run)
     measured = goodput.summarize(run)
     # constant costs: the replay model accounts for every second and every lost step
     # (to the hair _AFTER_SAVE: a failure right after a save is placed 1e-6 steps past it)
@@ -83,7 +84,7 @@ def test_costs_are_read_back_and_the_model_reproduces_the_wall_time(tmp_path, fa
     saves = [json.loads(line) for line in (run / "goodput.jsonl").read_text().splitlines()]
     saves = [e for e in saves if e["event"] == "checkpoint" and e["seconds"] and e["step"] < 8]
     assert cmp["model"]["checkpoints"] == len(saves)
-    b = lab_faults.model_breakdown(cmp)
+    b = lab.model_breakdown(cmp)
     assert sum(b[k] for k in ("productive_s", "lost_s", "checkpoint_s", "restore_s", "other_s")) == \
         pytest.approx(b["wall_s"])
 
@@ -92,39 +93,39 @@ def test_costs_from_another_run_change_only_the_costs(tmp_path):
     shape = {"failures": ((4, "save"), (6, "save"))}
     slow = write_run(tmp_path / "slow", restart_s=6.0, startup_s=5.0, **shape)
     fast = write_run(tmp_path / "fast", failures=((3, "step"),))  # restart 4 s, start-up 3 s
-    cross = lab_faults.measured_vs_model(slow, costs_from=fast)
+    cross = lab.measured_vs_model(slow, costs_from=fast)
     assert cross["costs_used"].failures_at_step == [4.0, 6.0]            # this run's shape
     assert cross["costs_used"].restarts_s == [4.0, 4.0]                  # the other run's costs
     assert cross["model"]["wall_s"] == pytest.approx(cross["measured"]["wall_s"] - 2 * 2.0 - 2.0)
     with pytest.raises(TitanliteError, match="no restart"):
-        lab_faults.measured_vs_model(slow, costs_from=write_run(tmp_path / "clean"))
+        lab.measured_vs_model(slow, costs_from=write_run(tmp_path / "clean"))
 
 
 def test_a_job_requeued_by_hand_is_cut_at_each_start(tmp_path):
     shape = {"failures": ((4, "save"), (7, "step"))}
     torchrun, requeued = (write_run(tmp_path / n, requeued=r, **shape) for n, r in (("a", False), ("b", True)))
-    assert lab_faults.measure_costs(requeued) == lab_faults.measure_costs(torchrun)
-    assert lab_faults.measure_costs(requeued).restored_from == [2, 6]
+    assert lab.measure_costs(requeued) == lab.measure_costs(torchrun)
+    assert lab.measure_costs(requeued).restored_from == [2, 6]
 
 
 def test_an_attempt_that_dies_before_its_first_step_is_all_restart(tmp_path):
     run = write_run(tmp_path / "run", failures=((3, "step"), (3, "step")))  # attempt 1 dies at once
-    c = lab_faults.measure_costs(run)
-    assert c.failures_at_step == [2 + lab_faults._AFTER_SAVE, 2.0] and c.restored_from == [2, 2]
+    c = lab.measure_costs(run)
+    assert c.failures_at_step == [2 + lab._AFTER_SAVE, 2.0] and c.restored_from == [2, 2]
     # attempt 1's short life (start, restore) counts as restart time, up to attempt 2's first step
     assert c.restarts_s == pytest.approx([3.0, 5.0]) and c.lost_steps == 0
-    assert lab_faults.predict(c)["wall_s"] == pytest.approx(goodput.summarize(run)["wall_s"], rel=1e-6)
+    assert lab.predict(c)["wall_s"] == pytest.approx(goodput.summarize(run)["wall_s"], rel=1e-6)
 
 
 def test_missing_log_or_no_steps_is_one_clear_line(tmp_path):
     with pytest.raises(TitanliteError, match="does not exist") as e:
-        lab_faults.measure_costs(tmp_path)
+        lab.measure_costs(tmp_path)
     assert "\n" not in str(e.value)
     run = write_run(tmp_path / "run")
     lines = [ln for ln in (run / "goodput.jsonl").read_text().splitlines() if '"step"' not in ln]
     (run / "goodput.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(TitanliteError, match="no training step"):
-        lab_faults.measure_costs(run)
+        lab.measure_costs(run)
 
 
 def test_launch_expecting_failure_returns_the_error_and_captures_the_traceback(monkeypatch):
@@ -136,19 +137,19 @@ def test_launch_expecting_failure_returns_the_error_and_captures_the_traceback(m
         print("--- rank 1 failed; its traceback: ---\nTraceback (most recent call last): ...", file=sys.stderr)
         raise TitanliteError("rank 1 failed: InjectedFailure: boom")
     monkeypatch.setattr(launcher, "launch", failing)
-    got = lab_faults.launch_expecting_failure(None, 2, overrides={"fault.kind": "exception"})
+    got = lab.launch_expecting_failure(None, 2, overrides={"fault.kind": "exception"})
     assert got.message == "rank 1 failed: InjectedFailure: boom"
     assert "Traceback" in got.traceback and got.wall_s >= 0
     monkeypatch.setattr(launcher, "launch", lambda *a, **k: None)
     with pytest.raises(TitanliteError, match="meant to fail"):
-        lab_faults.launch_expecting_failure(None, 2, overrides={"fault.kind": "none"})
+        lab.launch_expecting_failure(None, 2, overrides={"fault.kind": "none"})
 
 
 def test_plots_return_labelled_figures(tmp_path):
     run = write_run(tmp_path / "run", failures=((4, "save"),))
-    fig = lab_faults.plot_timeline(run)
+    fig = lab.plot_timeline(run)
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert labels == ["attempt 0", "failure", "attempt 1 (resumed at step 2)"]
-    fig = lab_faults.plot_goodput_breakdown({"measured": goodput.summarize(run),
-                                             "model": lab_faults.model_breakdown(lab_faults.measured_vs_model(run))})
+    fig = lab.plot_goodput_breakdown({"measured": goodput.summarize(run),
+                                             "model": lab.model_breakdown(lab.measured_vs_model(run))})
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["measured", "model"]

@@ -10,14 +10,14 @@ from titanlite import TitanliteError
 from titanlite.distributed import launch_function
 from titanlite.distributed import pipeline as pp_mod
 from titanlite.distributed.pipeline import available_schedules, check_pipeline, split_layers
-from titanlite.distributed.lab_pipeline import lab_args, lab_batches, train_single
+from titanlite.labs.nb10_pipeline_parallel import lab_args, lab_batches, train_single
 from titanlite.distributed.pipeline_timeline import (Event, afab_order, bubble, bubble_budget,
                                                      causality_margin, formula_bubble, one_f_one_b_order,
                                                      order, peak_live_bytes, peak_live_microbatches,
                                                      simulate)
 from titanlite.models.llama import ModelArgs, build_model
 
-LAB = "titanlite.distributed.lab_pipeline:schedule_lab"
+LAB = "titanlite.labs.nb10_pipeline_parallel:schedule_lab"
 # fp32 losses of ~5 carry ~5e-7 of rounding (1 ulp); PP sums the same per-micro-batch
 # gradients in another grouping than one whole-batch backward, so a few ulps of difference
 # may grow through 3 AdamW steps. 1e-5 leaves 20× room for that and is 1000× below what a

@@ -169,7 +169,7 @@ def test_torch_builds_the_groups_and_shards_the_planner_assumes(data_dir, tmp_pa
     model = {"model.n_layers": 4, "model.tie_embeddings": False, "training.steps": 2, "eval.every": 0}
     layout = {"parallel.pp": 2, "parallel.tp": 2}
     cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **model, **layout))
-    out = launch_function("titanlite.distributed.planner:layout_lab", nproc=4, cfg=cfg, timeout_s=240,
+    out = launch_function("titanlite.labs.nb11_composing_parallelism:layout_lab", nproc=4, cfg=cfg, timeout_s=240,
                           log_dir=str(tmp_path / "jobs"))
     dims = ParallelDims.resolve(1, -1, 4, tp=2, pp=2)
     args = ModelArgs.preset("debug", n_layers=4, tie_embeddings=False, vocab_size=512)

@@ -1,7 +1,7 @@
 """Tensor, sequence and loss parallelism (apply_tp) against a single process, and their
 communication against the formula.
 
-Two jobs (titanlite's launcher over torchrun, gloo) run `lab_tp.tp_lab` in every rank:
+Two jobs (titanlite's launcher over torchrun, gloo) run `titanlite.labs.nb09_tensor_parallel.tp_lab` in every rank:
 TP=2 on the debug model (every combination of sequence / loss parallel; tied embeddings), and
 TP=4 on a debug model with 8 query and 4 key/value heads and an untied output layer (4 processes
 on 2 cores: slow, but exact). Each rank
@@ -17,11 +17,11 @@ import torch
 
 from titanlite.distributed import launch_function
 from titanlite.distributed.tensor_parallel import apply_tp, check_tp
-from titanlite.distributed.lab_tp import tp_comm_formula
+from titanlite.labs.nb09_tensor_parallel import tp_comm_formula
 from titanlite.errors import TitanliteError
 from titanlite.models import ModelArgs, build_model
 
-LAB = "titanlite.distributed.lab_tp:tp_lab"
+LAB = "titanlite.labs.nb09_tensor_parallel:tp_lab"
 CONFIGS = [(True, True), (True, False), (False, True), (False, False)]  # (SP, loss parallel)
 IDS = ["sp-lossparallel", "sp", "lossparallel", "plain"]
 # float64 weights: only the order of additions differs from one process (each rank adds its

@@ -1,7 +1,7 @@
 """ZeRO's memory formula, and the bytes DDP, ZeRO-1 and FSDP2 really store and send.
 
 The formula tests are exact. The distributed tests start one 2-process gloo run (torchrun) of
-`titanlite.distributed.lab_fsdp`, and check every measured byte against the formula with
+`titanlite.labs.nb08_fsdp_and_zero`, and check every measured byte against the formula with
 torch's real shard sizes: the odd vocabulary (4095 rows) makes FSDP2 pad rank 1's embedding
 shard by one row, and ZeroRedundancyOptimizer's whole-tensor partition is uneven.
 """
@@ -102,17 +102,17 @@ WORKER = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from titanlite.distributed.env import init_distributed, destroy_distributed, exit_worker
-    from titanlite.distributed import lab_fsdp
+    from titanlite.labs import nb08_fsdp_and_zero as lab
     from titanlite.errors import TitanliteError
 
     warnings.simplefilter("ignore")  # FSDP2's advice on view outputs, deprecations
     env = init_distributed("cpu")
-    out = {s: lab_fsdp.state_memory(s, vocab_size=VOCAB, steps=3, device="cpu") for s in STRATEGIES}
+    out = {s: lab.state_memory(s, vocab_size=VOCAB, steps=3, device="cpu") for s in STRATEGIES}
     try:
-        lab_fsdp.state_memory("fsdp_cpu_offload", vocab_size=VOCAB, device="cpu")
+        lab.state_memory("fsdp_cpu_offload", vocab_size=VOCAB, device="cpu")
     except TitanliteError as e:
         out["offload_error"] = str(e)
-    out["fp8"] = lab_fsdp.fp8_all_gather_check(vocab_size=VOCAB, steps=2, min_dim=32, device="cpu")
+    out["fp8"] = lab.fp8_all_gather_check(vocab_size=VOCAB, steps=2, min_dim=32, device="cpu")
     with open(f"{sys.argv[1]}/rank{env.rank}.json", "w") as f:
         json.dump(out, f)
     destroy_distributed(barrier=True)

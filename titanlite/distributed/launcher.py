@@ -1,7 +1,7 @@
 """Start a multi-process job from a notebook cell, watch it live, and always clean up.
 
     result = launch(cfg, nproc=2, callbacks=[LivePlot()])            # a training run
-    outs = launch_function("titanlite.distributed.lab_fsdp:state_memory", nproc=2, strategy="ddp")
+    outs = launch_function("titanlite.labs.nb08_fsdp_and_zero:state_memory", nproc=2, strategy="ddp")
 
 `launch` runs exactly what you would type in a shell,
 

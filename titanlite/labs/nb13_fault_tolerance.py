@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import TitanliteError
-from . import goodput_model
-from .goodput import read_events, summarize
+from ..resilience import goodput_model
+from ..resilience.goodput import read_events, summarize
 
 # A failure just after a committed checkpoint: a hair past the step boundary, so the replay
 # resumes from that checkpoint (exactly on a boundary it strikes before the save).

@@ -1,47 +1,40 @@
 """Notebook 10's pipeline lab: the same small model trained in one process and through each
 schedule, with every micro-batch timed (pipeline_timeline.TimelineRecorder). Run in every rank
-by `launch_function("titanlite.distributed.lab_pipeline:schedule_lab", nproc=2)`.
+by `launch_function("titanlite.labs.nb10_pipeline_parallel:schedule_lab", nproc=2)`.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .pipeline_timeline import TimelineRecorder, bubble, gather_events
+from ..distributed.pipeline import (SCHEDULES, TokenLoss, available_schedules, build_schedule,
+                                    clip_grad_norm_, gather_state_dict, pipeline_eval, pipeline_split,
+                                    pipeline_step, split_layers)
+from ..distributed.pipeline_timeline import TimelineRecorder, bubble, gather_events
+from ..distributed.run_function import report
+from ..efficiency.accumulation import count_targets, loss_sum
+from ..models.llama import ModelArgs
+from ._common import random_tokens, seeded_model, train_adamw
 
-# ----- the experiment notebook 10 and the tests run in every rank -------------------------------
 
 def lab_args(n_layers: int = 4, dim: int = 64, vocab_size: int = 256, seq_len: int = 64):
     """The lab's model: the debug Llama, untied (its embedding and output live on different stages)."""
-    from ..models.llama import ModelArgs
     return ModelArgs.preset("debug", n_layers=n_layers, dim=dim, vocab_size=vocab_size,
                             max_seq_len=seq_len, tie_embeddings=False)
 
 
 def lab_batches(vocab_size: int, steps: int, batch_size: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     """Random token batches [steps, batch, seq_len + 1], the same on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (steps, batch_size, seq_len + 1), generator=g)
+    return random_tokens(vocab_size, (steps, batch_size, seq_len + 1), seed)
 
 
 def train_single(args, batches, *, lr: float = 1e-2, grad_clip: float = 1.0, seed: int = 0,
                  device: str = "cpu") -> dict:
     """The reference: the whole model in one process, one AdamW step per batch."""
-    from ..efficiency.accumulation import count_targets, loss_sum
-    from ..models.llama import build_model
-    torch.manual_seed(seed)
-    model = build_model(args).to(device)  # built on the CPU as every rank does: same weights
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    out = {"losses": [], "grad_norms": []}
-    for b in batches.to(device):
-        x, y = b[:, :-1], b[:, 1:]
-        loss = loss_sum(model(x), y) / count_targets(y)
-        loss.backward()
-        out["grad_norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
-    x, y = batches[0, :, :-1].to(device), batches[0, :, 1:].to(device)
+    model = seeded_model(args, seed, device)  # built on the CPU as every rank does: same weights
+    batches = batches.to(device)
+    out = train_adamw(model, [(b[:, :-1], b[:, 1:]) for b in batches], lr=lr, grad_clip=grad_clip)
+    x, y = batches[0, :, :-1], batches[0, :, 1:]
     with torch.no_grad():
         out["eval_loss"] = (loss_sum(model(x), y) / count_targets(y)).item()
     out["state_dict"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -54,13 +47,9 @@ def train_pipeline(schedule: str, args, batches, *, n_microbatches: int, lr: flo
     """The same training, pipelined over all ranks with `schedule`, every step's timeline
     recorded. Returns losses, gradient norms, every step's events (all ranks) and the layers
     of each stage; `on_step(step, loss, events)` is called on every rank after each step."""
-    from ..models.llama import build_model
-    from .pipeline import (SCHEDULES, TokenLoss, build_schedule, clip_grad_norm_, gather_state_dict,
-                           pipeline_eval, pipeline_split, pipeline_step, split_layers)
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend() == "nccl" else torch.device("cpu"))
-    torch.manual_seed(seed)
-    model = build_model(args).to(device)  # every rank builds the same weights, then keeps its part
+    model = seeded_model(args, seed, device)  # every rank builds the same weights, then keeps its part
     stages, parts = pipeline_split(model, dist.group.WORLD, schedule=schedule,
                                    stages_per_rank=stages_per_rank)
     del model
@@ -96,8 +85,6 @@ def schedule_lab(schedules=("gpipe", "1f1b", "interleaved_1f1b"), *, n_layers: i
     """Train the same model with each schedule over all ranks (run it with `launch_function`);
     progress goes to the notebook's live plot. `microbatch_sweep`: extra 1F1B runs with other
     numbers of micro-batches. Returns {run name: train_pipeline's dict}."""
-    from .pipeline import available_schedules
-    from .run_function import report
     args = lab_args(n_layers, dim, vocab_size, seq_len)
     batches = lab_batches(vocab_size, steps, batch_size, seq_len, seed)
     runs = [(name, name, n_microbatches) for name in schedules if name in available_schedules()]

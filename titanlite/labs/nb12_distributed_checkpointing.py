@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..errors import TitanliteError
-from ..models.llama import ModelArgs, build_model
-from .checkpoint import Checkpointer, committed, stop_writer_process
-from .train_state import TrainState
+from ..models.llama import ModelArgs
+from ..resilience.checkpoint import Checkpointer, committed, stop_writer_process
+from ..resilience.train_state import TrainState
+from ._common import next_token_loss, random_tokens, seeded_model
 
 SAVE_MODES = ("torch.save", "sync", "async", "async_process")
 
@@ -57,8 +57,7 @@ def training_state(preset: str = "small", seed: int = 0):
     shape TrainState saves: {"model": ..., "optimizer": ...} with flat, per-parameter keys."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     args = ModelArgs.preset(preset)
-    torch.manual_seed(seed)
-    model = build_model(args, "cpu")
+    model = seeded_model(args, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _forward_backward(model, args)
     optimizer.step()
@@ -71,9 +70,8 @@ def training_state(preset: str = "small", seed: int = 0):
 
 
 def _forward_backward(model, args: ModelArgs, batch: int = 2, seq: int = 64) -> None:
-    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    logits = model(tokens[:, :-1])
-    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    tokens = random_tokens(args.vocab_size, (batch, seq + 1), seed=0)
+    next_token_loss(model, tokens[:, :-1], tokens[:, 1:]).backward()
 
 
 def _seconds(fn) -> float:

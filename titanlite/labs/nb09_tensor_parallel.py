@@ -1,25 +1,25 @@
-"""Notebook 09's tensor-parallel lab: communication counted vs predicted, a from-scratch
-column → row parallel MLP, and the experiments each rank runs (via launch_function).
+"""Notebook 09's tensor-parallel lab: communication counted vs predicted, the from-scratch
+MLP (distributed/scratch_tp.py) checked against apply_tp, and the experiments each rank runs
+(`launch_function("titanlite.labs.nb09_tensor_parallel:tp_lab", nproc=2)`; the tests run
+them too).
 
-The technique itself lives in tensor_parallel.py (apply_tp); this is what measures it.
+The technique itself lives in distributed/tensor_parallel.py (apply_tp); this measures it.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from ..distributed.comm import CommCounter
+from ..distributed.run_function import report
+from ..distributed.scratch_tp import ScratchParallelMLP
+from ..distributed.tensor_parallel import apply_tp, loss_context, tp_loss_sum
 from ..efficiency.accumulation import IGNORE_INDEX, loss_sum
-from ..models.llama import ModelArgs, build_model
-from .comm import CommCounter
-from .env import group_device, init_distributed
-from .run_function import report
-from .tensor_parallel import apply_tp, loss_context, tp_loss_sum
+from ..models.llama import ModelArgs
+from ._common import Progress, join, random_tokens, seeded_model, train_adamw
 
 # ----- communication: counted, and predicted -------------------------------------------------
 
@@ -89,71 +89,12 @@ def count_step_comm(model: nn.Module, tokens: torch.Tensor, targets: torch.Tenso
             for phase, c in (("forward", fwd), ("backward", bwd))}
 
 
-# ----- from scratch: what ColwiseParallel + RowwiseParallel do to an MLP (notebook 09) --------
-
-class _CopyToTP(torch.autograd.Function):
-    """Megatron's f: every rank uses the whole input (forward: identity); each rank's slice
-    contributes part of the input's gradient, so backward adds them up (all-reduce)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()  # all_reduce works in place: leave autograd's buffer alone
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """Megatron's g: forward adds the ranks' partial outputs (all-reduce); the sum's gradient
-    with respect to each part is the whole gradient (backward: identity)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        torch.distributed.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class ScratchParallelMLP(nn.Module):
-    """A SwiGLU MLP split over the ranks by hand: rank r keeps hidden units
-    [r·h/n, (r+1)·h/n) — those rows of gate/up (column-parallel) and those columns of down
-    (row-parallel) — and the whole forward needs one all-reduce."""
-
-    def __init__(self, full, group=None):
-        super().__init__()
-        self.group, n, r = group, dist.get_world_size(group), dist.get_rank(group)
-        rows = slice(r * full.gate_proj.out_features // n, (r + 1) * full.gate_proj.out_features // n)
-        take = lambda w: nn.Parameter(w.detach().clone())  # noqa: E731
-        self.gate = take(full.gate_proj.weight[rows])
-        self.up = take(full.up_proj.weight[rows])
-        self.down = take(full.down_proj.weight[:, rows])
-
-    def forward(self, x):
-        x = _CopyToTP.apply(x, self.group)
-        hidden = torch.nn.functional.silu(x @ self.gate.T) * (x @ self.up.T)  # local units only
-        return _ReduceFromTP.apply(hidden @ self.down.T, self.group)  # partial sums → whole
-
-
 # ----- notebook 09's experiments, run inside every rank (launch_function) ---------------------
-# (Like lab_fsdp.py for notebook 08; tests/test_tensor_parallel.py runs them too.)
-
-def _join(device):
-    """This rank's DistEnv and a 1-D "tp" mesh over every rank (run_function joined the group)."""
-    env = init_distributed(device or group_device())
-    return env, init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("tp",))
-
 
 def _batches(vocab, n, batch, seq_len, seed, device):
-    g = torch.Generator().manual_seed(seed)  # the same on every rank: a TP group reads one batch
-    return [torch.randint(0, vocab, (2, batch, seq_len), generator=g).to(device) for _ in range(n)]
+    """n pairs [2, batch, seq_len] of inputs and targets, the same on every rank: a TP group
+    reads one batch."""
+    return random_tokens(vocab, (n, 2, batch, seq_len), seed, device).unbind(0)
 
 
 def _exact_loss(logits, y):
@@ -172,29 +113,24 @@ def train_parity(args, mesh, device, *, sequence_parallel=True, loss_parallel=Tr
     parallelism sums the softmax in another order (differences in the 7th digit), and AdamW's
     first step is ≈ lr·sign(g): where a gradient is ~0 that rounding can flip a sign."""
     loss_fn = _exact_loss if dtype == torch.float64 else tp_loss_sum
-    torch.manual_seed(seed)
-    reference = build_model(args).to(device=device, dtype=dtype)
-    torch.manual_seed(seed)
-    model = apply_tp(build_model(args).to(device=device, dtype=dtype), mesh,
+    reference = seeded_model(args, seed, device).to(dtype=dtype)
+    model = apply_tp(seeded_model(args, seed, device).to(dtype=dtype), mesh,
                      sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    runs = {"reference_losses": (reference, False), "losses": (model, loss_parallel)}
-    optimizers = {key: torch.optim.AdamW(net.parameters(), lr=lr) for key, (net, _) in runs.items()}
-    out = {key: [] for key in runs}
     data = _batches(args.vocab_size, min(steps, 4), batch, seq_len, seed, device)  # a few, cycled
+    batches = []
     for step in range(steps):
         x, y = data[step % len(data)].clone()
         y[0, :2] = IGNORE_INDEX  # padding targets count nowhere, as in the trainer
-        for key, (net, parallel_loss) in runs.items():
-            with loss_context(parallel_loss):  # the loss and its backward
-                loss = loss_fn(net(x), y) / int((y != IGNORE_INDEX).sum())
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            optimizers[key].step()
-            optimizers[key].zero_grad()
-            out[key].append(loss.item())
+        batches.append((x, y))
+    out = {}
+    for key, net, parallel_loss, label in (("reference_losses", reference, False, "single process"),
+                                           ("losses", model, loss_parallel, report_as)):
+        def on_step(step, loss, label=label):
             if report_as:
-                report({"kind": "train", "step": step + 1, "loss": loss.item(),
-                        "run": report_as if net is model else "single process"})
+                report({"kind": "train", "step": step, "loss": loss, "run": label})
+        out[key] = train_adamw(net, batches, lr=lr, grad_clip=1.0, loss_sum_fn=loss_fn,
+                               loss_context=lambda p=parallel_loss: loss_context(p),
+                               on_step=on_step)["losses"]
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
     out["max_weight_diff"] = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
     out["max_loss_diff"] = max(abs(a - b) for a, b in zip(out["losses"], out["reference_losses"]))
@@ -209,7 +145,7 @@ def comm_per_layer(args, mesh, device, *, sequence_parallel, loss_parallel, batc
     counts = {}
     for n_layers in (1, 2):
         a = replace(args, n_layers=n_layers)
-        model = apply_tp(build_model(a).to(device=device, dtype=dtype), mesh,
+        model = apply_tp(seeded_model(a, 0, device).to(dtype=dtype), mesh,
                          sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         x, y = _batches(a.vocab_size, 1, batch, seq_len, 1, device)[0]
         counts[n_layers] = count_step_comm(model, x, y, loss_parallel=loss_parallel)
@@ -252,10 +188,9 @@ def dtensor_basics(mesh, device) -> dict:
 def mlp_from_scratch_check(args, mesh, device, batch=2, seq_len=8, seed=0) -> dict:
     """ScratchParallelMLP vs block 0's MLP after apply_tp (no SP) vs the single-process MLP:
     outputs, input gradients and this rank's weight-gradient slices (max abs differences)."""
-    torch.manual_seed(seed)
-    full = build_model(args).to(device)
-    torch.manual_seed(seed)
-    tp_model = apply_tp(build_model(args).to(device), mesh, sequence_parallel=False, loss_parallel=False)
+    full = seeded_model(args, seed, device)
+    tp_model = apply_tp(seeded_model(args, seed, device), mesh, sequence_parallel=False,
+                        loss_parallel=False)
     scratch = ScratchParallelMLP(full.layers["0"].feed_forward, mesh.get_group())
     x = torch.randn(batch, seq_len, args.dim, generator=torch.Generator().manual_seed(seed)).to(device)
     results = {}
@@ -279,10 +214,8 @@ def mlp_from_scratch_check(args, mesh, device, batch=2, seq_len=8, seed=0) -> di
 def loss_sum_check(args, mesh, device, batch=2, seq_len=16, seed=0) -> dict:
     """The trainer's fp32 loss on Shard(-1) DTensor logits under loss parallelism vs on whole
     logits in one process: the loss value and the first step's gradients (relative)."""
-    torch.manual_seed(seed)
-    reference = build_model(args).to(device)
-    torch.manual_seed(seed)
-    model = apply_tp(build_model(args).to(device), mesh)
+    reference = seeded_model(args, seed, device)
+    model = apply_tp(seeded_model(args, seed, device), mesh)
     x, y = _batches(args.vocab_size, 1, batch, seq_len, seed, device)[0]
     y[0, :2] = -100
     ref_loss = loss_sum(reference(x), y)
@@ -305,10 +238,8 @@ def loss_sum_check(args, mesh, device, batch=2, seq_len=16, seed=0) -> dict:
 def any_length_check(args, mesh, device, lengths=(1, 5, 7)) -> dict:
     """Sequence parallel on lengths that do not split evenly (generation): the logits vs a
     single process's, max abs difference per length."""
-    torch.manual_seed(0)
-    reference = build_model(args).to(device)
-    torch.manual_seed(0)
-    model = apply_tp(build_model(args).to(device), mesh)
+    reference = seeded_model(args, 0, device)
+    model = apply_tp(seeded_model(args, 0, device), mesh)
     out = {}
     with torch.no_grad():
         for T in lengths:
@@ -323,17 +254,13 @@ def tp_lab(preset="debug", parity_configs=((True, True),), comm_configs=((True, 
     "parity" and "comm" per (sequence_parallel, loss_parallel), "train"}. Each finished part is
     reported to the launcher's callbacks as {"kind": "lab", "done": name}, training steps as
     {"kind": "train", "step", "loss", "run"} (the live plot)."""
-    env, mesh = _join(device)
+    env, mesh = join(device, mesh_dim="tp")
     model_overrides = {"vocab_size": 256, "max_seq_len": max(64, train_seq), **model_overrides}
     args = ModelArgs.preset(preset, **model_overrides)
     dev = env.device
-    out = {"rank": env.rank, "world_size": env.world_size, "device": dev.type, "args": args.to_dict(),
-           "seconds": {}}
-    start = time.perf_counter()
-
-    def done(part):
-        out["seconds"][part] = time.perf_counter() - start - sum(out["seconds"].values())
-        report({"kind": "lab", "done": part, "seconds": out["seconds"][part]})
+    out = {"rank": env.rank, "world_size": env.world_size, "device": dev.type, "args": args.to_dict()}
+    progress = Progress()
+    done, out["seconds"] = progress.done, progress.seconds
 
     if basics:
         out["basics"] = dtensor_basics(mesh, dev)

@@ -15,54 +15,27 @@ and returns a plain, picklable dict:
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from ..distributed.comm import CommCounter
+from ..distributed.ddp import apply_ddp, grad_sync
+from ..distributed.run_function import report
+from ..distributed.scratch_ddp import ScratchDataParallel, allreduce_mean_
 from ..errors import TitanliteError
-from ..models.llama import ModelArgs, build_model
-from .comm import CommCounter
-from .ddp import apply_ddp, grad_sync
-from .env import group_device, init_distributed
-from .run_function import report
-from .scratch_ddp import ScratchDataParallel, allreduce_mean_
-
-
-# ----- shared pieces ---------------------------------------------------------------------------
-
-def _join(device: str | None, threads: int | None):
-    env = init_distributed(device or group_device())
-    if not env.distributed:
-        raise TitanliteError("the data-parallel lab needs several processes in a process group: "
-                             "start it with titanlite's launch_function(..., nproc=2) or torchrun")
-    if threads:
-        torch.set_num_threads(threads)
-    if env.device.type == "cuda":
-        # "Bitwise equal" needs deterministic kernels: by default some CUDA backward kernels
-        # add with atomics, in an order that changes from run to run.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    return env
-
-
-def _model(args: ModelArgs, seed: int, device):
-    torch.manual_seed(seed)
-    return build_model(args, "cpu").to(device)
+from ..hardware import synchronize
+from ..models.llama import ModelArgs
+from ._common import join, next_token_loss, random_tokens, seeded_model
 
 
 def _batch(args: ModelArgs, batch_size: int, seq_len: int, device, *key: int):
     """Tokens and next tokens that depend only on `key` (seed, step, rank, micro-batch)."""
-    g = torch.Generator().manual_seed(sum(k * 1_000_003 ** i for i, k in enumerate(key)) % 2**62)
-    tokens = torch.randint(0, args.vocab_size, (batch_size, seq_len + 1), generator=g).to(device)
+    seed = sum(k * 1_000_003 ** i for i, k in enumerate(key)) % 2**62
+    tokens = random_tokens(args.vocab_size, (batch_size, seq_len + 1), seed, device)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def _loss(model, x, y):
-    return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
 
 
 def _all_reduce_bytes(counter: CommCounter) -> list[int]:
@@ -90,8 +63,7 @@ def _from_first_rank(t: torch.Tensor) -> torch.Tensor:
 
 
 def _clock(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # kernels run asynchronously: wait before reading time
+    synchronize(device)  # kernels run asynchronously: wait before reading time
     return time.perf_counter()
 
 
@@ -105,9 +77,9 @@ def scratch_vs_ddp(bucket_caps_mb=(25.0, 0.25), steps: int = 3, preset: str = "d
     check the replicas still equal rank 0's, and count each one's collectives. Once per
     bucket size. Every rank starts from its *own* random weights: only the wrappers' broadcast
     from rank 0 makes the replicas equal."""
-    env = _join(device, threads)
+    env, _ = join(device, threads=threads, deterministic=True)
     args = ModelArgs.preset(preset, vocab_size=vocab_size, max_seq_len=seq_len)
-    local = _model(args, seed + env.rank, env.device)
+    local = seeded_model(args, seed + env.rank, env.device)
     params = list(local.parameters())
     out = {"world_size": env.world_size, "num_params": sum(p.numel() for p in params),
            "param_bytes": sum(p.numel() * p.element_size() for p in params),
@@ -126,9 +98,9 @@ def scratch_vs_ddp(bucket_caps_mb=(25.0, 0.25), steps: int = 3, preset: str = "d
         for step in range(steps):
             x, y = _batch(args, batch_size, seq_len, env.device, seed, step, env.rank)
             with CommCounter() as cc_ddp:
-                _loss(ddp, x, y).backward()  # DDP all-reduces inside backward
+                next_token_loss(ddp, x, y).backward()  # DDP all-reduces inside backward
             with CommCounter() as cc_scratch:
-                _loss(scratch, x, y).backward()
+                next_token_loss(scratch, x, y).backward()
                 scratch.sync_gradients()     # ours, after it
             g_ddp = [p.grad.clone() for p in ddp.parameters()]
             g_scratch = [p.grad.clone() for p in scratch.parameters()]
@@ -159,14 +131,14 @@ def accumulation_traffic(accum: int = 4, bucket_cap_mb: float = 25.0, preset: st
     syncing after every micro-batch or only after the last (`grad_sync`, the trainer's switch:
     `no_sync()` inside). Counts each variant's all-reduces; compares the gradients with each
     other and with ONE process running the whole global batch (every rank's micro-batches)."""
-    env = _join(device, threads)
+    env, _ = join(device, threads=threads, deterministic=True)
     args = ModelArgs.preset(preset, vocab_size=vocab_size, max_seq_len=seq_len)
     batches = {(r, k): _batch(args, batch_size, seq_len, env.device, seed, r, k)
                for r in range(env.world_size) for k in range(accum)}
-    reference = _model(args, seed, env.device)  # the weights rank 0 broadcasts
+    reference = seeded_model(args, seed, env.device)  # the weights rank 0 broadcasts
     x = torch.cat([batches[key][0] for key in sorted(batches)])
     y = torch.cat([batches[key][1] for key in sorted(batches)])
-    _loss(reference, x, y).backward()  # the mean over every token of the global batch
+    next_token_loss(reference, x, y).backward()  # the mean over every token of the global batch
     big_batch = [p.grad for p in reference.parameters()]
 
     wrappers = {"scratch": lambda m: ScratchDataParallel(m, bucket_cap_mb=bucket_cap_mb),
@@ -177,11 +149,11 @@ def accumulation_traffic(accum: int = 4, bucket_cap_mb: float = 25.0, preset: st
     grads = {}
     for name, wrap in wrappers.items():
         for no_sync in (False, True):
-            model = wrap(_model(args, seed + env.rank, env.device))
+            model = wrap(seeded_model(args, seed + env.rank, env.device))
             with CommCounter() as counter:
                 for k in range(accum):
                     with grad_sync(model, sync=k == accum - 1 or not no_sync):
-                        (_loss(model, *batches[env.rank, k]) / accum).backward()
+                        (next_token_loss(model, *batches[env.rank, k]) / accum).backward()
                         if name == "scratch":
                             model.sync_gradients()  # does nothing inside no_sync
             grads[name, no_sync] = [p.grad for p in model.parameters()]
@@ -213,16 +185,17 @@ def allreduce_share(repeats: int = 10, warmup: int = 3, bucket_cap_mb: float = 2
 
     Every timing starts after a barrier, so no rank measures its wait for a slower one.
     Rank 0 streams each repeat's times to the notebook (`report`); returns the medians."""
-    env = _join(device, threads)
+    env, _ = join(device, threads=threads, deterministic=True)
     args = ModelArgs.preset(preset, vocab_size=vocab_size, max_seq_len=seq_len)
-    model = apply_ddp(_model(args, seed, env.device), bucket_cap_mb=bucket_cap_mb)
+    model = apply_ddp(seeded_model(args, seed, env.device), bucket_cap_mb=bucket_cap_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     params = list(model.parameters())
     flat = torch.zeros(sum(p.numel() for p in params), device=env.device)
     tensors = [torch.zeros_like(p) for p in params]
 
     def fwd_bwd(step):
-        _loss(model, *_batch(args, batch_size, seq_len, env.device, seed, step, env.rank)).backward()
+        x, y = _batch(args, batch_size, seq_len, env.device, seed, step, env.rank)
+        next_token_loss(model, x, y).backward()
 
     def counted(fn, *args):
         with counter:  # each `with` starts from zero: the last repeat's collectives remain

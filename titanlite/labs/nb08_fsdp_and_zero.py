@@ -33,43 +33,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..distributed.comm import CommCounter
+from ..distributed.ddp import apply_ddp
+from ..distributed.fsdp import apply_fsdp, describe_sharding, precompute_fp8_scales, shard_and_init
+from ..distributed.zero import (fsdp_shard_numel, measure_state_bytes, unsharded_param_bytes,
+                                zero1_partition, zero_bytes_per_rank)
 from ..errors import TitanliteError, closest
-from ..models.llama import ModelArgs, Transformer, build_model
-from .comm import CommCounter
-from .ddp import apply_ddp
-from .env import group_device, init_distributed, pick_backend, torchrun_env
-from .fsdp import apply_fsdp, describe_sharding, precompute_fp8_scales, shard_and_init
-from .zero import (fsdp_shard_numel, measure_state_bytes, unsharded_param_bytes, zero1_partition,
-                   zero_bytes_per_rank)
+from ..models.llama import ModelArgs, Transformer
+from ._common import Progress, join, next_token_loss, random_tokens, seeded_model
 
 STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_always": 3, "fsdp_cpu_offload": 3}
 _RESHARD = {"zero2": "never", "zero3": "default", "zero3_always": "always", "fsdp_cpu_offload": "default"}
 
 
-def _join(device: str | None):
-    """This rank's DistEnv and a 1-D "dp" mesh over all ranks.
-
-    A world of one (torchrun --nproc-per-node 1, or a plain process such as a notebook kernel)
-    still gets a process group, because DDP and FSDP need one: torchrun's rendezvous, or an
-    in-memory store; `titanlite.distributed.env.destroy_distributed()` ends it."""
-    env = init_distributed(device or group_device())
-    if not dist.is_initialized():
-        alone = {} if torchrun_env() else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-        dist.init_process_group(pick_backend("auto", env.device.type),
-                                device_id=env.device if env.device.type == "cuda" else None, **alone)
-        env.world_size, env.backend = 1, dist.get_backend()
-    from torch.distributed.device_mesh import init_device_mesh
-    return env, init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
-
-
-def _model(args: ModelArgs, seed: int, device):
-    torch.manual_seed(seed)  # every rank, every strategy: the same initial weights
-    return build_model(args, "cpu").to(device)
-
-
 def _batches(args, steps, batch_size, seq_len, seed, rank, device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 1000 + rank + 1)  # each rank its own data
-    return torch.randint(0, args.vocab_size, (steps, batch_size, seq_len + 1), generator=g).to(device)
+    """[steps, batch, seq_len + 1] tokens: each rank its own data."""
+    return random_tokens(args.vocab_size, (steps, batch_size, seq_len + 1), seed * 1000 + rank + 1, device)
 
 
 def _train(model, optimizer, batches, after_step=None) -> dict:
@@ -80,8 +59,7 @@ def _train(model, optimizer, batches, after_step=None) -> dict:
     for i, tokens in enumerate(batches):
         optimizer.zero_grad()
         with counter if i == len(batches) - 1 else contextlib.nullcontext():
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            loss = next_token_loss(model, tokens[:, :-1], tokens[:, 1:])
             # Between forward and backward: which gathered weights did forward leave alive?
             mid_bytes = unsharded_param_bytes(model)
             loss.backward()
@@ -147,9 +125,9 @@ def state_memory(strategy: str, preset: str = "debug", vocab_size: int | None = 
     if strategy not in STRATEGIES:
         raise TitanliteError(f"unknown strategy '{strategy}'{closest(strategy, STRATEGIES)}: "
                              f"choose one of {', '.join(STRATEGIES)}")
-    env, mesh = _join(device)
+    env, mesh = join(device, mesh_dim="dp", world_of_one=True)  # a kernel: a world of one
     args = ModelArgs.preset(preset, vocab_size=vocab_size)
-    model = _model(args, seed, env.device)
+    model = seeded_model(args, seed, env.device)
     num_params = model.num_params()
     buffer_bytes = 0
     if strategy in ("ddp", "zero1"):
@@ -223,18 +201,18 @@ def fsdp_anatomy(preset: str = "debug", vocab_size: int | None = None,
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    env, mesh = _join(device)
+    env, mesh = join(device, mesh_dim="dp", world_of_one=True)  # a kernel: a world of one
     args = ModelArgs.preset(preset, vocab_size=vocab_size)
     with torch.device("meta"):
         model = Transformer(args)
     on_meta = {"devices": sorted({p.device.type for p in model.parameters()}),
                "num_params": model.num_params()}
-    model = shard_and_init(model, lambda: _model(args, seed, "cpu"), mesh, env.device,
+    model = shard_and_init(model, lambda: seeded_model(args, seed, "cpu"), mesh, env.device,
                            param_dtype=param_dtype, reduce_dtype=torch.float32)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     init_diff = None
     if env.rank == 0:  # the full weights are gathered to rank 0 only
-        reference = _model(args, seed, "cpu").state_dict()
+        reference = seeded_model(args, seed, "cpu").state_dict()
         init_diff = max((full[k] - reference[k]).abs().max().item() for k in reference)
 
     def info(t) -> dict:
@@ -270,15 +248,8 @@ def run_lab(strategies=tuple(STRATEGIES), anatomy: bool = True, fp8: bool = True
     A strategy this machine cannot run (CPU offload without an accelerator) lands in
     "errors" with its message. Each finished experiment is streamed to the launcher's
     callbacks as {"kind": "lab", "done": name, "seconds": ...} (run_function.report)."""
-    import time
-
-    from .run_function import report
     common = {"preset": preset, "vocab_size": vocab_size, "batch_size": batch_size, "seq_len": seq_len}
-    out, start = {"errors": {}}, time.perf_counter()
-
-    def done(name):
-        report({"kind": "lab", "done": name, "seconds": time.perf_counter() - start})
-
+    out, done = {"errors": {}}, Progress().done
     if anatomy:
         out["anatomy"] = fsdp_anatomy(**common)
         done("anatomy")
@@ -307,14 +278,14 @@ def fp8_all_gather_check(preset: str = "debug", vocab_size: int | None = None, s
     """
     from ..efficiency.fp8 import apply_fp8
 
-    env, mesh = _join(device)
+    env, mesh = join(device, mesh_dim="dp", world_of_one=True)  # a kernel: a world of one
     args = ModelArgs.preset(preset, vocab_size=vocab_size)
     n = env.world_size
     out = {"converted": None, "all_gather_bytes": {}, "bytes_per_converted_element": {},
            "mid_step_full_param_bytes": {}, "losses": {}, "comm": {}, "rank": env.rank,
            "world_size": n}
     for run in ("fp8", "high"):  # FP8 first: it names the layers it converts
-        model = _model(args, seed, env.device)
+        model = seeded_model(args, seed, env.device)
         if run == "fp8":
             model = apply_fp8(model, device=env.device, min_dim=min_dim, emulate=True,
                               fsdp_all_gather=True)
