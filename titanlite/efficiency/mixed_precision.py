@@ -240,6 +240,9 @@ class Precision:
                  tf32: bool | None = None):
         check_mode(mode, allow_auto=True)
         device = torch.device(device)
+        if not _present(device.type):
+            raise TitanliteError(f"mixed precision '{mode}' was asked for on {device.type}, which "
+                                 f"this machine does not have: use --training.device auto")
         mode = resolve_mixed_precision(mode, device)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         if tf32 is None:  # fp32 matmuls that remain (and fp32 runs) on TF32 tensor cores
@@ -247,9 +250,6 @@ class Precision:
         if tf32:
             enable_tf32()
         s = support(mode, device)
-        if not s.here:
-            raise TitanliteError(f"mixed precision '{mode}' was asked for on {device.type}, which "
-                                 f"this machine does not have: use --training.device auto")
         if not s.works:
             raise TitanliteError(f"mixed precision '{mode}' is not available on {device.type}: "
                                  f"{s.why}")
