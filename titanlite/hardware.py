@@ -219,6 +219,8 @@ def _square_matmul(n: int, device, dtype):
     """A no-argument n x n matmul in `dtype`. FP8 goes through torch._scaled_mm, the kernel
     FP8 Linear layers use (row-major A, column-major B, fp32 scales, bf16 out)."""
     if dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        if torch.device(device).type == "cuda":  # MI300-class GPUs compute in the fnuz variant
+            dtype = datasheet.fp8_dtypes_for(device_name(device))[0]
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype).t()  # column-major, as cuBLASLt wants
         one = torch.ones((), device=device)

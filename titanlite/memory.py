@@ -12,6 +12,9 @@
   torch libraries included (hundreds of MiB before any tensor), so compare *differences*. On Linux the
   peak can be reset (write "5" to /proc/self/clear_refs) and is read from VmHWM; elsewhere it is
   `getrusage().ru_maxrss`, a lifetime high-water mark that never goes down.
+
+On CUDA `allocator_readings` adds what the allocated peak hides: memory *reserved* from the
+driver (cache and fragmentation included) and the allocator's retries after a failed allocation.
 """
 from __future__ import annotations
 
