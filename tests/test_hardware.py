@@ -80,7 +80,7 @@ def test_bf16_on_a_pre_ampere_gpu_is_refused(monkeypatch):
     # Fake a V100 (sm_70): the capability check must run without a real GPU.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
     monkeypatch.setattr(hardware, "device_name", lambda device: "Tesla V100-SXM2-16GB")
-    with pytest.raises(TitanliteError, match="sm_70.*float16") as e:
+    with pytest.raises(TitanliteError, match="sm_70.*--training.mixed_precision fp16") as e:
         hardware.resolve_dtype("bf16", torch.device("cuda"))
     assert "\n" not in str(e.value)
     assert hardware.resolve_dtype("fp16", torch.device("cuda")) is torch.float16
@@ -99,9 +99,10 @@ def test_measured_peak_is_positive_and_labelled():
     assert peak.label.startswith("measured float32 matmul peak") and "CPU" in peak.label
 
 
-def test_measure_rejects_fp8():
-    with pytest.raises(TitanliteError, match="float32, bfloat16 or float16"):
-        hardware.measure_matmul_peak("cpu", torch.float8_e4m3fn, budget_s=0.1)
+def test_measure_rejects_a_format_without_a_matmul():
+    # e5m2 is FP8's gradient format: real FP8 matmuls take e4m3 inputs, so there is no e5m2 peak.
+    with pytest.raises(TitanliteError, match="float16 or float8_e4m3fn"):
+        hardware.measure_matmul_peak("cpu", torch.float8_e5m2, budget_s=0.1)
 
 
 @pytest.fixture
@@ -178,6 +179,18 @@ def test_cache_dir_defaults_to_home(monkeypatch):
     ("Tesla V100-SXM2-16GB", torch.float16, False, 125, "V100 SXM2"),
     ("Tesla V100-SXM2-16GB", torch.float32, True, 15.7, "V100 SXM2"),  # no TF32 on Volta
     ("Tesla T4", torch.float16, False, 65, "T4"),
+    # torch.cuda.get_device_name() strings of the newer rows
+    ("NVIDIA B200", torch.bfloat16, False, 2250, "B200"),
+    ("NVIDIA B200", torch.float8_e4m3fn, False, 4500, "B200"),
+    ("NVIDIA H800", torch.bfloat16, False, 989.5, "H800 SXM"),
+    ("NVIDIA H800 PCIe", torch.bfloat16, False, 756, "H800 PCIe"),
+    ("NVIDIA H20", torch.bfloat16, False, 148, "H20"),
+    ("NVIDIA A800-SXM4-80GB", torch.bfloat16, False, 312, "A800"),
+    ("NVIDIA A800 80GB PCIe", torch.float32, True, 156, "A800"),
+    ("NVIDIA GeForce RTX 3090", torch.bfloat16, False, 71, "GeForce RTX 3090"),
+    ("NVIDIA GeForce RTX 5090", torch.bfloat16, False, 209.5, "GeForce RTX 5090"),
+    ("NVIDIA RTX 6000 Ada Generation", torch.bfloat16, False, 364.2, "RTX 6000 Ada"),
+    ("NVIDIA RTX A6000", torch.float32, True, 77.4, "RTX A6000"),
 ])
 def test_datasheet_lookup_by_name(gpu, dtype, tf32, tflops, product):
     peak = hardware.lookup_datasheet(gpu, dtype, tf32=tf32)
@@ -191,6 +204,36 @@ def test_datasheet_lookup_by_name(gpu, dtype, tf32, tflops, product):
                                         ("Some Future GPU", torch.bfloat16)])
 def test_datasheet_lookup_misses_return_none(gpu, dtype):
     assert hardware.lookup_datasheet(gpu, dtype) is None
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA GeForce RTX 4090 Laptop GPU", "NVIDIA GeForce RTX 4090 D",
+                                 "NVIDIA GeForce RTX 3090 Ti", "NVIDIA GeForce RTX 4080 Laptop GPU",
+                                 "NVIDIA GB200"])
+def test_variants_with_other_peaks_are_not_matched_to_the_desktop_part(gpu):
+    # "RTX 4090" inside "RTX 4090 Laptop GPU" must not quote the desktop card's 165 TFLOP/s.
+    assert hardware.lookup_datasheet(gpu, torch.bfloat16) is None
+
+
+def test_amd_rows_and_their_fp8_format():
+    from titanlite.datasheet import fp8_dtypes_for
+    for gpu in ("AMD Instinct MI300X", "AMD Instinct MI325X"):
+        assert hardware.lookup_datasheet(gpu, torch.bfloat16).flops == pytest.approx(1307.4e12)
+        assert fp8_dtypes_for(gpu) == (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+        fp8 = hardware.lookup_datasheet(gpu, torch.float8_e4m3fnuz)
+        assert fp8 is not None and fp8.flops == pytest.approx(2614.9e12)
+    assert fp8_dtypes_for("NVIDIA H100 80GB HBM3") == (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def test_datasheet_mfu_beside_the_measured_one(monkeypatch):
+    assert hardware.datasheet_mfu(1e12, "cpu", torch.float32) is None   # no CPU datasheet
+    monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert hardware.datasheet_mfu(494.75e12, torch.device("cuda"), torch.bfloat16) == pytest.approx(0.5)
+    assert hardware.datasheet_mfu(989.5e12, torch.device("cuda"), torch.float8_e4m3fn) == pytest.approx(0.5)
+
+
+def test_fp8_matmul_peak_is_measured_through_scaled_mm():
+    peak = hardware.measure_matmul_peak("cpu", torch.float8_e4m3fn, budget_s=0.3)
+    assert peak.flops > 0 and "float8_e4m3fn" in peak.label
 
 
 def test_datasheet_peak_for_a_faked_cuda_device(monkeypatch):
@@ -327,3 +370,29 @@ def test_mps_peak_and_memory():
     assert hardware.measure_matmul_peak(dev, torch.float32, budget_s=0.3).flops > 1e9
     x = torch.ones(2**20, device=dev)
     assert hardware.peak_memory_bytes(dev) >= x.numel() * 4
+
+
+# ---- memory readings beside the peak --------------------------------------------------------
+def test_allocator_readings_are_none_off_cuda():
+    assert hardware.allocator_readings("cpu") == {"reserved_memory_bytes": None, "alloc_retries": None}
+
+
+def test_allocator_readings_from_cuda_memory_stats():
+    from titanlite.memory import readings_from_stats
+    stats = {"reserved_bytes.all.peak": 3 * 2**30, "reserved_bytes.all.current": 2**30,
+             "allocated_bytes.all.peak": 2**30, "num_alloc_retries": 2}
+    assert readings_from_stats(stats) == {"reserved_memory_bytes": 3 * 2**30, "alloc_retries": 2}
+    assert readings_from_stats({}) == {"reserved_memory_bytes": 0, "alloc_retries": 0}
+
+
+def test_mps_peak_is_a_running_maximum_that_never_falls():
+    # Metal's allocation can shrink under memory pressure; the reported peak must not.
+    from titanlite.memory import RunningPeak
+    peak = RunningPeak()
+    assert [peak.sample(v) for v in (100, 300, 200, 50, 400)] == [100, 300, 300, 300, 400]
+
+
+def test_bf16_refusal_on_pre_ampere_advises_fp16_autocast_not_fp16_weights():
+    msg = hardware.bf16_refusal("Tesla T4", (7, 5))
+    assert "\n" not in msg and "sm_75" in msg
+    assert "--training.mixed_precision fp16" in msg and "--training.dtype float16" not in msg

@@ -202,7 +202,7 @@ def test_unknown_mode_suggests_the_closest():
     for call in (lambda: Precision("bf61", CPU), lambda: support("fp61", CPU)):
         with pytest.raises(TitanliteError, match=r"did you mean: .*16"):
             call()
-    with pytest.raises(TitanliteError, match="not one of fp32, bf16, fp16"):
+    with pytest.raises(TitanliteError, match="not one of auto, fp32, bf16, fp16"):
         load_config(None, {"training.mixed_precision": "fp8"})
 
 
@@ -280,3 +280,40 @@ def test_mps_rows_follow_what_torch_reports():
     version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
     assert support("fp16", torch.device("mps")).works == (version >= (2, 8))
     assert support("bf16", torch.device("mps")).works == torch.backends.mps.is_macos_or_newer(14, 0)
+
+
+# ---- "auto" and the fp16 + fp16-weights trap ------------------------------------------------
+def test_auto_is_the_default_and_is_fp32_on_the_cpu():
+    assert load_config(None, {}).training.mixed_precision == "auto"
+    precision = Precision("auto", CPU)
+    assert precision.mode == "fp32" and precision.dtype is None and not precision.scaler.is_enabled()
+
+
+def test_auto_on_a_faked_t4_is_fp16_with_the_scaler(monkeypatch):
+    # What torch reports on a T4 (SM 7.5); the probe itself is cached as if it had run there.
+    monkeypatch.setattr(mp, "_present", lambda kind: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(mp, "support", lambda mode, device: mp.Support("cuda", mode, True, "faked"))
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda *a, **k: None)  # no CUDA to build one on
+    assert Precision("auto", torch.device("cuda")).mode == "fp16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert Precision("auto", torch.device("cuda"), tf32=False).mode == "bf16"
+
+
+def test_trainer_default_on_cpu_is_the_fp32_path(data_dir, tmp_path, fp32_records):
+    trainer, history = run_trainer(data_dir, tmp_path, "auto")
+    assert trainer.precision.mode == "fp32" and trainer.compute_dtype == torch.float32
+    assert history.losses == [r["loss"] for r in fp32_records]  # same losses, bit for bit
+    assert all(r["mfu_datasheet"] is None and r["reserved_memory_bytes"] is None
+               and r["alloc_retries"] is None for r in history.train)
+
+
+def test_fp16_weights_with_the_fp16_scaler_are_refused_in_one_line():
+    model = tiny_model().half()
+    precision = Precision("fp16", CPU)
+    x, y = batch()
+    forward_backward(model, precision, x, y)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TitanliteError) as err:   # not GradScaler's "Attempting to unscale FP16 gradients"
+        precision.step(opt, model.parameters(), grad_clip=1.0)
+    assert "\n" not in str(err.value) and "--training.dtype float32" in str(err.value)

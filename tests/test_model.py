@@ -84,3 +84,40 @@ def test_bad_shapes_are_one_line_errors():
     model = build_model(ModelArgs.preset("debug", max_seq_len=16))
     with pytest.raises(TitanliteError, match="exceeds the model's max_seq_len=16"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+# ---- attention paths ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_attention_paths_give_the_same_numbers(dtype):
+    """SDPA's enable_gqa and our own k/v repeat (what CUDA kernels without enable_gqa get)
+    must be the same math: outputs and gradients equal on the CPU."""
+    from titanlite.models.llama import causal_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 32, 16, generator=g, dtype=dtype).requires_grad_() for h in (6, 2, 2))
+    outs, grads = [], []
+    for expand in (False, True):
+        out = causal_attention(q, k, v, expand_kv=expand)
+        out.float().square().sum().backward()
+        outs.append(out.detach())
+        grads.append([t.grad.clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(outs[0], outs[1], **tol)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, **tol)
+    assert causal_attention(q, k, v).shape == (2, 6, 32, 16)
+
+
+def test_model_on_cpu_keeps_sdpa_gqa_path():
+    """CPU behaviour must not change: the default path equals the enable_gqa path bit for bit."""
+    from titanlite.models import llama
+    model = build_model(ModelArgs.preset("debug"))
+    x = torch.randint(0, 4096, (2, 32))
+    ref = model(x)
+    original = llama.causal_attention
+    llama.causal_attention = lambda q, k, v: original(q, k, v, expand_kv=False)
+    try:
+        assert torch.equal(model(x), ref)
+    finally:
+        llama.causal_attention = original

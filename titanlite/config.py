@@ -57,7 +57,7 @@ class TrainingSection:
     deterministic: bool = False  # torch.use_deterministic_algorithms + fixed seeds everywhere
     device: str = "auto"  # auto (cuda → mps → cpu) | cuda | cuda:N | mps | cpu
     dtype: str = "float32"  # parameter (and optimizer state) dtype
-    mixed_precision: str = "fp32"  # autocast compute dtype: fp32 | bf16 | fp16 (+ GradScaler)
+    mixed_precision: str = "auto"  # autocast dtype: auto (cuda: bf16, fp16 before SM 8.0; cpu/mps: fp32) | fp32 | bf16 | fp16 (+ GradScaler)
     threads: int | None = None  # CPU intra-op threads; None keeps torch's default
 
 
@@ -194,7 +194,7 @@ class Config:
                                  f"{self.data.val_fraction}: e.g. --data.val_fraction 0.05")
         _check_choice("scheduler.decay", self.scheduler.decay, ("cosine", "linear", "constant"))
         _check_choice("metrics.peak", self.metrics.peak, ("auto", "measured", "datasheet"))
-        _check_choice("training.mixed_precision", self.training.mixed_precision, ("fp32", "bf16", "fp16"))
+        _check_choice("training.mixed_precision", self.training.mixed_precision, ("auto", "fp32", "bf16", "fp16"))
         _check_choice("activation_checkpoint.mode", self.activation_checkpoint.mode,
                       ("none", "full", "selective", "op"))
         _check_choice("compile.scope", self.compile.scope, ("regional", "model"))

@@ -27,7 +27,8 @@ import torch
 
 from . import datasheet
 from .errors import TitanliteError, closest
-from .memory import MEMORY_METRIC_DOC, peak_memory_bytes, reset_peak_memory  # noqa: F401
+from .device_policy import matmul_dtype  # noqa: F401 - the trainer's MFU dtype, beside the peaks
+from .memory import MEMORY_METRIC_DOC, allocator_readings, peak_memory_bytes, reset_peak_memory  # noqa: F401
 
 _DEVICE_TYPES = ("auto", "cuda", "mps", "cpu")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -75,9 +76,7 @@ def resolve_dtype(name, device) -> torch.dtype:
     if device.type == "cuda" and dtype == torch.bfloat16:
         major, minor = torch.cuda.get_device_capability(device)
         if major < 8:  # bf16 tensor cores arrived with Ampere (sm_80)
-            raise TitanliteError(f"bfloat16 needs a CUDA GPU with compute capability >= 8.0, but "
-                                 f"{device_name(device)} is sm_{major}{minor}: "
-                                 "use --training.dtype float16 (with GradScaler) or float32")
+            raise TitanliteError(bf16_refusal(device_name(device), (major, minor)))
     if device.type == "mps" and dtype == torch.bfloat16:
         try:  # Metal gained bf16 in macOS 14; probing is more reliable than parsing versions
             torch.ones(1, dtype=dtype, device=device)
@@ -85,6 +84,16 @@ def resolve_dtype(name, device) -> torch.dtype:
             raise TitanliteError("bfloat16 is not supported by MPS on this macOS (needs macOS 14+): "
                                  "use --training.dtype float16 or float32") from None
     return dtype
+
+
+def bf16_refusal(gpu_name: str, capability: tuple[int, int]) -> str:
+    """The one line that refuses bf16 before Ampere. The advice is fp32 weights + fp16
+    autocast: fp16 *weights* with GradScaler fail ("Attempting to unscale FP16 gradients"),
+    because the scaler needs fp32 master weights to unscale into."""
+    major, minor = capability
+    return (f"bfloat16 needs a CUDA GPU with compute capability >= 8.0, but {gpu_name} is "
+            f"sm_{major}{minor}: keep --training.dtype float32 and use --training.mixed_precision "
+            f"fp16 (autocast + GradScaler), or auto")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -185,8 +194,10 @@ def measure_matmul_peak(device, dtype, budget_s: float = 2.0) -> Peak:
     next size, predicted from the last one's rate, would not fit its share of the time left.
     The peak is the best rate seen at any size: noise only ever slows a run down."""
     device = torch.device(device)
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TitanliteError(f"cannot measure a matmul peak in {dtype}: use float32, bfloat16 or float16")
+    fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16) and not fp8:
+        raise TitanliteError(f"cannot measure a matmul peak in {dtype}: use float32, bfloat16, "
+                             "float16 or float8_e4m3fn")
     # Small sizes are cheap and keep the peak honest on a busy CPU, where a small matmul that
     # stays on one thread can beat a big one whose threads wait on each other.
     sizes = [128, 256, 512, 1024, 2048, 4096] + ([8192] if device.type == "cuda" else [])
@@ -197,15 +208,27 @@ def measure_matmul_peak(device, dtype, budget_s: float = 2.0) -> Peak:
         # warm-up + one timed call must fit this size's share of the time left.
         if last and 2 * (2 * n**3 / last) > share:
             break
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        out = torch.empty(n, n, device=device, dtype=dtype)
-        last = 2 * n**3 / time_fn(lambda: torch.mm(a, b, out=out), device, share)
+        last = 2 * n**3 / time_fn(_square_matmul(n, device, dtype), device, share)
         if last > best:
             best, best_n = last, n
-        del a, b, out
     return Peak(best, "measured", f"measured {_matmul_label(device, dtype)} matmul peak, "
                                   f"{device_name(device)} (best at n={best_n})")
+
+
+def _square_matmul(n: int, device, dtype):
+    """A no-argument n x n matmul in `dtype`. FP8 goes through torch._scaled_mm, the kernel
+    FP8 Linear layers use (row-major A, column-major B, fp32 scales, bf16 out)."""
+    if dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        if torch.device(device).type == "cuda":  # MI300-class GPUs compute in the fnuz variant
+            dtype = datasheet.fp8_dtypes_for(device_name(device))[0]
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype).t()  # column-major, as cuBLASLt wants
+        one = torch.ones((), device=device)
+        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    return lambda: torch.mm(a, b, out=out)
 
 
 def cache_dir() -> Path:
@@ -274,6 +297,14 @@ def get_peak(device, dtype, source: str = "auto") -> Peak:
         peak = Peak(peak.flops, peak.source, f"{peak.label}; {sheet.label} "
                                              f"({peak.flops / sheet.flops:.0%} of it)")
     return peak
+
+
+def datasheet_mfu(achieved_flops_per_s: float, device, dtype) -> float | None:
+    """MFU against the vendor's datasheet peak - the figure published MFUs (PaLM, nanoGPT,
+    torchtitan) divide by, so ours can be compared with theirs. None where no datasheet
+    figure exists (CPU, MPS, unlisted GPUs)."""
+    sheet = datasheet_peak(device, dtype)
+    return None if sheet is None else achieved_flops_per_s / sheet.flops
 
 
 _WARNED: set[str] = set()

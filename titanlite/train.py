@@ -154,7 +154,7 @@ class Trainer:
         self.optimizer = build_optimizer(torch.nn.ModuleList(self.model_parts), cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         # MFU against the peak of the dtype the matmuls actually run in.
-        self.compute_dtype = self.precision.dtype or self.dtype
+        self.compute_dtype = hardware.matmul_dtype(self.dtype, self.precision.dtype, cfg.parallel.param_dtype if self.dims.strategy in ("fsdp", "hsdp") else None, getattr(self.model, "fp8_info", None))
         self.peak = self._get_peak()
         self.step = 0
         self.checkpointer = None  # fit() opens one when [checkpoint] asks
@@ -347,7 +347,9 @@ class Trainer:
                     record = {"kind": "train", "step": self.step, "loss": loss, "lr": lr,
                               "grad_norm": out["grad_norm"], "tokens_per_sec": tps,
                               "mfu": hardware.mfu(self.flops_per_token * tps, self.peak),
+                              "mfu_datasheet": hardware.datasheet_mfu(self.flops_per_token * tps / self.dist.world_size, self.device, self.compute_dtype),
                               "peak_memory_bytes": hardware.peak_memory_bytes(self.device),
+                              **hardware.allocator_readings(self.device),
                               "step_time_s": dt, "elapsed_s": time.perf_counter() - start,
                               "tokens": self.step * tokens_per_step, "peak_label": self.peak.label,
                               "ready_s": out["ready_s"]}

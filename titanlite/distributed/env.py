@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..device_policy import backend_and_device_for, cuda_index_for
 from ..errors import TitanliteError
 
 
@@ -49,28 +50,21 @@ def torchrun_env() -> tuple[int, int, int] | None:
 
 
 def pick_backend(requested: str, device_type: str) -> str:
-    """nccl for CUDA (GPU-to-GPU over NVLink/InfiniBand), gloo for everything else (CPU, MPS)."""
-    if requested == "auto":
-        return "nccl" if device_type == "cuda" else "gloo"
+    """nccl for CUDA (GPU-to-GPU over NVLink/InfiniBand), gloo for everything else (CPU)."""
     if requested == "nccl" and not torch.cuda.is_available():
         raise TitanliteError("parallel.backend=nccl needs CUDA GPUs, and none is available here: "
                              "use --parallel.backend gloo (or auto)")
-    if requested == "nccl" and device_type != "cuda":
-        raise TitanliteError(f"parallel.backend=nccl only moves CUDA tensors, but training.device "
-                             f"is {device_type}: use --parallel.backend gloo or --training.device cuda")
-    return requested
+    return backend_and_device_for(device_type, 2, requested)[0]
 
 
-def device_for_rank(requested: str, local_rank: int) -> torch.device:
-    """One accelerator per process: CUDA rank r on this machine uses cuda:r."""
+def device_for_rank(requested: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+    """One accelerator per process: alone, `cuda:N` is honoured; under torchrun with several
+    local ranks, rank r takes cuda:r (see device_policy.cuda_index_for)."""
     from ..hardware import detect_device
     device = detect_device(requested)
     if device.type == "cuda":
-        count = torch.cuda.device_count()
-        if local_rank >= count:
-            raise TitanliteError(f"local rank {local_rank} has no GPU: this machine has {count}; "
-                                 f"start at most {count} processes per node (--nproc-per-node {count})")
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", cuda_index_for(device.index, local_rank, local_world_size,
+                                                     torch.cuda.device_count()))
         torch.cuda.set_device(device)
     return device
 
@@ -82,8 +76,14 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         return DistEnv(device=device_for_rank(device, 0))
     rank, local_rank, world_size = ids
     _die_with_parent()
-    dev = device_for_rank(device, local_rank)
-    name = pick_backend(backend, dev.type)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    dev = device_for_rank(device, local_rank, local_world_size)
+    explicit = str(device).strip().lower().startswith("mps")
+    name, dev_type, note = backend_and_device_for(dev.type, world_size, backend, explicit=explicit)
+    if dev_type != dev.type:  # MPS under torchrun: no backend moves its tensors
+        dev = torch.device(dev_type)
+        if rank == 0:
+            print(f"[titanlite] {note}", file=sys.stderr, flush=True)
     if not dist.is_initialized():
         # A collective that waits longer than this raises instead of hanging forever: that is
         # how a dead or stuck peer becomes an error the launcher can report.

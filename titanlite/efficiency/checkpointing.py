@@ -168,7 +168,8 @@ def saved_tensors_hook_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> in
 
 
 def activation_memory_estimate(args: ModelArgs, batch: int, seq_len: int, dtype_bytes: int,
-                               mode: str, every: int = 2) -> int:
+                               mode: str, every: int = 2, attention: str = "flash",
+                               expand_kv: bool = False) -> int:
     """Predicted `saved_activation_bytes` for a model whose parameters and activations are in
     a `dtype_bytes`-byte dtype (4: fp32, 2: bf16/fp16; autocast keeps extra casts, not modelled).
 
@@ -186,19 +187,34 @@ def activation_memory_estimate(args: ModelArgs, batch: int, seq_len: int, dtype_
     every matmul/attention output: q, k, v, SDPA out + log-sum-exp, o_proj, gate, up, down =
     b·n(4D + 2K + 2F) + 4nA. Outside the blocks, the final norm (its output feeds the logits
     matmul); the embedding saves only the token ids (the input). The logits themselves, and the
-    loss's log-probabilities (4·n·vocab bytes in fp32), are the caller's and not counted."""
+    loss's log-probabilities (4·n·vocab bytes in fp32), are the caller's and not counted.
+
+    The attention terms depend on the SDPA kernel (`device_policy.sdpa_kernel_for` says which
+    one runs): "flash" as above; "efficient" (CUDA's cutlass kernel) pads its log-sum-exp to a
+    multiple of 32 queries; "math" keeps the b·batch·A·T² softmax probabilities instead of a
+    log-sum-exp (the T×T term is back) and its k, v repeated to all A heads. expand_kv: k and v
+    were repeated to A heads before SDPA (GQA on a kernel without `enable_gqa`), so SDPA saves
+    them at width D, not K."""
     if mode not in MODES:
         raise TitanliteError(f"mode '{mode}' is not one of {', '.join(MODES)}"
                              f"{closest(mode, MODES)}")
     if every < 1:
         raise TitanliteError(f"every must be a positive integer, got {every}")
+    if attention not in ("flash", "efficient", "math"):
+        raise TitanliteError(f"attention kernel '{attention}' is not one of flash, efficient, math")
     n, b, D, F, A = batch * seq_len, dtype_bytes, args.dim, args.hidden_dim, args.n_heads
     K = args.n_kv_heads * args.head_dim
+    kv = D if expand_kv or attention == "math" else K  # width of the k, v that SDPA saves
+    scores = {"flash": 4 * n * A,                                     # fp32 log-sum-exp
+              "efficient": 4 * batch * A * (-(-seq_len // 32) * 32),  # ... padded to 32 rows
+              "math": b * batch * A * seq_len * seq_len}[attention]   # softmax probabilities
     norm = 4 * n * D + 4 * n + 2 * b * n * D
     rotary = 2 * b * seq_len * args.head_dim
-    plain_block = 2 * norm + b * n * (2 * D + 2 * K) + 4 * n * A + rotary + 4 * b * n * F
+    plain_block = 2 * norm + b * n * (2 * D + 2 * kv) + scores + rotary + 4 * b * n * F
     full_block = b * n * D
-    op_block = b * n * D + b * n * (4 * D + 2 * K + 2 * F) + 4 * n * A
+    # "op" keeps the projections' outputs (k, v at width K: repeating them is recomputed) and
+    # the attention's own saved output: under math, that is its q·kᵀ matmul, T×T again.
+    op_block = b * n * D + b * n * (4 * D + 2 * K + 2 * F) + scores
     L = args.n_layers
     per_block = {"none": [plain_block] * L, "full": [full_block] * L, "op": [op_block] * L,
                  "selective": [full_block if i % every == 0 else plain_block for i in range(L)]}

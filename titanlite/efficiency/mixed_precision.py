@@ -28,9 +28,13 @@ from pathlib import Path
 
 import torch
 
+from ..device_policy import enable_tf32, resolve_mixed_precision, tf32_default
 from ..errors import TitanliteError, closest
 
 MODES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# "auto" is resolved per device by device_policy.default_mixed_precision: bf16 on Ampere+ GPUs,
+# fp16 + GradScaler on older ones, fp32 on CPU and MPS.
+CHOICES = ("auto", *MODES)
 DEVICE_TYPES = ("cuda", "mps", "cpu")
 # x86 CPU flags (as /proc/cpuinfo spells them) of units that make a 16-bit matmul fast.
 FAST_CPU_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
@@ -50,11 +54,22 @@ class Support:
         return "probed on this machine" if self.here else "documented, not this machine"
 
 
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
+def check_mode(mode: str, allow_auto: bool = False) -> str:
+    choices = CHOICES if allow_auto else tuple(MODES)
+    if mode not in choices:
         raise TitanliteError(f"training.mixed_precision='{mode}' is not one of "
-                             f"{', '.join(MODES)}{closest(str(mode), MODES)}")
+                             f"{', '.join(choices)}{closest(str(mode), choices)}")
     return mode
+
+
+def check_param_dtype(mode: str, param_dtype: torch.dtype) -> None:
+    """fp16 autocast needs fp32 master weights: GradScaler unscales the gradients in place,
+    which it refuses for fp16 ones ("Attempting to unscale FP16 gradients") - and an update
+    smaller than an fp16 weight's spacing would be lost anyway."""
+    if mode == "fp16" and param_dtype == torch.float16:
+        raise TitanliteError("training.dtype float16 with training.mixed_precision fp16: GradScaler "
+                             "needs fp32 weights to unscale into: use --training.dtype float32 "
+                             "(fp16 autocast still runs the matmuls in fp16)")
 
 
 def support(mode: str, device) -> Support:
@@ -216,15 +231,25 @@ def _documented(mode: str, kind: str) -> Support:
 
 
 class Precision:
-    """Autocast + (for fp16) loss scaling, behind the three calls the training step makes."""
+    """Autocast + (for fp16) loss scaling, behind the three calls the training step makes.
 
-    def __init__(self, mode: str, device, init_scale: float = 2.0**16, growth_interval: int = 2000):
-        check_mode(mode)
+    mode "auto": bf16 on CUDA SM 8.0+, fp16 on older GPUs, fp32 on CPU/MPS (device_policy).
+    tf32 None: allow TF32 for fp32 CUDA matmuls on SM 8.0+ (a process-wide torch switch)."""
+
+    def __init__(self, mode: str, device, init_scale: float = 2.0**16, growth_interval: int = 2000,
+                 tf32: bool | None = None):
+        check_mode(mode, allow_auto=True)
         device = torch.device(device)
-        s = support(mode, device)
-        if not s.here:
+        if not _present(device.type):
             raise TitanliteError(f"mixed precision '{mode}' was asked for on {device.type}, which "
                                  f"this machine does not have: use --training.device auto")
+        mode = resolve_mixed_precision(mode, device)
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if tf32 is None:  # fp32 matmuls that remain (and fp32 runs) on TF32 tensor cores
+            tf32 = tf32_default(device.type, capability)
+        if tf32:
+            enable_tf32()
+        s = support(mode, device)
         if not s.works:
             raise TitanliteError(f"mixed precision '{mode}' is not available on {device.type}: "
                                  f"{s.why}")
@@ -251,6 +276,9 @@ class Precision:
     def step(self, optimizer, params, grad_clip: float) -> tuple[float, bool]:
         """Unscale, clip, step (unless the gradients overflowed); returns (grad_norm, skipped)."""
         params = [p for p in params if p.grad is not None]
+        if self.scaler.is_enabled():  # before unscale_, whose own error names no fix
+            for dtype in {p.dtype for p in params}:
+                check_param_dtype(self.mode, dtype)
         self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         if grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..device_policy import expand_kv_for_sdpa
 from ..errors import TitanliteError, closest
 
 
@@ -172,10 +173,29 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # GQA: SDPA repeats each KV head for its group of query heads.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = causal_attention(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     expand_kv: bool | None = None) -> torch.Tensor:
+    """Causal SDPA with grouped-query attention: each KV head serves n_heads/n_kv_heads query
+    heads. Either SDPA repeats the KV heads (`enable_gqa`) or we do, with repeat_interleave,
+    before calling it: the same numbers in the same order, so the same result. Which one is a
+    device decision (device_policy.expand_kv_for_sdpa, None: decide): on CUDA only flash takes
+    `enable_gqa`, and anything it refuses would otherwise land on the slow math kernel."""
+    groups = q.shape[1] // k.shape[1]
+    if expand_kv is None:
+        expand_kv = groups > 1 and q.device.type == "cuda" and _expand_on_cuda(q)
+    if expand_kv and groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _expand_on_cuda(q: torch.Tensor) -> bool:
+    # get_device_properties (not get_device_capability): torch.compile folds it to a constant.
+    props = torch.cuda.get_device_properties(q.device)
+    return expand_kv_for_sdpa("cuda", q.dtype, q.shape[-1], (props.major, props.minor))
 
 
 class FeedForward(nn.Module):
