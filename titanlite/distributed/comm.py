@@ -29,8 +29,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._compat.torch_internals import FakeTensor, TorchDispatchMode
 
 # dispatcher op -> (the name a learner knows, the argument whose size is S, S = size × n?)
 # Inputs everywhere (an all-gather's input × n, not its output) because the functional ops
