@@ -6,7 +6,8 @@ writer process, the PipelineStage methods a schedule calls. Nothing else in tita
 `torch._*` / `torch.*._*` modules or reads those attributes (tests/test_imports.py checks), so a
 torch upgrade that moves one breaks here, with a clear message or a fallback, not everywhere.
 
-Checked against torch 2.11.0, 2.12.0 and 2.13.0 (names, signatures and the behaviour relied on).
+Names and signatures checked in the sources of torch 2.11.0, 2.12.0 and 2.13.0 ("2.11-2.13"
+below); the tests run it on the installed torch.
 Documented torch toggles that merely live under an underscore (`torch._dynamo.explain`,
 `torch._inductor.config.patch`, the `torch._dynamo` logger) stay where they are used.
 """
@@ -44,6 +45,19 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noq
 def is_checkpoint_wrapped(model: nn.Module) -> bool:
     """True if any submodule of `model` was wrapped by `checkpoint_wrapper`."""
     return any(isinstance(m, CheckpointWrapper) for m in model.modules())
+
+
+def process_group_named(name: str):
+    """The ProcessGroup a functional collective names by string (its `group_name` argument).
+    torch resolves those names with the private `_resolve_process_group` (re-exported by
+    distributed_c10d from torch._C in 2.11-2.13); if it moves, one line says what broke."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+    except ImportError as e:
+        import torch
+        raise TitanliteError(f"this torch ({torch.__version__}) cannot resolve process group "
+                             f"names ({e}): CommCounter was written for torch 2.11-2.13") from e
+    return _resolve_process_group(name)
 
 
 # ----- nn.Module.compile() -------------------------------------------------------------------

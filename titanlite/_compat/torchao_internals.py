@@ -6,7 +6,8 @@ teaches need more: recognising a converted layer (the Float8Linear class is not 
 quantising one tensor exactly as a Float8Linear casts it (`fp8_roundtrip`, to show the error).
 Those live in torchao's float8_linear / float8_scaling_utils / float8_training_tensor modules.
 
-Checked against torchao 0.14, 0.15, 0.16, 0.17 and 0.18 (same names and signatures in all).
+Names and signatures checked in the sources of torchao 0.14, 0.15, 0.16, 0.17 and 0.18 (the
+same in all); the tests run it on the installed torchao.
 Imports happen on first use, so a torchao that moved them fails with one TitanliteError naming
 the fix when FP8 is used, and never breaks `import titanlite`.
 """
@@ -40,7 +41,7 @@ def is_float8_linear(module) -> bool:
     return isinstance(module, float8_linear_class())
 
 
-# Operand role name -> torchao's GemmInputRole member name: which matmul operand is cast.
+# The operands a Linear's matmuls cast; upper-cased, each names a torchao GemmInputRole.
 ROLES = ("input", "weight", "grad_output")
 
 
