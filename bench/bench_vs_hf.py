@@ -25,7 +25,9 @@ import argparse
 import statistics
 import time
 
-import titanlite  # noqa: F401  (first: hides torchao's import noise before transformers loads)
+import titanlite
+
+titanlite.quiet_third_party()  # first: hides torchao's import noise before transformers loads
 import torch
 import torch.nn.functional as F
 

@@ -91,6 +91,8 @@ def _export_checkpoint(args, _overrides) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import quiet_third_party
+    quiet_third_party()  # before anything imports torchao: its "Failed to load" lines are noise
     parser = argparse.ArgumentParser(prog="titanlite", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model; any --section.key value overrides the config")

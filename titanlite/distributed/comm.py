@@ -29,8 +29,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._compat.torch_internals import FakeTensor, TorchDispatchMode, process_group_named
 
 # dispatcher op -> (the name a learner knows, the argument whose size is S, S = size × n?)
 # Inputs everywhere (an all-gather's input × n, not its output) because the functional ops
@@ -101,9 +101,8 @@ def _group_size(group) -> int:
     # Functional ops name their group; c10d ops carry it, boxed (a ScriptObject) when the
     # call comes from C++ (DDP's reducer) rather than from Python.
     from torch.distributed import ProcessGroup
-    from torch.distributed.distributed_c10d import _resolve_process_group
     if isinstance(group, str):
-        group = _resolve_process_group(group)
+        group = process_group_named(group)
     elif isinstance(group, torch.ScriptObject):
         group = ProcessGroup.unbox(group)
     return group.size()

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._compat.torch_internals import replace_stage_method
+
 COLORS = {"F": "#1f77b4", "B": "#2ca02c", "I": "#98df8a", "W": "#ff7f0e"}
 
 
@@ -52,7 +54,8 @@ class Event:
 
 class TimelineRecorder:
     """Times every forward / backward a schedule runs on this rank's stages, by wrapping the
-    three methods torch's schedules call on a stage (names checked in torch 2.11 and 2.13):
+    three methods torch's schedules call on a stage (names checked in torch 2.11-2.13;
+    titanlite._compat.torch_internals does the wrapping):
     forward_one_chunk, backward_one_chunk (full or input-only) and backward_weight_one_chunk.
 
     Inside `with recorder:` every tensor autograd saves is also noted (a saved_tensors_hooks
@@ -74,23 +77,24 @@ class TimelineRecorder:
             self._wrap(stage, "backward_weight_one_chunk", lambda a: "W")
 
     def _wrap(self, stage, name: str, kind_of) -> None:
-        original = getattr(stage, name)
-        signature = inspect.signature(original)
+        def make_timed(original):
+            signature = inspect.signature(original)
 
-        def timed(*args, **kwargs):
-            call = signature.bind(*args, **kwargs).arguments
-            self._sync()
-            before = self.live_bytes()
-            start = time.perf_counter()
-            out = original(*args, **kwargs)
-            self._sync()
-            end = time.perf_counter()
-            chunk = next(iter(call.values()))  # fwd_chunk_id / bwd_chunk_id, the first argument
-            self.events.append(Event(self.rank, stage.stage_index, int(chunk), kind_of(call),
-                                     start, end, self.live_bytes(), before))
-            return out
+            def timed(*args, **kwargs):
+                call = signature.bind(*args, **kwargs).arguments
+                self._sync()
+                before = self.live_bytes()
+                start = time.perf_counter()
+                out = original(*args, **kwargs)
+                self._sync()
+                end = time.perf_counter()
+                chunk = next(iter(call.values()))  # fwd_chunk_id / bwd_chunk_id, the first argument
+                self.events.append(Event(self.rank, stage.stage_index, int(chunk), kind_of(call),
+                                         start, end, self.live_bytes(), before))
+                return out
+            return timed
 
-        setattr(stage, name, timed)  # the instance attribute shadows the class's method
+        replace_stage_method(stage, name, make_timed)  # this stage instance only
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

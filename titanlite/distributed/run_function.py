@@ -11,11 +11,13 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .._quiet import quiet_third_party
 from .env import destroy_distributed, exit_worker, init_distributed
 
 
 @record  # an exception's traceback goes to the file torchrun names: the launcher shows it
 def main(job_dir: str) -> None:
+    quiet_third_party()  # before unpickling the job imports torchao: its CPU import is noisy
     job = Path(job_dir)
     spec = torch.load(job / "function.pt", weights_only=False)
     env = init_distributed(spec["device"], spec["backend"], spec["timeout_s"])

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
 
+from .._compat.torch_internals import is_checkpoint_wrapped, is_compiled_in_place
 from ..efficiency.accumulation import loss_sum
 from ..errors import TitanliteError
 
@@ -141,8 +142,7 @@ def _check_order(model: nn.Module) -> None:
     if not hasattr(model, "layers") or not hasattr(model, "args"):
         raise TitanliteError(f"apply_tp expects titanlite's Transformer, got {type(model).__name__}: "
                              f"apply it before compile, DDP or FSDP wrap the model")
-    wrapped = any("_checkpoint_wrapped_module" in n for n, _ in model.named_modules())
-    if wrapped or any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
+    if is_checkpoint_wrapped(model) or is_compiled_in_place(model):
         raise TitanliteError("apply_tp found activation-checkpointed or compiled blocks: apply tensor "
                              "parallelism first, then activation checkpointing, compile and FSDP")
     if any(isinstance(p, DTensor) for p in model.parameters()):

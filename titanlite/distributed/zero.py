@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .._compat.torch_internals import is_traceable_wrapper_subclass
 from ..errors import TitanliteError
 
 # precision -> bytes per parameter for (weights, gradients, optimizer state)

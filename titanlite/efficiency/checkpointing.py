@@ -35,14 +35,12 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointWrapper, checkpoint_wrapper)
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
+from .._compat.torch_internals import (CheckpointWrapper, TorchDispatchMode, checkpoint_wrapper,
+                                       tree_leaves)
 from ..errors import TitanliteError, closest
 from ..models.llama import ModelArgs, Transformer
 

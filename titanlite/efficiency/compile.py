@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._compat.torch_internals import (compiled_call, cpp_compiler_error, has_triton,
+                                       is_compiled_in_place, set_compiled_call)
 from ..errors import TitanliteError, closest
 from ..hardware import synchronize
 
@@ -88,7 +90,7 @@ def apply_compile(model: nn.Module, scope: str = "regional", fallback: bool = Tr
 
 def is_compiled(module: nn.Module) -> bool:
     """True if `module` or any submodule was compiled in place with nn.Module.compile()."""
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+    return is_compiled_in_place(module)
 
 
 # ----- can it compile here? ------------------------------------------------------------------
@@ -134,20 +136,14 @@ def _static_problem(device: torch.device, backend) -> tuple[str, str] | None:
     if backend != "inductor":
         return None  # e.g. "aot_eager" or "eager" need neither a compiler nor Triton
     if device.type == "cpu":
-        try:
-            from torch._inductor.cpp_builder import get_cpp_compiler
-        except ImportError:  # internal API moved: the trial compile will tell
-            return None
-        try:
-            get_cpp_compiler()
-        except Exception as e:  # noqa: BLE001 - InvalidCxxCompiler and friends
+        e = cpp_compiler_error()  # None also when torch moved the probe: the trial compile tells
+        if e is not None:
             fix = {"win32": "install Visual Studio Build Tools (MSVC) and start Python from a "
                             "Developer Command Prompt",
                    "darwin": "run `xcode-select --install`"}.get(
                 sys.platform, "install one (e.g. `apt install g++`) or point CXX at it")
             return f"Inductor on CPU needs a C++ compiler and found none ({_first_line(e)})", fix
     if device.type == "cuda":
-        from torch.utils._triton import has_triton
         if not has_triton():
             major, minor = torch.cuda.get_device_capability(device)
             if (major, minor) < (7, 0):
@@ -213,14 +209,14 @@ def graph_break_report(fn, *example_args, **example_kwargs) -> dict:
 def _uncompiled(fn):
     """Temporarily hide in-place compilation, so explain() traces the Python code itself."""
     modules = list(fn.modules()) if isinstance(fn, nn.Module) else []
-    saved = [(m, m._compiled_call_impl) for m in modules if getattr(m, "_compiled_call_impl", None)]
+    saved = [(m, compiled_call(m)) for m in modules if compiled_call(m) is not None]
     for m, _ in saved:
-        m._compiled_call_impl = None
+        set_compiled_call(m, None)
     try:
         yield
     finally:
         for m, impl in saved:
-            m._compiled_call_impl = impl
+            set_compiled_call(m, impl)
 
 
 @contextlib.contextmanager

@@ -27,10 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-from torchao.float8.float8_linear import Float8Linear
-from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
-from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
 
+from .._compat.torchao_internals import ROLES, is_float8_linear, quantize_dequantize
 from ..errors import TitanliteError, closest
 
 RECIPES = ("tensorwise", "rowwise")  # torchao recipe names (Float8LinearRecipeName)
@@ -129,7 +127,7 @@ def apply_fp8(model: nn.Module, recipe: str = "tensorwise", device=None, min_dim
                              f"--float8.fsdp_all_gather")
     if min_dim < 1:
         raise TitanliteError(f"float8.min_dim must be positive, got {min_dim}: e.g. 64")
-    if any(isinstance(m, Float8Linear) for m in model.modules()):
+    if any(is_float8_linear(m) for m in model.modules()):
         raise TitanliteError("this model is already converted to FP8: call apply_fp8 once, on a "
                              "freshly built model")
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -155,7 +153,7 @@ def apply_fp8(model: nn.Module, recipe: str = "tensorwise", device=None, min_dim
 
     convert_to_float8_training(model, config=_config(recipe, emulated, fsdp_all_gather),
                                module_filter_fn=lambda m, fqn: fqn not in skipped)
-    converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    converted = [n for n, m in model.named_modules() if is_float8_linear(m)]
     why = support.why
     if emulated and support.real:
         why = "emulation requested (float8.emulate true) although this GPU has FP8 tensor cores"
@@ -166,10 +164,8 @@ def apply_fp8(model: nn.Module, recipe: str = "tensorwise", device=None, min_dim
     return model
 
 
-# Operand roles of a Linear's three matmuls, and the torchao role each one plays.
-_ROLES = {"input": ("cast_config_input", GemmInputRole.INPUT),
-          "weight": ("cast_config_weight", GemmInputRole.WEIGHT),
-          "grad_output": ("cast_config_grad_output", GemmInputRole.GRAD_OUTPUT)}
+# Operand roles of a Linear's three matmuls: the cast config of each in a Float8LinearConfig.
+_CAST_CONFIGS = {role: f"cast_config_{role}" for role in ROLES}
 
 
 @torch.no_grad()
@@ -179,12 +175,7 @@ def fp8_roundtrip(x: torch.Tensor, recipe: str = "tensorwise", role: str = "inpu
     Rowwise scales each row (last dim): per token for activations and gradients, per output
     feature for weights. `x - fp8_roundtrip(x)` is the quantisation error."""
     config, cast = _cast_config(recipe, role)
-    fp8 = hp_tensor_to_float8_dynamic(
-        x, cast.target_dtype, LinearMMConfig(), gemm_input_role=_ROLES[role][1],
-        scaling_granularity=cast.scaling_granularity,
-        axiswise_dim=get_maybe_axiswise_dim(-1, cast.scaling_granularity),
-        round_scales_to_power_of_2=config.round_scales_to_power_of_2)
-    return fp8.to_original_precision()
+    return quantize_dequantize(x, cast, role, config.round_scales_to_power_of_2)
 
 
 def fp8_dtype_for(recipe: str, role: str) -> torch.dtype:
@@ -194,11 +185,11 @@ def fp8_dtype_for(recipe: str, role: str) -> torch.dtype:
 
 def _cast_config(recipe: str, role: str):
     _check_recipe(recipe)
-    if role not in _ROLES:
-        raise TitanliteError(f"unknown operand role '{role}'{closest(role, _ROLES)}; "
-                             f"choose one of {', '.join(_ROLES)}")
+    if role not in _CAST_CONFIGS:
+        raise TitanliteError(f"unknown operand role '{role}'{closest(role, _CAST_CONFIGS)}; "
+                             f"choose one of {', '.join(_CAST_CONFIGS)}")
     config = Float8LinearConfig.from_recipe_name(recipe)
-    return config, getattr(config, _ROLES[role][0])
+    return config, getattr(config, _CAST_CONFIGS[role])
 
 
 def _check_recipe(recipe: str) -> None:
