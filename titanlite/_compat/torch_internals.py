@@ -131,6 +131,17 @@ def stop_dcp_writer_process() -> None:
         executor._CHECKPOINT_PROCESS = None
         with contextlib.suppress(Exception):
             proc.__del__()
+        # __del__ runs again when `proc` is garbage-collected; if the writer is still dying
+        # from the SIGTERM above (a busy machine), that second call writes TERMINATE into a
+        # closed pipe and prints a BrokenPipeError. Wait for it (and SIGKILL a straggler)
+        # so the second call finds it dead and does nothing.
+        writer = getattr(proc, "_save_process", None)
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.join(timeout=10)
+                if writer.is_alive():
+                    writer.kill()
+                    writer.join(timeout=5)
 
 
 # ----- PipelineStage methods the schedules call ---------------------------------------------
