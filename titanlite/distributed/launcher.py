@@ -287,14 +287,29 @@ def _failure(run_dir: Path, returncode: int, last_steps: str) -> TitanliteError:
         if code < 0:
             name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
             return TitanliteError(f"rank {rank} was killed by signal {name} ({where})")
-        for f in sorted((run_dir / "logs").glob(f"**/attempt_*/{rank}/stderr.log")):
-            lines = [ln for ln in f.read_text().splitlines() if ln.startswith("titanlite: error:")]
-            if lines:
-                return TitanliteError(f"rank {rank}: {lines[-1][len('titanlite: error: '):]}")
+        errors = _reported_errors(run_dir)
+        if errors:
+            # One line per distinct error: the ranks print an error they share only once
+            # (cli._report), so the root-cause rank may have printed nothing itself.
+            for line in errors[1:]:
+                print(f"titanlite: error: {line}", file=sys.stderr)
+            return TitanliteError(errors[0])
         return TitanliteError(f"rank {rank} exited with status {code} ({where})")
     print("\n".join(log.strip().splitlines()[-15:]), file=sys.stderr)
     return TitanliteError(f"the job failed with exit status {returncode} before any rank reported "
                           f"an error (torchrun's output above; all of it in {run_dir / 'launcher.log'})")
+
+
+def _reported_errors(run_dir: Path) -> list[str]:
+    """The distinct `titanlite: error:` lines of the last attempt's ranks, lowest rank first."""
+    attempts = sorted((run_dir / "logs").glob("**/attempt_*"), key=lambda a: int(a.name[8:]))
+    if not attempts:
+        return []
+    lines = []
+    for f in sorted(attempts[-1].glob("*/stderr.log"), key=lambda f: int(f.parent.name)):
+        lines += [ln[len("titanlite: error: "):] for ln in f.read_text().splitlines()
+                  if ln.startswith("titanlite: error:")]
+    return list(dict.fromkeys(lines))
 
 
 def _check_machine(nproc: int, device: str, backend: str) -> None:

@@ -92,15 +92,15 @@ def verify(path: str | Path, crc: bool = True) -> dict:
         f = path / name
         what = "DCP's index" if name == ".metadata" else "a shard written by one rank"
         if not f.is_file():
-            raise TitanliteError(f"checkpoint '{path}' is damaged: {name} ({what}) is missing; "
+            raise TitanliteError(f"checkpoint '{path}' is damaged: it is missing {name} ({what}); "
                                  f"{_EARLIER.format(path=path)}")
         if f.stat().st_size != size:
             raise TitanliteError(f"checkpoint '{path}' is damaged: {name} has {f.stat().st_size} "
                                  f"bytes, {size} were written (truncated copy?); "
                                  f"{_EARLIER.format(path=path)}")
         if crc and _crc32(f) != want:
-            raise TitanliteError(f"checkpoint '{path}' is damaged: {name} ({what}) fails its "
-                                 f"CRC-32 check; {_EARLIER.format(path=path)}")
+            raise TitanliteError(f"checkpoint '{path}' is damaged: {name} is corrupt (CRC-32 "
+                                 f"mismatch: {what}); {_EARLIER.format(path=path)}")
     return info
 
 
