@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..errors import TitanliteError
+from ..paths import check_output_dir
 from .llama import ModelArgs, Transformer, rope_cache
 
 # Per-layer names, titanlite → HF; everything under `layers.{i}.` / `model.layers.{i}.`.
