@@ -479,3 +479,60 @@ def test_as_a_real_process(kind, world, data_dir, trained):
     assert r.returncode == 2, r.stderr
     check(r.returncode, r.stderr)
     assert snapshot(world) == before
+
+
+# ----- several ranks, one line per distinct error ---------------------------------------------
+
+def test_launcher_shows_each_distinct_rank_error_once(tmp_path, capfd):
+    """Both ranks refuse the same bad input (only the first prints it) and rank 1 also hits an
+    error of its own: the launcher raises the first and prints the other, one line each."""
+    from titanlite.distributed.launcher import _failure
+    blocks = [f"[{i}]:\n  time      : 2026-11-22_07:32:01\n  rank      : {r} (local_rank: {r})\n"
+              f"  exitcode  : 2 (pid: 1)\n  error_file: <N/A>\n" for i, r in enumerate((1, 0))]
+    (tmp_path / "launcher.log").write_text(f"Failures:\n{blocks[1]}----\nRoot Cause (first "
+                                           f"observed failure):\n{blocks[0]}====\n")
+    for attempt, lines in ((0, {0: ["old attempt"], 1: []}),
+                           (1, {0: ["data file x.txt is empty: add text"],
+                                1: ["data file x.txt is empty: add text", "rank 1 only"]})):
+        for rank, errors in lines.items():
+            log = tmp_path / "logs" / "job" / f"attempt_{attempt}" / str(rank) / "stderr.log"
+            log.parent.mkdir(parents=True)
+            log.write_text("".join(f"noise\ntitanlite: error: {e}\n" for e in errors))
+    capfd.readouterr()
+    error = _failure(tmp_path, 1, "")
+    assert str(error) == "data file x.txt is empty: add text"
+    assert capfd.readouterr().err == "titanlite: error: rank 1 only\n"
+
+
+def test_ranks_of_one_torchrun_job_print_a_shared_error_once(tmp_path, monkeypatch, capfd):
+    """cli._report under torchrun: the first rank to report a message prints it (one write,
+    newline included); the same message from another rank of the same job is not repeated,
+    a different one is, and another job (or attempt) prints its own."""
+    from titanlite import cli
+    monkeypatch.setenv("TITANLITE_JOB_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id
+    for rank, message in ((0, "bad value"), (1, "bad value"), (1, "rank 1's own")):
+        monkeypatch.setenv("RANK", str(rank))
+        assert cli._report(message, 2) == 2
+    assert capfd.readouterr().err == "titanlite: error: bad value\ntitanlite: error: rank 1's own\n"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the next attempt reports again
+    cli._report("bad value", 2)
+    assert capfd.readouterr().err == "titanlite: error: bad value\n"
+
+
+@pytest.mark.slow
+def test_launcher_job_whose_ranks_refuse_the_same_data_file(world, data_dir, capfd):
+    """Both ranks of a real job refuse an empty data file (not checked before start-up: only a
+    rank reads the corpus). The notebook sees one line, and the stderr stays empty."""
+    from titanlite.config import load_config
+    from titanlite.distributed import launcher
+    empty = world / "empty.txt"
+    empty.write_text("")
+    cfg = load_config(None, tiny_overrides(data_dir, world, **{"data.dataset": f"file:{empty}"}))
+    capfd.readouterr()
+    with pytest.raises(TitanliteError) as e:
+        launcher.launch(cfg, nproc=2, timeout_s=120)
+    assert "\n" not in str(e.value) and "empty.txt" in str(e.value), str(e.value)
+    assert not [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+    errors = launcher._reported_errors(world / "runs" / "t")
+    assert len(errors) == 1, errors  # printed once, by the first rank to get there
