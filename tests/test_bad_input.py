@@ -532,7 +532,7 @@ def test_launcher_job_whose_ranks_refuse_the_same_data_file(world, data_dir, cap
     capfd.readouterr()
     with pytest.raises(TitanliteError) as e:
         launcher.launch(cfg, nproc=2, timeout_s=120)
-    assert "\n" not in str(e.value) and "empty.txt" in str(e.value), str(e.value)
+    assert "\n" not in str(e.value) and "file-empty-txt" in str(e.value), str(e.value)
     assert not [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
     errors = launcher._reported_errors(world / "runs" / "t")
     assert len(errors) == 1, errors  # printed once, by the first rank to get there
