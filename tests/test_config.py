@@ -50,3 +50,94 @@ def test_bad_files(tmp_path):
     typo.write_text("[training]\nstesp = 3\n")
     with pytest.raises(TitanliteError, match=r"typo.toml.*did you mean: training.steps"):
         load_config(typo)
+
+
+# Fields that no value of the right type can make wrong: booleans aside (a wrong word such as
+# "maybe" is refused by type), free paths and names checked where they are used (a dataset
+# path when the corpus is read, a checkpoint when it is loaded, output folders by
+# titanlite.paths). A new field must either declare a range/choices/pattern or join this list.
+NO_BAD_VALUE = {"data.path", "data.tokenizer", "data.data_dir", "checkpoint.folder",
+                "checkpoint.load"}
+
+PATTERN_BAD = {"data.dataset": ["", "imagenet", "file:"], "training.device": ["gpu", "cuda:x"],
+               "eval.prompt": [""], "metrics.log_dir": [""], "metrics.run_name": ["a/b", ".."]}
+
+
+def _bad_values(key: str, f) -> list:
+    """Values that the field's declaration must refuse."""
+    import math
+    meta = f.metadata
+    tp = str(f.type)
+    if "range" in meta:
+        r = meta["range"]
+        lo = r.lo if r.lo_open else r.lo - (1 if "int" in tp else 1e-3)
+        bad = [v for v in (lo, -1e9) if v not in r.also]
+        if r.hi != math.inf:
+            bad.append(r.hi if r.hi_open else r.hi + (1 if "int" in tp else 1e-3))
+        if "float" in tp:
+            bad += [math.nan, math.inf]
+        return [int(v) if "int" in tp else v for v in bad]
+    if "choices" in meta:
+        return ["nosuch"]
+    if "pattern" in meta:
+        assert key in PATTERN_BAD, f"{key} has a pattern: add values it must refuse to PATTERN_BAD"
+        return PATTERN_BAD[key]
+    if "bool" in tp:
+        return ["maybe"]
+    assert key in NO_BAD_VALUE, (f"{key} declares no range, choices or pattern: declare one "
+                                 f"beside the field in titanlite/config.py, or list it in NO_BAD_VALUE")
+    return []
+
+
+def _all_fields():
+    import dataclasses
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory):
+            yield f"{section.name}.{f.name}", f
+
+
+@pytest.mark.parametrize("key, f", list(_all_fields()), ids=[k for k, _ in _all_fields()])
+def test_every_field_refuses_its_bad_values_in_one_line(key, f):
+    """Every key of every section: an out-of-range, non-finite or wrong-choice value is refused
+    by the config check, in one line that names the key and shows a valid value."""
+    if key in NO_BAD_VALUE:
+        assert not f.metadata and "bool" not in str(f.type)
+        load_config(None, {key: "anything"})  # really anything goes here
+        return
+    bad = _bad_values(key, f)
+    assert bad
+    for value in bad:
+        with pytest.raises(TitanliteError) as e:
+            load_config(None, {key: value})
+        msg = str(e.value)
+        assert "\n" not in msg and key in msg, msg
+        if "range" in f.metadata or "choices" in f.metadata or "pattern" in f.metadata:
+            assert "e.g. --" + key in msg, msg  # the fix: a value that works
+    # and the default (or None) passes
+    load_config(None, {})
+
+
+def test_python_api_values_are_checked_too():
+    cfg = Config()
+    cfg.optimizer.lr = float("nan")
+    with pytest.raises(TitanliteError, match=r"optimizer.lr must be a finite number positive"):
+        cfg.validate()
+    cfg = Config()
+    cfg.training.steps = "5"
+    with pytest.raises(TitanliteError, match=r"training.steps must be an integer, got '5' \(str\)"):
+        cfg.validate()
+
+
+def test_declared_choices_match_the_code_they_guard():
+    from titanlite.data.tokenizer import MIN_VOCAB_SIZE
+    from titanlite.models import PRESETS
+    fields = dict(_all_fields())
+    assert set(fields["model.preset"].metadata["choices"]) == set(PRESETS)
+    assert fields["data.vocab_size"].metadata["range"].lo == MIN_VOCAB_SIZE
+
+
+def test_tiny_and_odd_but_valid_values_pass():
+    cfg = load_config(None, {"scheduler.min_lr_ratio": 0, "optimizer.beta1": 0,
+                             "parallel.dp_shard": -1, "training.device": "cuda:1",
+                             "training.threads": "none", "metrics.run_name": "my-run.2"})
+    assert cfg.scheduler.min_lr_ratio == 0 and cfg.training.threads is None

@@ -1,7 +1,12 @@
 """The project's own files agree with each other: dependencies, README commands, CI."""
 import re
-import tomllib
+import sys
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 CONDA_TO_PYPI = {"pytorch": "torch"}

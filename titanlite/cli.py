@@ -5,12 +5,24 @@
     titanlite export-hf runs/<name> out/hf-model
     titanlite export-checkpoint runs/<name>/checkpoints/step-00000100 out/hf-model [--format torch]
 
-Bad input ends in one line on stderr and exit status 2, never a traceback wall.
+Bad input ends in one line on stderr, never a traceback wall. Exit status:
+    0    done
+    1    a failure while running (a bug, a dead peer, a full disk): the error, with a traceback
+         unless it is a disk/OS error on a known path
+    2    bad input: a config value, a data file, a checkpoint, a path (one line: problem + fix)
+    130  interrupted (Ctrl-C)
+Under torchrun every rank that hits an error reports it, but an error several ranks of a job hit
+alike (bad input is the same everywhere) is printed once, by the first rank to get there.
 """
 from __future__ import annotations
 
 import argparse
+import errno
+import hashlib
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 from .errors import TitanliteError
 
@@ -121,12 +133,52 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args, rest)
     except TitanliteError as e:
-        print(f"titanlite: error: {e}", file=sys.stderr)
-        return 2
+        return _report(str(e), 2)
+    except OSError as e:
+        if e.filename is None:
+            raise
+        # A path the user gave (or one derived from it) that cannot be used: name it.
+        bad_path = e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES,
+                               errno.EPERM, errno.EEXIST, errno.EROFS, errno.ENAMETOOLONG)
+        fix = ("check the path (and its folders), or choose another" if bad_path
+               else "free space or fix the disk, then run again (checkpoints resume the run)")
+        return _report(f"{e.strerror or e}: '{e.filename}': {fix}", 2 if bad_path else 1)
     except KeyboardInterrupt:
-        print("titanlite: interrupted", file=sys.stderr)
-        return 130
+        return _report("interrupted", 130)
     return 0
+
+
+def _report(message: str, code: int) -> int:
+    """Print `titanlite: error: <message>` as one line and return `code`. Under torchrun the
+    first rank with this message prints it and the others stay quiet (every rank refuses the
+    same bad config; N copies would only bury it). One write with its newline: with
+    PYTHONUNBUFFERED two writes ("msg", "\\n") from two ranks interleave into one line."""
+    line = f"titanlite: {message}\n" if code == 130 else f"titanlite: error: {message}\n"
+    if _first_to_report(line):
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    return code
+
+
+def _first_to_report(line: str) -> bool:
+    """True outside torchrun; inside, True for the first rank of this attempt to claim `line`
+    (an O_EXCL file named by the line's hash, in the job's folder or the temp folder; the
+    agent's pid keeps two jobs with torchrun's default run id apart)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None or "RANK" not in os.environ:
+        return True
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    folder = Path(os.environ.get("TITANLITE_JOB_DIR") or tempfile.gettempdir()) / \
+        f".titanlite-errors-{run_id}-{os.getppid()}-{attempt}"  # the parent: this node's agent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        name = hashlib.sha1(line.encode()).hexdigest()[:16]
+        os.close(os.open(folder / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # cannot coordinate: better twice than never
+    return True
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
+import math
+import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,148 +21,228 @@ from pathlib import Path
 
 from .errors import TitanliteError, closest
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, before it joined the standard library
+    import tomli as tomllib
+
+
+# ----- what each key accepts -----------------------------------------------------------------
+# Declared beside each field (dataclass metadata) and checked by Config.validate, so a bad
+# value is refused in one line before any work starts, never by a torch constructor later.
+
+INF = math.inf
+
+
+def ranged(default, interval: str, also: tuple = ()):
+    """A number in `interval`, written as in maths: "[1, inf)", "(0, 1]"; `also`: extra
+    allowed values outside it (dp_shard's -1). Floats must be finite whatever the interval."""
+    lo, hi = (float(x) for x in interval[1:-1].split(","))
+    return field(default=default, metadata={"range": Range(lo, hi, interval[0] == "(",
+                                                           interval[-1] == ")", also, interval)})
+
+
+def one_of(*choices: str):
+    """One of `choices`; the first is the default."""
+    return field(default=choices[0], metadata={"choices": choices})
+
+
+def matching(default: str, regex: str, shape: str):
+    """A string matching `regex` in full; `shape` says which in words."""
+    return field(default=default, metadata={"pattern": (regex, shape)})
+
+
+@dataclass(frozen=True)
+class Range:
+    lo: float
+    hi: float
+    lo_open: bool
+    hi_open: bool
+    also: tuple
+    text: str
+
+    def admits(self, v) -> bool:
+        if v in self.also:
+            return True
+        if not math.isfinite(v):
+            return False
+        return (self.lo < v if self.lo_open else self.lo <= v) and \
+               (v < self.hi if self.hi_open else v <= self.hi)
+
+    def describe(self) -> str:
+        if self.hi == INF and (self.lo, self.lo_open) in ((0, True), (1, False)):
+            words = "positive"
+        elif self.hi == INF and (self.lo, self.lo_open) == (0, False):
+            words = "zero or positive"
+        elif self.hi == INF:
+            words = f"> {_num(self.lo)}" if self.lo_open else f">= {_num(self.lo)}"
+        else:
+            words = f"between {_num(self.lo)} and {_num(self.hi)}, in {self.text}"
+        return words + "".join(f" or {a}" for a in self.also)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if x.is_integer() else str(x)
+
 
 @dataclass
 class ModelSection:
-    preset: str = "debug"  # debug | small | 125M | 1B | 8B (titanlite.models.PRESETS)
+    # debug | small | 125M | 1B | 8B (titanlite.models.PRESETS)
+    preset: str = one_of("debug", "small", "125M", "1B", "8B")
     # Overrides of the preset; None keeps the preset's value.
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
+    dim: int | None = ranged(None, "[1, inf)")
+    n_layers: int | None = ranged(None, "[1, inf)")
+    n_heads: int | None = ranged(None, "[1, inf)")
+    n_kv_heads: int | None = ranged(None, "[1, inf)")
     # None: the tokenizer's vocabulary size (debug/small), or the preset's (125M/1B/8B).
-    vocab_size: int | None = None
-    max_seq_len: int | None = None
+    vocab_size: int | None = ranged(None, "[1, inf)")
+    max_seq_len: int | None = ranged(None, "[1, inf)")
     tie_embeddings: bool | None = None
 
 
 @dataclass
 class DataSection:
-    dataset: str = "pydoc"  # pydoc (offline) | tinyshakespeare | file:<path> | hf:<name>[:<config>]
+    # pydoc (offline) | tinyshakespeare | file:<path> | hf:<name>[:<config>] | file / hf with path
+    dataset: str = matching("pydoc", r"pydoc|tinyshakespeare|file|hf|file:.+|hf:.+",
+                            "pydoc, tinyshakespeare, file:<path> or hf:<name>[:<config>]")
     path: str | None = None  # local file/folder for dataset="file"
     tokenizer: str | None = None  # None: train (and cache) a BPE tokenizer on the corpus
-    vocab_size: int = 4096  # of the tokenizer trained when tokenizer is None
-    val_fraction: float = 0.05
+    # Of the tokenizer trained when tokenizer is None: 256 bytes + 3 special tokens at least.
+    vocab_size: int = ranged(4096, "[259, inf)")
+    val_fraction: float = ranged(0.05, "(0, 1)")
     data_dir: str | None = None  # caches; None: <repo>/data or ~/.cache/titanlite/data
-    max_chars: int | None = None  # cap on the corpus size (for hf: datasets)
+    max_chars: int | None = ranged(None, "[1, inf)")  # cap on the corpus size (for hf: datasets)
 
 
 @dataclass
 class TrainingSection:
-    steps: int = 200  # optimizer steps
-    batch_size: int = 8  # micro-batch: sequences per forward/backward (per process)
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
-    global_batch_size: int | None = None  # alternative: micro × accum × dp; accum is derived
-    seq_len: int = 128
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    seed: int = 0
+    steps: int = ranged(200, "[1, inf)")  # optimizer steps
+    batch_size: int = ranged(8, "[1, inf)")  # micro-batch: sequences per forward/backward (per process)
+    grad_accum_steps: int = ranged(1, "[1, inf)")  # micro-batches per optimizer step
+    # alternative: micro × accum × dp; accum is derived
+    global_batch_size: int | None = ranged(None, "[1, inf)")
+    seq_len: int = ranged(128, "[1, inf)")
+    grad_clip: float = ranged(1.0, "[0, inf)")  # max global grad norm; 0 disables clipping
+    seed: int = ranged(0, "[0, 4294967295]")  # numpy and the data pipeline take 32-bit seeds
     deterministic: bool = False  # torch.use_deterministic_algorithms + fixed seeds everywhere
-    device: str = "auto"  # auto (cuda → mps → cpu) | cuda | cuda:N | mps | cpu
-    dtype: str = "float32"  # parameter (and optimizer state) dtype
-    mixed_precision: str = "auto"  # autocast dtype: auto (cuda: bf16, fp16 before SM 8.0; cpu/mps: fp32) | fp32 | bf16 | fp16 (+ GradScaler)
-    threads: int | None = None  # CPU intra-op threads; None keeps torch's default
+    device: str = matching("auto", r"auto|cpu|mps|cuda(:\d+)?", "auto, cuda, cuda:N, mps or cpu")
+    # parameter (and optimizer state) dtype
+    dtype: str = one_of("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+    # autocast dtype: auto (cuda: bf16, fp16 before SM 8.0; cpu/mps: fp32) | fp32 | bf16 | fp16 (+ GradScaler)
+    mixed_precision: str = one_of("auto", "fp32", "bf16", "fp16")
+    threads: int | None = ranged(None, "[1, inf)")  # CPU intra-op threads; None keeps torch's default
 
 
 @dataclass
 class OptimizerSection:
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    lr: float = ranged(3e-3, "(0, inf)")
+    weight_decay: float = ranged(0.1, "[0, inf)")
+    beta1: float = ranged(0.9, "[0, 1)")  # AdamW's moment decays: 1 would never forget
+    beta2: float = ranged(0.95, "[0, 1)")
+    eps: float = ranged(1e-8, "(0, inf)")
 
 
 @dataclass
 class SchedulerSection:
-    warmup_steps: int = 20
-    decay: str = "cosine"  # cosine | linear | constant (after warm-up)
-    min_lr_ratio: float = 0.1  # final lr as a fraction of the peak lr
+    warmup_steps: int = ranged(20, "[0, inf)")
+    decay: str = one_of("cosine", "linear", "constant")  # after warm-up
+    min_lr_ratio: float = ranged(0.1, "[0, 1]")  # final lr as a fraction of the peak lr
 
 
 @dataclass
 class ParallelSection:
     # Degrees multiply to the number of processes (torchrun --nproc-per-node × nodes).
-    dp_replicate: int = 1  # full model copies averaging gradients (DDP; HSDP with dp_shard > 1)
-    dp_shard: int = -1  # ranks sharding params/grads/optimizer (FSDP); -1: all ranks left over
-    backend: str = "auto"  # auto (nccl on CUDA, gloo otherwise) | gloo | nccl
-    timeout_s: float = 300.0  # a collective waiting longer than this fails the job (hung peer)
-    bucket_cap_mb: float = 25.0  # DDP gradient bucket size
-    reshard_after_forward: str = "default"  # FSDP: default | always | never (ZeRO-2-like)
-    param_dtype: str = "float32"  # FSDP all-gather/compute dtype: float32 | bfloat16
-    reduce_dtype: str = "float32"  # FSDP gradient reduce-scatter dtype: float32 | bfloat16
+    # full model copies averaging gradients (DDP; HSDP with dp_shard > 1)
+    dp_replicate: int = ranged(1, "[1, inf)")
+    # ranks sharding params/grads/optimizer (FSDP); -1: all ranks left over
+    dp_shard: int = ranged(-1, "[1, inf)", also=(-1,))
+    backend: str = one_of("auto", "gloo", "nccl")  # auto: nccl on CUDA, gloo otherwise
+    # a collective waiting longer than this fails the job (hung peer)
+    timeout_s: float = ranged(300.0, "(0, inf)")
+    bucket_cap_mb: float = ranged(25.0, "(0, inf)")  # DDP gradient bucket size
+    reshard_after_forward: str = one_of("default", "always", "never")  # FSDP; never: ZeRO-2-like
+    param_dtype: str = one_of("float32", "bfloat16")  # FSDP all-gather/compute dtype
+    reduce_dtype: str = one_of("float32", "bfloat16")  # FSDP gradient reduce-scatter dtype
     cpu_offload: bool = False  # FSDP: sharded params, grads and optimizer step on the CPU
-    tp: int = 1  # tensor-parallel degree: every matmul split over this many ranks
+    tp: int = ranged(1, "[1, inf)")  # tensor-parallel degree: every matmul split over this many ranks
     sequence_parallel: bool = True  # TP: norms and residual stream split over the sequence (not with pp > 1)
     loss_parallel: bool = True  # TP: cross-entropy on vocabulary-sharded logits (not with pp > 1)
-    pp: int = 1  # pipeline-parallel degree: the layers split into stages over this many ranks
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | interleaved_zb | zbv
-    pp_microbatches: int | None = None  # micro-batches per pipeline step; None: 2 × stages
-    pp_stages_per_rank: int | None = None  # interleaved schedules: stages per rank (None: 2)
+    pp: int = ranged(1, "[1, inf)")  # pipeline-parallel degree: the layers split into stages over this many ranks
+    pp_schedule: str = one_of("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")
+    pp_microbatches: int | None = ranged(None, "[1, inf)")  # micro-batches per pipeline step; None: 2 × stages
+    pp_stages_per_rank: int | None = ranged(None, "[1, inf)")  # interleaved schedules: stages per rank (None: 2)
 
 
 @dataclass
 class ActivationCheckpointSection:
-    mode: str = "none"  # none | full | selective (every N-th block) | op (save matmuls only)
-    every: int = 2  # selective: checkpoint blocks 0, N, 2N, ...
+    # none | full | selective (every N-th block) | op (save matmuls only)
+    mode: str = one_of("none", "full", "selective", "op")
+    every: int = ranged(2, "[1, inf)")  # selective: checkpoint blocks 0, N, 2N, ...
 
 
 @dataclass
 class CompileSection:
     enable: bool = False
-    scope: str = "regional"  # regional (each transformer block) | model (the whole model)
+    scope: str = one_of("regional", "model")  # regional: each transformer block
     fallback: bool = True  # if compiling fails here, warn once and train eagerly
 
 
 @dataclass
 class Float8Section:
     enable: bool = False
-    recipe: str = "tensorwise"  # tensorwise | rowwise (torchao recipe names)
-    min_dim: int = 64  # skip Linear layers with a side below this: too small to gain from FP8
-    emulate: str = "auto"  # auto (real on CUDA SM >= 8.9, emulated elsewhere) | true | false
+    recipe: str = one_of("tensorwise", "rowwise")  # torchao recipe names
+    # skip Linear layers with a side below this: too small to gain from FP8
+    min_dim: int = ranged(64, "[1, inf)")
+    # auto: real on CUDA SM >= 8.9, emulated elsewhere
+    emulate: str = one_of("auto", "true", "false")
     fsdp_all_gather: bool = False  # FSDP all-gathers FP8 weights (tensorwise recipe only)
 
 
 @dataclass
 class EvalSection:
-    every: int = 50  # validation loss every N steps (and at the end); 0 disables
-    batches: int = 8  # validation batches per evaluation (the same ones each time)
-    sample_every: int = 0  # print a text sample every N steps; 0: only before and after
-    sample_tokens: int = 48
-    prompt: str = "The "
+    every: int = ranged(50, "[0, inf)")  # validation loss every N steps (and at the end); 0 disables
+    batches: int = ranged(8, "[1, inf)")  # validation batches per evaluation (the same ones each time)
+    sample_every: int = ranged(0, "[0, inf)")  # print a text sample every N steps; 0: only before and after
+    sample_tokens: int = ranged(48, "[1, inf)")
+    prompt: str = matching("The ", r"(?s).+", "some text to continue")
 
 
 @dataclass
 class MetricsSection:
-    log_dir: str = "runs"
-    run_name: str | None = None  # None: <preset>-<timestamp>
-    log_every: int = 1
+    log_dir: str = matching("runs", r"(?s).+", "a folder, e.g. runs")
+    # None: <preset>-<timestamp>; a plain name: it becomes a folder in log_dir
+    run_name: str | None = matching(None, r"(?!\.\.?$)[^/\\]+", "a name without / (a folder in log_dir)")
+    log_every: int = ranged(1, "[1, inf)")
     tensorboard: bool = False
     progress: bool = True  # tqdm bar in terminals
-    peak: str = "auto"  # MFU denominator: auto | measured | datasheet
+    peak: str = one_of("auto", "measured", "datasheet")  # the MFU denominator
 
 
 @dataclass
 class FaultSection:
-    kind: str = "none"  # none | exception | kill | hang | slow (titanlite.resilience.faults)
-    rank: int = 0  # which rank fails
-    step: int = 1  # at the start of this step (1-based); slow: from this step on
-    slow_s: float = 0.5  # slow: extra seconds per step
+    kind: str = one_of("none", "exception", "kill", "hang", "slow")  # titanlite.resilience.faults
+    rank: int = ranged(0, "[0, inf)")  # which rank fails
+    step: int = ranged(1, "[1, inf)")  # at the start of this step (1-based); slow: from this step on
+    slow_s: float = ranged(0.5, "[0, inf)")  # slow: extra seconds per step
     once: bool = True  # only in the first `attempts` attempts, so a restarted job can finish
-    attempts: int = 1  # with once: how many attempts fail (attempt k at step + k*step_gap)
-    step_gap: int = 0
-    during: str = "step"  # step: as the step begins | save: while a checkpoint is being saved
+    attempts: int = ranged(1, "[1, inf)")  # with once: how many attempts fail (attempt k at step + k*step_gap)
+    step_gap: int = ranged(0, "[0, inf)")
+    # step: as the step begins | save: while a checkpoint is being saved
+    during: str = one_of("step", "save")
 
 
 @dataclass
 class CheckpointSection:
     enable: bool = False
     folder: str | None = None  # None: <run dir>/checkpoints
-    every: int = 0  # save every N steps, and after the last step; 0: only after the last
-    mode: str = "sync"  # sync | async (background thread) | async_process (background process)
-    keep_latest_k: int = 2  # committed checkpoints kept; 0 keeps all
+    every: int = ranged(0, "[0, inf)")  # save every N steps, and after the last step; 0: only after the last
+    # sync | async (background thread) | async_process (background process)
+    mode: str = one_of("sync", "async", "async_process")
+    keep_latest_k: int = ranged(2, "[0, inf)")  # committed checkpoints kept; 0 keeps all
     resume: bool = True  # start from the newest committed checkpoint in `folder`, if any
     load: str | None = None  # or from this checkpoint (e.g. another run's; resharded on load)
-    verify: str = "crc"  # before loading, check every file's size and CRC-32 | only "size"
+    # before loading, check every file's size and CRC-32 | only "size"
+    verify: str = one_of("crc", "size")
 
 
 @dataclass
@@ -183,42 +265,45 @@ class Config:
         return dataclasses.asdict(self)
 
     def validate(self) -> "Config":
-        _check_positive(self, "training.steps", "training.batch_size", "training.seq_len",
-                        "training.grad_accum_steps", "data.vocab_size", "optimizer.lr",
-                        "eval.batches", "metrics.log_every", "activation_checkpoint.every",
-                        "float8.min_dim")
-        _check_nonnegative(self, "training.grad_clip", "scheduler.warmup_steps", "eval.every",
-                           "eval.sample_every", "optimizer.weight_decay")
-        if not 0 < self.data.val_fraction < 1:
-            raise TitanliteError(f"data.val_fraction must be between 0 and 1, got "
-                                 f"{self.data.val_fraction}: e.g. --data.val_fraction 0.05")
-        _check_choice("scheduler.decay", self.scheduler.decay, ("cosine", "linear", "constant"))
-        _check_choice("metrics.peak", self.metrics.peak, ("auto", "measured", "datasheet"))
-        _check_choice("training.mixed_precision", self.training.mixed_precision, ("auto", "fp32", "bf16", "fp16"))
-        _check_choice("activation_checkpoint.mode", self.activation_checkpoint.mode,
-                      ("none", "full", "selective", "op"))
-        _check_choice("compile.scope", self.compile.scope, ("regional", "model"))
-        _check_choice("float8.recipe", self.float8.recipe, ("tensorwise", "rowwise"))
-        _check_choice("float8.emulate", self.float8.emulate, ("auto", "true", "false"))
-        _check_choice("fault.kind", self.fault.kind, ("none", "exception", "kill", "hang", "slow"))
-        _check_choice("fault.during", self.fault.during, ("step", "save"))
-        _check_choice("checkpoint.mode", self.checkpoint.mode, ("sync", "async", "async_process"))
-        _check_choice("checkpoint.verify", self.checkpoint.verify, ("crc", "size"))
-        _check_nonnegative(self, "checkpoint.every", "checkpoint.keep_latest_k", "fault.step_gap")
-        _check_positive(self, "fault.attempts")
-        p = self.parallel
-        _check_choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
-        _check_choice("parallel.reshard_after_forward", p.reshard_after_forward, ("default", "always", "never"))
-        _check_choice("parallel.param_dtype", p.param_dtype, ("float32", "bfloat16"))
-        _check_choice("parallel.reduce_dtype", p.reduce_dtype, ("float32", "bfloat16"))
-        _check_positive(self, "parallel.dp_replicate", "parallel.timeout_s", "parallel.bucket_cap_mb",
-                        "parallel.tp", "parallel.pp")
-        _check_choice("parallel.pp_schedule", p.pp_schedule,
-                      ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"))
-        if p.dp_shard == 0 or p.dp_shard < -1:
-            raise TitanliteError(f"parallel.dp_shard must be positive or -1 (all ranks left over), "
-                                 f"got {p.dp_shard}")
+        """Every key against its declared type and range (see `ranged`, `one_of`, `matching`),
+        then the few rules that span keys. Raises one line naming the key and the fix."""
+        for section in dataclasses.fields(self):
+            for f in dataclasses.fields(getattr(self, section.name)):
+                _check_field(f"{section.name}.{f.name}", getattr(getattr(self, section.name), f.name), f)
         return self
+
+
+def _check_field(key: str, value, f: dataclasses.Field) -> None:
+    tp = _field_type(Config(), key)
+    optional = isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
+    base = next(a for a in typing.get_args(tp) if a is not type(None)) if optional else tp
+    if value is None and optional:
+        return
+    ok = {bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}[base](value)
+    if not ok:
+        raise TitanliteError(f"{key} must be {_TYPE_NAMES[base]}, got {value!r} "
+                             f"({type(value).__name__}): e.g. {key} = {_example(key, f)!r}")
+    meta = f.metadata
+    if "range" in meta and not meta["range"].admits(value):
+        finite = "" if math.isfinite(value) or value in meta["range"].also else "a finite number "
+        raise TitanliteError(f"{key} must be {finite}{meta['range'].describe()}, got {value!r}: "
+                             f"e.g. --{key} {_example(key, f)}")
+    if "choices" in meta and value not in meta["choices"]:
+        raise TitanliteError(f"{key}='{value}' is not one of {', '.join(meta['choices'])}"
+                             f"{closest(value, meta['choices'])}: e.g. --{key} {meta['choices'][0]}")
+    if "pattern" in meta and not re.fullmatch(meta["pattern"][0], value):
+        raise TitanliteError(f"{key} must be {meta['pattern'][1]}, got {value!r}: "
+                             f"e.g. --{key} {_example(key, f)!r}")
+
+
+def _example(key: str, f: dataclasses.Field):
+    """The default, or a sensible value where the default is None (keep the preset's)."""
+    if f.default is not None:
+        return f.default
+    r = f.metadata.get("range")
+    return _num(r.lo + (1 if r.lo_open else 0)) if r is not None else "none"
 
 
 # ----- loading -------------------------------------------------------------------------------
@@ -336,29 +421,13 @@ def _convert(value, tp, dotted: str):
         pass
     else:
         return value
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-    raise TitanliteError(f"{dotted} must be {names.get(tp, tp)}"
+    raise TitanliteError(f"{dotted} must be {_TYPE_NAMES.get(tp, tp)}"
                          f"{' or none' if optional else ''}, got {value!r}")
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
 def _get(cfg: Config, dotted: str):
     section, key = dotted.split(".")
     return getattr(getattr(cfg, section), key)
-
-
-def _check_positive(cfg: Config, *keys: str) -> None:
-    for k in keys:
-        if _get(cfg, k) <= 0:
-            raise TitanliteError(f"{k} must be positive, got {_get(cfg, k)}: e.g. --{k} "
-                                 f"{_get(Config(), k)}")
-
-
-def _check_nonnegative(cfg: Config, *keys: str) -> None:
-    for k in keys:
-        if _get(cfg, k) < 0:
-            raise TitanliteError(f"{k} must be zero or positive, got {_get(cfg, k)}")
-
-
-def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise TitanliteError(f"{key}='{value}' is not one of {', '.join(choices)}{closest(value, choices)}")

@@ -11,11 +11,12 @@ import math
 from pathlib import Path
 
 from .errors import TitanliteError
+from .paths import check_output_dir
 
 
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, tensorboard: bool = False, filename: str = "metrics.jsonl"):
-        self.run_dir = Path(run_dir)
+        self.run_dir = check_output_dir(run_dir, "run folder (metrics.log_dir / metrics.run_name)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / filename
         self._file = self.path.open("a", buffering=1)  # line-buffered: readers see whole lines

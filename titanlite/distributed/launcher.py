@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import TitanliteError
+from ..paths import check_output_dir
 
 JOB_ENV = "TITANLITE_JOB_ID"  # set in every process of a job: how we find them to clean up
 
@@ -72,6 +73,7 @@ def launch(cfg=None, nproc: int = 2, *, overrides: dict | None = None, callbacks
     from .mesh import ParallelDims
     from .parallelize import check_parallel_config
 
+    _check_nproc(nproc)  # before anything else uses it
     cfg = cfg if isinstance(cfg, Config) else load_config(cfg)
     cfg = Config(**{k: type(v)(**vars(v)) for k, v in vars(cfg).items()})  # a copy we may edit
     for key, value in (overrides or {}).items():
@@ -91,7 +93,7 @@ def launch(cfg=None, nproc: int = 2, *, overrides: dict | None = None, callbacks
     layout = dims.describe().replace(" × ", "-").replace("=", "")
     name = cfg.metrics.run_name or f"{cfg.model.preset}-{layout}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg.metrics.run_name, cfg.metrics.progress = name, False  # the live plot is the progress
-    run_dir = Path(cfg.metrics.log_dir) / name
+    run_dir = check_output_dir(Path(cfg.metrics.log_dir) / name, "run folder (metrics.log_dir)")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg.to_dict()))
     return _run(["-m", "titanlite.train", "--config", str(run_dir / "config.toml")], nproc, run_dir,
@@ -287,14 +289,34 @@ def _failure(run_dir: Path, returncode: int, last_steps: str) -> TitanliteError:
         if code < 0:
             name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
             return TitanliteError(f"rank {rank} was killed by signal {name} ({where})")
-        for f in sorted((run_dir / "logs").glob(f"**/attempt_*/{rank}/stderr.log")):
-            lines = [ln for ln in f.read_text().splitlines() if ln.startswith("titanlite: error:")]
-            if lines:
-                return TitanliteError(f"rank {rank}: {lines[-1][len('titanlite: error: '):]}")
+        errors = _reported_errors(run_dir)
+        if errors:
+            # One line per distinct error: the ranks print an error they share only once
+            # (cli._report), so the root-cause rank may have printed nothing itself.
+            for line in errors[1:]:
+                print(f"titanlite: error: {line}", file=sys.stderr)
+            return TitanliteError(errors[0])
         return TitanliteError(f"rank {rank} exited with status {code} ({where})")
     print("\n".join(log.strip().splitlines()[-15:]), file=sys.stderr)
     return TitanliteError(f"the job failed with exit status {returncode} before any rank reported "
                           f"an error (torchrun's output above; all of it in {run_dir / 'launcher.log'})")
+
+
+def _reported_errors(run_dir: Path) -> list[str]:
+    """The distinct `titanlite: error:` lines of the last attempt's ranks, lowest rank first."""
+    attempts = sorted((run_dir / "logs").glob("**/attempt_*"), key=lambda a: int(a.name[8:]))
+    if not attempts:
+        return []
+    lines = []
+    for f in sorted(attempts[-1].glob("*/stderr.log"), key=lambda f: int(f.parent.name)):
+        lines += [ln[len("titanlite: error: "):] for ln in f.read_text().splitlines()
+                  if ln.startswith("titanlite: error:")]
+    return list(dict.fromkeys(lines))
+
+
+def _check_nproc(nproc) -> None:
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise TitanliteError(f"nproc must be a positive integer, got {nproc!r}")
 
 
 def _check_machine(nproc: int, device: str, backend: str) -> None:
@@ -302,8 +324,7 @@ def _check_machine(nproc: int, device: str, backend: str) -> None:
 
     from ..hardware import detect_device
     from .env import pick_backend
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise TitanliteError(f"nproc must be a positive integer, got {nproc!r}")
+    _check_nproc(nproc)
     dev = detect_device(device)
     pick_backend(backend, dev.type)
     if dev.type == "cuda" and nproc > torch.cuda.device_count():

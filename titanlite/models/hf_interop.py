@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..errors import TitanliteError
+from ..paths import check_output_dir
 from .llama import ModelArgs, Transformer, rope_cache
 
 # Per-layer names, titanlite → HF; everything under `layers.{i}.` / `model.layers.{i}.`.
@@ -185,7 +186,7 @@ def to_hf_model(model: Transformer, dtype: torch.dtype | None = None):
 
 def to_hf(model: Transformer, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
     """Write a `LlamaForCausalLM` directory (config.json + model.safetensors [+ tokenizer])."""
-    out = Path(out_dir)
+    out = check_output_dir(out_dir, "Hugging Face output folder")
     out.mkdir(parents=True, exist_ok=True)
     hf = to_hf_model(model, dtype=dtype)
     if tokenizer is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -41,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 
 from .._compat.torch_internals import stop_dcp_writer_process
 from ..errors import TitanliteError
+from ..paths import check_output_dir
 
 MODES = ("sync", "async", "async_process")
 COMMIT_FILE = "titanlite.json"
@@ -85,19 +87,80 @@ def verify(path: str | Path, crc: bool = True) -> dict:
     if not record.is_file():
         raise TitanliteError(f"'{path}' is not a committed checkpoint (no {COMMIT_FILE}): its save "
                              f"never finished; load an earlier one from {path.parent}")
-    info = json.loads(record.read_text())
+    info = _read_record(record)
     for name, (size, want) in info["files"].items():
         f = path / name
+        what = "DCP's index" if name == ".metadata" else "a shard written by one rank"
         if not f.is_file():
-            raise TitanliteError(f"checkpoint '{path}' is missing {name} (a shard written by one "
-                                 f"rank): it cannot be restored; load an earlier checkpoint")
+            raise TitanliteError(f"checkpoint '{path}' is damaged: it is missing {name} ({what}); "
+                                 f"{_EARLIER.format(path=path)}")
         if f.stat().st_size != size:
-            raise TitanliteError(f"checkpoint '{path}': {name} has {f.stat().st_size} bytes, "
-                                 f"{size} were written (truncated copy?); load an earlier checkpoint")
+            raise TitanliteError(f"checkpoint '{path}' is damaged: {name} has {f.stat().st_size} "
+                                 f"bytes, {size} were written (truncated copy?); "
+                                 f"{_EARLIER.format(path=path)}")
         if crc and _crc32(f) != want:
-            raise TitanliteError(f"checkpoint '{path}': {name} is corrupt (CRC-32 mismatch); "
-                                 f"load an earlier checkpoint")
+            raise TitanliteError(f"checkpoint '{path}' is damaged: {name} is corrupt (CRC-32 "
+                                 f"mismatch: {what}); {_EARLIER.format(path=path)}")
     return info
+
+
+# The fix for a damaged checkpoint: the one before it is whole (each is verified on its own).
+_EARLIER = ("delete that step folder to resume from the previous checkpoint, or load an "
+            "earlier one from {path.parent}")
+
+
+def _read_record(record: Path) -> dict:
+    """The commit record, or one line saying it is damaged (a half-copied folder, an edit)."""
+    try:
+        info = json.loads(record.read_text())
+        files = info["files"]
+        int(info["step"])
+        ok = isinstance(files, dict) and all(
+            isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)
+            for v in files.values())
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        ok = False
+    if not ok:
+        raise TitanliteError(f"checkpoint '{record.parent}' is damaged: its commit record "
+                             f"{COMMIT_FILE} is not what titanlite writes; "
+                             f"{_EARLIER.format(path=record.parent)}")
+    return info
+
+
+class _DropDcpLogs(logging.Filter):
+    """DCP logs the tracebacks of failed metadata reads on the *root* logger before raising
+    (torch 2.13); the error titanlite raises says it in one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "distributed" + os.sep + "checkpoint" not in record.pathname
+
+
+def dcp_load(sd: dict, path: Path, *, crc_checked: bool, no_dist: bool = False) -> None:
+    """`dcp.load(sd, path)`, quiet, with one line on failure: damaged files (found by reading
+    the index, or by the CRC check a size-only verification skipped) or a mismatch."""
+    from torch.distributed.checkpoint import FileSystemReader
+    quiet = _DropDcpLogs()
+    logging.getLogger().addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's notes on planners, process groups
+            try:
+                FileSystemReader(path).read_metadata()
+            except Exception:  # noqa: BLE001: any unreadable index is a damaged one
+                raise TitanliteError(f"checkpoint '{path}' is damaged: its index .metadata cannot "
+                                     f"be read; {_EARLIER.format(path=path)}") from None
+            try:
+                dcp.load(sd, checkpoint_id=path, no_dist=no_dist)
+            except (Exception, dcp.api.CheckpointException) as e:  # the latter is a BaseException
+                if not crc_checked:
+                    verify(path, crc=True)  # damage shows here as one line
+                lines = [ln for ln in str(e).splitlines() if "Error" in ln or "error" in ln]
+                first = (lines[-1] if lines else str(e).splitlines()[-1] if str(e) else type(e).__name__)
+                raise TitanliteError(f"checkpoint '{path}' does not fit this run "
+                                     f"({first.strip()[:300]}): load it with the settings it was "
+                                     f"saved with, or start a new checkpoint folder") from None
+    finally:
+        logging.getLogger().removeFilter(quiet)
 
 
 @dataclass
@@ -117,7 +180,7 @@ class Checkpointer:
         if isinstance(keep_latest_k, bool) or not isinstance(keep_latest_k, int) or keep_latest_k < 0:
             raise TitanliteError(f"keep_latest_k must be 0 (keep all) or a positive integer, "
                                  f"got {keep_latest_k!r}")
-        self.folder, self.mode, self.keep = Path(folder), mode, keep_latest_k
+        self.folder, self.mode, self.keep = check_output_dir(folder, "checkpoint folder"), mode, keep_latest_k
         self.describe = describe or {}  # what was trained: checked against the loading run
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -249,14 +312,7 @@ class Checkpointer:
         info = self._verify_once(path, crc)
         self._check_compatible(path, info, state.describe() if hasattr(state, "describe") else self.describe)
         sd = state.state_dict() if hasattr(state, "state_dict") else state
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                dcp.load(sd, checkpoint_id=path)
-            except dcp.api.CheckpointException as e:
-                first = next((ln for ln in str(e).splitlines()[::-1] if "Error" in ln), str(e)[-200:])
-                raise TitanliteError(f"checkpoint '{path}' does not fit this run ({first.strip()}): "
-                                     f"load it with the settings it was saved with") from None
+        dcp_load(sd, path, crc_checked=crc)
         if hasattr(state, "load_state_dict"):
             state.load_state_dict(sd)
         return int(info["step"])

@@ -14,10 +14,10 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from ..models.llama import ModelArgs, Transformer, build_model
-from .checkpoint import verify
+from ..paths import check_new_output, check_output_dir
+from .checkpoint import dcp_load, verify
 
 TOKENIZER_DIR = "tokenizer"  # the trainer keeps a copy beside its checkpoints
 
@@ -27,15 +27,13 @@ def load_model(path: str | Path, crc: bool = True) -> Transformer:
     info = verify(path, crc=crc)
     model = build_model(ModelArgs(**info["model_args"]), "cpu")
     state = {"model": model.state_dict()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "no process group: loading in a single process"
-        dcp.load(state, checkpoint_id=Path(path), no_dist=True)
+    dcp_load(state, Path(path), crc_checked=crc, no_dist=True)  # quiet; one line if it fails
     model.load_state_dict(state["model"])
     return model
 
 
 def export_torch(path: str | Path, out_file: str | Path, full: bool = False) -> Path:
-    out_file = Path(out_file)
+    out_file = check_new_output(out_file, "export target")
     out_file.parent.mkdir(parents=True, exist_ok=True)
     if full:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -51,6 +49,7 @@ def export_torch(path: str | Path, out_file: str | Path, full: bool = False) -> 
 def export_hf(path: str | Path, out_dir: str | Path, tokenizer=None) -> Path:
     """A Hugging Face directory (config, safetensors, tokenizer when one is known)."""
     from ..models.hf_interop import to_hf
+    check_output_dir(out_dir, "export folder")  # before the (long) load, not after
     if tokenizer is None and (Path(path).parent / TOKENIZER_DIR).is_dir():
         from transformers import PreTrainedTokenizerFast
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(Path(path).parent / TOKENIZER_DIR))
