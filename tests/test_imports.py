@@ -47,7 +47,7 @@ def test_importing_every_titanlite_module_changes_no_setting():
         import torch, torch.distributed.checkpoint, torch.distributed.pipelining, torch.distributed.fsdp
         import torch.distributed.tensor.parallel, torch.distributed.elastic.multiprocessing.errors
         import torch.utils.checkpoint, torch.multiprocessing.reductions, torch._dynamo
-        import matplotlib.pyplot, transformers, torchao.float8
+        import matplotlib.pyplot, transformers, torchao.float8, optuna
         before = snapshot()
         import titanlite
         names = [m.name for m in pkgutil.walk_packages(titanlite.__path__, "titanlite.")
