@@ -109,6 +109,7 @@ class CompileSection:
     enable: bool = False
     scope: str = "regional"  # regional (each transformer block) | model (the whole model)
     fallback: bool = True  # if compiling fails here, warn once and train eagerly
+    backend: str = "inductor"  # torch.compile backend (aot_eager: no code generation, e.g. on MPS)
 
 
 @dataclass
