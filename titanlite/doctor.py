@@ -175,8 +175,10 @@ def _train_once(device, smoke, out, name, **extra) -> tuple[dict, object]:
 
 def _describe_run(r: dict) -> str:
     mem = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in r["memory"].items())
+    busy = (" (over 100%: the cached peak was measured while the machine was busy; "
+            "`titanlite peaks --refresh` re-measures it)") if r["mfu"] > 1 else ""
     return (f"loss {r['loss']:.3f} after {r['step']} steps, {r['tokens_per_sec']:,.0f} tokens/s, "
-            f"MFU {100 * r['mfu']:.2f}%, {mem}")
+            f"MFU {100 * r['mfu']:.2f}%{busy}, {mem}")
 
 
 def _finite(r: dict) -> str:
