@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup lab train test bench clean-venv
+.PHONY: setup lab train test bench doctor clean-venv
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,9 @@ train: setup  ## the quick training run, headless
 
 test: setup  ## the whole test suite (notebooks in smoke scale, the browser check included)
 	$(BIN)/python -m pytest
+
+doctor: setup  ## self-check this machine's device: writes runs/doctor/report.md (attach it to bug reports)
+	$(BIN)/titanlite doctor
 
 bench: setup
 	$(BIN)/python bench/bench_vs_hf.py

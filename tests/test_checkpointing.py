@@ -130,3 +130,14 @@ def test_trainer_runs_every_mode_with_the_same_losses(data_dir, tmp_path):
         assert len(checkpointed_blocks(trainer.model)) == {"none": 0, "full": 3, "selective": 2,
                                                            "op": 3}[mode]
     assert losses["full"] == losses["selective"] == losses["op"] == losses["none"]
+
+
+def test_op_mode_saves_fp8_matmuls_and_tensor_parallel_reduce_scatters():
+    # torchtitan's _save_list: recomputing these would redo an FP8 matmul or a collective.
+    from torch.utils.checkpoint import CheckpointPolicy
+    from titanlite.efficiency.checkpointing import save_matmuls_policy
+    for op in (torch.ops.aten._scaled_mm.default, torch.ops._c10d_functional.reduce_scatter_tensor.default,
+               torch.ops.aten.mm.default):
+        assert save_matmuls_policy(None, op) == CheckpointPolicy.MUST_SAVE, op
+    for op in (torch.ops.aten.mul.Tensor, torch.ops.aten.silu.default, torch.ops.aten.rsqrt.default):
+        assert save_matmuls_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op

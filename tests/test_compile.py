@@ -141,6 +141,43 @@ def test_without_fallback_a_failing_compile_is_a_titanlite_error():
     assert e.value.__cause__ is not None  # the full traceback is one `raise from` away
 
 
+def fails_on_attention(graph_module, example_inputs):
+    """A real backend that compiles a toy (runs its graph as is) but not a transformer block:
+    like a backend without a kernel for the attention op a real model calls."""
+    if any(node.target is F.scaled_dot_product_attention for node in graph_module.graph.nodes):
+        raise RuntimeError("this backend has no scaled_dot_product_attention kernel")
+    return graph_module.forward
+
+
+if "fails_on_attention" not in torch._dynamo.list_backends(exclude_tags=()):
+    torch._dynamo.register_backend(fails_on_attention, name="fails_on_attention")
+
+
+def test_the_trial_compiles_a_real_block_so_a_toy_that_compiles_proves_nothing():
+    # The tiny matmul trial passes with this backend: without the run's shape the model is
+    # compiled, and would fail at its first step.
+    assert is_compiled(apply_compile(build_model(ARGS), backend=fails_on_attention))
+    # With it, block 0 is compiled for real on a batch of that shape, and fails here.
+    model = build_model(ARGS)
+    with pytest.warns(CompileFallbackWarning, match="block 0 on a 4x32 batch.*no scaled_dot_product"):
+        apply_compile(model, backend=fails_on_attention, example_shape=(BATCH, SEQ))
+    assert not is_compiled(model)
+    assert all(p.grad is None for p in model.parameters())  # the trial ran on a copy
+
+
+def test_a_model_that_cannot_compile_trains_eagerly_in_the_trainer_and_says_why(data_dir, tmp_path):
+    extra = {"compile.enable": True, "compile.backend": "fails_on_attention", "training.steps": 3,
+             "eval.every": 0, "metrics.run_name": "compile-fails"}
+    with pytest.warns(CompileFallbackWarning) as caught:
+        trainer = Trainer(load_config(None, tiny_overrides(data_dir, tmp_path, **extra)))
+    message = str(caught[0].message)
+    assert "continues eagerly" in message and "no scaled_dot_product_attention kernel" in message
+    assert "\n" not in message
+    assert not is_compiled(trainer.model)
+    losses = trainer.fit().losses
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
 def test_a_missing_cpp_compiler_is_detected_before_any_compile(monkeypatch):
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/no/such/g++"))
     support = compile_support("cpu")

@@ -167,12 +167,53 @@ def test_bad_requests_fail_with_one_clear_line(data_dir, tmp_path):
         Trainer(cfg)
 
 
-def test_a_device_without_float8_dtypes_is_refused(monkeypatch):
-    # Apple MPS in older torch cannot hold float8 tensors at all; simulate that here.
-    monkeypatch.setattr(fp8, "_fp8_dtypes_work", lambda device: False)
-    assert not fp8_support("cpu").available
-    with pytest.raises(TitanliteError, match="cannot hold float8 tensors.*--training.device cpu"):
-        apply_fp8(tiny_model())
+def test_a_device_where_the_probe_fails_is_refused():
+    # The meta device holds no data: the probe's Float8Linear runs and cannot be read back,
+    # as on an MPS build without float8 dtypes or float64 - and the device is refused.
+    assert not fp8_support("meta").available
+    with pytest.raises(TitanliteError, match="cannot run on meta.*--training.device cpu"):
+        apply_fp8(tiny_model().to("meta"), device="meta")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_probe_runs_a_real_float8_linear_with_torchaos_scale_math(recipe):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.append((func, getattr(out, "dtype", None)))
+            return out
+
+    with Ops() as ops:
+        assert fp8._fp8_linear_works(torch.device("cpu"), recipe, emulate=True)
+    dtypes = {dtype for _, dtype in ops.seen}
+    # Scales are computed from amaxes in float64 (the step MPS cannot do), values are cast to
+    # both FP8 formats' dtypes the recipe uses, and the backward ran (a weight gradient).
+    assert torch.float64 in dtypes and torch.float8_e4m3fn in dtypes
+    assert any(func in (torch.ops.aten.amax.default, torch.ops.aten.max.default) for func, _ in ops.seen)
+    assert sum(func in (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
+               for func, _ in ops.seen) >= 3  # forward, grad input, grad weight
+
+
+@pytest.mark.parametrize("recipe, compiled, expected", [
+    ("rowwise", True, True), ("rowwise", False, False),
+    ("tensorwise", True, False), ("tensorwise", False, False)])
+def test_inductor_emulates_precision_casts_only_for_compiled_rowwise(recipe, compiled, expected):
+    assert fp8.needs_emulate_precision_casts(recipe, compiled) is expected
+
+
+def test_the_trainer_turns_on_precision_cast_emulation_for_compiled_rowwise():
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(emulate_precision_casts=False):
+        assert fp8.set_precision_casts_for("tensorwise", compiled=True) is False
+        assert fp8.set_precision_casts_for("rowwise", compiled=False) is False
+        assert fp8.set_precision_casts_for("rowwise", compiled=True) is True
+        assert inductor_config.emulate_precision_casts
 
 
 def _has_fp8_gpu() -> bool:

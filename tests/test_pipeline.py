@@ -194,3 +194,18 @@ def test_bubble_budget_on_a_known_timeline():
     # Equal stages, no delay: exactly the formula, every way of looking at it.
     equal = [_timeline(one_f_one_b_order, p, m)]
     assert bubble_budget(equal, 0.25)["measured"] == bubble_budget(equal, 0.25)["wall"] == 0.25
+
+
+@pytest.mark.parametrize("policy, pp, expected", [
+    ("default", 1, [True, True, True, False]),   # the last block's backward follows at once
+    ("default", 2, [False] * 4),                 # a stage runs forward per micro-batch: keep
+    ("always", 2, [True] * 4), ("never", 1, [False] * 4)])
+def test_fsdp_keeps_gathered_weights_under_pipeline_parallelism(policy, pp, expected):
+    from titanlite.distributed.fsdp import reshard_flags
+    assert reshard_flags(policy, 4, pp=pp) == expected
+
+
+def test_an_unknown_reshard_policy_is_one_line():
+    from titanlite.distributed.fsdp import reshard_flags
+    with pytest.raises(TitanliteError, match="'sometimes' is not one of default, always, never"):
+        reshard_flags("sometimes", 4)

@@ -229,6 +229,37 @@ def test_save_on_two_fsdp_ranks_load_on_one_and_on_tensor_parallel(data_dir, tmp
 
 
 # ----- goodput and stragglers ------------------------------------------------------------------
+@pytest.mark.parametrize("devices, pinned", [({"cuda"}, True), ({"cpu"}, False),
+                                             ({"cpu", "cuda"}, True), ({"mps"}, False), (set(), False)])
+def test_staging_is_decided_by_where_the_tensors_are(devices, pinned):
+    # Not by torch.cuda.is_available(): a CPU rank on a GPU host must not create a CUDA context.
+    from titanlite.resilience.checkpoint import staging_options
+    assert staging_options(devices) == {"use_pinned_memory": pinned, "use_non_blocking_copy": pinned,
+                                        "use_staging_stream": pinned}
+
+
+def test_host_staging_copies_in_the_background_and_the_save_closes_its_stager(tmp_path):
+    import threading
+
+    from titanlite.resilience.checkpoint import (HostStager, make_stager, staging_options,
+                                                 tensor_device_types)
+    state = {"model": {"w": torch.randn(64, 64)}, "optim": [{"m": torch.zeros(3)}], "step": 3}
+    assert tensor_device_types(state) == {"cpu"}
+    stager = make_stager(staging_options(tensor_device_types(state)))
+    assert isinstance(stager, HostStager)
+    staged = stager.stage(state).result()  # a future: the copy ran on the stager's thread
+    assert torch.equal(staged["model"]["w"], state["model"]["w"])
+    assert staged["model"]["w"].untyped_storage().data_ptr() != state["model"]["w"].untyped_storage().data_ptr()
+    stager.close()
+    ckpt = Checkpointer(tmp_path / "ck", mode="async")
+    ckpt.save(state, 1)
+    ckpt.wait()
+    ckpt.close()
+    assert (tmp_path / "ck" / "step-00000001").is_dir()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("titanlite-staging")]
+    assert alive == [], f"the stager's copy thread outlived the save: {alive}"
+
+
 def test_goodput_counts_a_recomputed_step_once(tmp_path):
     events = [
         {"event": "start", "attempt": 0, "t": 1.0, "process_start": 0.0},

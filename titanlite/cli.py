@@ -4,6 +4,7 @@
     titanlite peaks [--device cpu] [--refresh]
     titanlite export-hf runs/<name> out/hf-model
     titanlite export-checkpoint runs/<name>/checkpoints/step-00000100 out/hf-model [--format torch]
+    titanlite doctor [--smoke] [--device auto]   # self-check: runs/doctor/report.md
 
 Bad input ends in one line on stderr, never a traceback wall. Exit status:
     0    done
@@ -102,6 +103,20 @@ def _export_checkpoint(args, _overrides) -> None:
     print(f"wrote {out}")
 
 
+def _doctor(args, _overrides) -> None:
+    from . import is_smoke
+    from .doctor import run_doctor
+
+    smoke = args.smoke or is_smoke()
+    print(f"titanlite doctor{' (smoke scale)' if smoke else ''}: checking this machine ...")
+    checks, report = run_doctor(args.device, smoke=smoke, out=args.out)
+    failed = [c.name for c in checks if c.status == "fail"]
+    print(f"{'FAILED: ' + ', '.join(failed) if failed else 'nothing failed'}; report: {report} "
+          f"(attach it to a bug report)")
+    if failed:
+        raise SystemExit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     from . import quiet_third_party
     quiet_third_party()  # before anything imports torchao: its "Failed to load" lines are noise
@@ -126,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="hf: LlamaForCausalLM directory; torch: the weights in one torch.save "
                         "file; torch-full: the whole training state in one file")
     p.set_defaults(func=_export_checkpoint)
+
+    p = sub.add_parser("doctor", help="self-check this machine: peaks, attention kernel, precisions, "
+                       "compile, FP8, two processes; writes runs/doctor/report.md")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--smoke", action="store_true", help="shrink every check (also TITANLITE_SMOKE=1)")
+    p.add_argument("--out", default="runs/doctor", help="where report.md and report.json go")
+    p.set_defaults(func=_doctor)
 
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "train":

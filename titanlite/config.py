@@ -185,6 +185,7 @@ class CompileSection:
     enable: bool = False
     scope: str = one_of("regional", "model")  # regional: each transformer block
     fallback: bool = True  # if compiling fails here, warn once and train eagerly
+    backend: str = "inductor"  # torch.compile backend (aot_eager: no code generation, e.g. on MPS)
 
 
 @dataclass

@@ -23,7 +23,7 @@ RESHARD_CHOICES = ("default", "always", "never")
 
 def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: str = "default",
-               cpu_offload: bool = False) -> nn.Module:
+               cpu_offload: bool = False, pp: int = 1) -> nn.Module:
     """Shard each transformer block, then the root (embeddings, final norm, output), in place.
 
     param_dtype: the dtype FSDP gathers and computes in (bf16 halves all-gather bytes);
@@ -31,30 +31,43 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = None
     reduce_dtype: the dtype gradients are reduce-scattered in; fp32 keeps the sum exact
       enough when many ranks add up small bf16 gradients.
     reshard_after_forward: "default" frees every block's gathered weights after its forward
-      except the last block's (backward needs those at once); "always" frees all of them
-      (least memory, one more all-gather); "never" keeps them until backward (ZeRO-2-like
-      memory during the step, one all-gather per block instead of two).
+      except the last block's (backward needs those at once), or none of them under pipeline
+      parallelism (see `reshard_flags`); "always" frees all of them (least memory, one more
+      all-gather); "never" keeps them until backward (ZeRO-2-like memory during the step, one
+      all-gather per block instead of two).
     cpu_offload: sharded parameters, gradients and the optimizer step live in CPU memory.
+    pp: the pipeline-parallel degree (this model is then one stage).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    if reshard_after_forward not in RESHARD_CHOICES:
-        raise TitanliteError(f"parallel.reshard_after_forward='{reshard_after_forward}' is not one of "
-                             f"{', '.join(RESHARD_CHOICES)}")
+    flags = reshard_flags(reshard_after_forward, len(model.layers), pp)  # checks the choice first
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     common = {"mesh": mesh, "mp_policy": policy}
     if cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()
     blocks = list(model.layers.values())
-    for i, block in enumerate(blocks):
-        if reshard_after_forward == "default":
-            reshard = i < len(blocks) - 1
-        else:
-            reshard = reshard_after_forward == "always"
+    for block, reshard in zip(blocks, flags):
         fully_shard(block, reshard_after_forward=reshard, **common)
     # The root group holds what no block owns: embeddings, final norm, output (tied or not).
     fully_shard(model, **common)
     return model
+
+
+def reshard_flags(policy: str, n_blocks: int, pp: int = 1) -> list[bool]:
+    """Per block: free its gathered weights after forward? (torchtitan's
+    `reshard_after_forward_policy`). A pipeline stage runs forward once per micro-batch and
+    backward later, so resharding would all-gather every block again for every micro-batch:
+    under pipeline parallelism "default" keeps the weights gathered, as torchtitan does."""
+    if policy not in RESHARD_CHOICES:
+        raise TitanliteError(f"parallel.reshard_after_forward='{policy}' is not one of "
+                             f"{', '.join(RESHARD_CHOICES)}")
+    if policy != "default":
+        return [policy == "always"] * n_blocks
+    if pp > 1:
+        return [False] * n_blocks
+    # The last block's backward starts right after its forward: freeing and re-gathering its
+    # weights in between would only cost an all-gather.
+    return [i < n_blocks - 1 for i in range(n_blocks)]
 
 
 def shard_and_init(model_on_meta: nn.Module, init_full_model, mesh, device: torch.device,

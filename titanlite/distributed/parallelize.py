@@ -36,7 +36,8 @@ def parallelize(args: ModelArgs, cfg, env: DistEnv, dims: ParallelDims, mesh,
     fsdp = dims.strategy in ("fsdp", "hsdp")
     fsdp_kwargs = dict(param_dtype=getattr(torch, p.param_dtype) if p.param_dtype != str(dtype)[6:] else None,
                        reduce_dtype=getattr(torch, p.reduce_dtype),
-                       reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload)
+                       reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload,
+                       pp=dims.pp)
     # HSDP shards within a replica group and all-reduces across groups: a 2-D mesh.
     dp_mesh = None if mesh is None else (mesh["dp_replicate", "dp_shard"] if dims.strategy == "hsdp"
                                          else mesh["dp_shard"])

@@ -25,11 +25,18 @@ def apply_efficiency(model: torch.nn.Module, cfg, device: torch.device) -> torch
         model = apply_fp8(model, recipe=f.recipe, device=device, min_dim=f.min_dim,
                           emulate=None if f.emulate == "auto" else f.emulate == "true",
                           fsdp_all_gather=f.fsdp_all_gather)
+        if cfg.compile.enable:
+            from .fp8 import set_precision_casts_for
+            set_precision_casts_for(f.recipe, compiled=True)
     if cfg.activation_checkpoint.mode != "none":
         from .checkpointing import apply_ac
         model = apply_ac(model, cfg.activation_checkpoint.mode, every=cfg.activation_checkpoint.every)
     if cfg.compile.enable:
         from .compile import apply_compile
+        backend = {} if cfg.compile.backend == "inductor" else {"backend": cfg.compile.backend}
+        # The trial compile runs a real block on a batch of the run's shape, so a model that
+        # cannot compile falls back here, not at step 1.
         model = apply_compile(model, scope=cfg.compile.scope, fallback=cfg.compile.fallback,
-                              device=device)
+                              device=device, example_shape=(cfg.training.batch_size,
+                                                            cfg.training.seq_len), **backend)
     return model

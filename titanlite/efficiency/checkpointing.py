@@ -15,7 +15,8 @@ again to rebuild what its backward needs (PyTorch's non-reentrant `torch.utils.c
   output backward never uses): about 20-25% more FLOPs per step at Llama shapes.
 - selective: the same, but only every N-th block: memory and recompute both in between.
 - op (selective activation checkpointing, "SAC", as in torchtitan): inside each checkpointed
-  block, the outputs of matmuls and attention are saved and only the pointwise ops (RMSNorm,
+  block, the outputs of matmuls (FP8's `_scaled_mm` included), attention and tensor
+  parallelism's reduce-scatters are saved and only the pointwise ops (RMSNorm,
   rotary, SiLU, the gating multiply) are recomputed. Matmuls are where the FLOPs are, so
   recomputing them costs time; pointwise ops are nearly free to recompute (memory-bound, a few
   FLOPs per element) yet their outputs are as big as a matmul's, so dropping them is where the
@@ -53,7 +54,16 @@ _SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficie
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_dot_product_attention_math_for_mps",
              "_scaled_dot_product_fused_attention_overrideable")
-SAVE_OPS = frozenset([aten.mm.default, aten.addmm.default, aten.bmm.default] +
+# FP8 matmuls (torchao's Float8Linear calls `_scaled_mm`) are matmuls too. Under tensor
+# parallelism with sequence parallel, a block's row-wise Linear ends in a reduce-scatter:
+# recomputing that output would repeat the communication in backward. torchtitan's
+# `_save_list` keeps both, and so do we.
+_FP8_AND_TP_OPS = [torch.ops.aten._scaled_mm.default]
+try:
+    _FP8_AND_TP_OPS.append(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+except (AttributeError, RuntimeError):  # a torch built without distributed has no c10d ops
+    pass
+SAVE_OPS = frozenset([aten.mm.default, aten.addmm.default, aten.bmm.default] + _FP8_AND_TP_OPS +
                      [getattr(aten, name).default for name in _SDPA_OPS if hasattr(aten, name)])
 
 

@@ -16,13 +16,17 @@ wrapper), so checkpoints and the Hugging Face export see the plain model's names
 
 Compile is lazy: nothing is compiled until the first call, which is where failures would
 surface. `apply_compile` therefore checks up front (Dynamo supports this Python, a C++
-compiler for Inductor on CPU, Triton on CUDA) and runs a tiny trial compile, forward and
-backward, on the model's device. If that fails it warns once and leaves the model eager
-(`fallback=True`) or raises a one-line TitanliteError (`fallback=False`).
+compiler for Inductor on CPU, Triton on CUDA) and runs a trial compile, forward and backward,
+on the model's device: of a copy of the model's first block on a batch of the run's shape
+when it knows the shape (`example_shape`, as the trainer passes it), else of a tiny matmul. A
+toy that compiles proves little about a real block (its attention kernel, its dtypes). If
+the trial fails it warns once and leaves the model eager (`fallback=True`) or raises a
+one-line TitanliteError (`fallback=False`).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import statistics
 import sys
@@ -57,11 +61,13 @@ class CompileSupport:
 
 
 def apply_compile(model: nn.Module, scope: str = "regional", fallback: bool = True,
-                  device: torch.device | str | None = None, **compile_kwargs) -> nn.Module:
+                  device: torch.device | str | None = None,
+                  example_shape: tuple[int, int] | None = None, **compile_kwargs) -> nn.Module:
     """Compile `model` in place (`scope`: "regional" = each block, "model" = all of it) and
     return it. `compile_kwargs` go to torch.compile (backend, mode, dynamic, fullgraph...).
     `device`: where it will run (default: where its parameters are; pass it for a model
-    still on the meta device, as FSDP's meta-device init builds it)."""
+    still on the meta device, as FSDP's meta-device init builds it).
+    `example_shape`: (batch, seq_len) of the run: the trial compiles block 0 on it."""
     if scope not in SCOPES:
         raise TitanliteError(f"compile scope '{scope}' is not one of {', '.join(SCOPES)}"
                              f"{closest(scope, SCOPES)}: regional compiles each transformer "
@@ -69,7 +75,11 @@ def apply_compile(model: nn.Module, scope: str = "regional", fallback: bool = Tr
     if scope == "regional" and not isinstance(getattr(model, "layers", None), (nn.ModuleDict, nn.ModuleList)):
         raise TitanliteError(f"regional compile needs model.layers (the transformer blocks), which "
                              f"{type(model).__name__} does not have: use scope='model'")
-    support = compile_support(device if device is not None else _device_of(model), **compile_kwargs)
+    device = torch.device(device) if device is not None else _device_of(model)
+    args = getattr(model, "args", None)  # a Transformer's ModelArgs: the block's shapes
+    block = _trial_block(model) if example_shape is not None and args is not None else None
+    support = compile_support(device, block=block, args=args, example_shape=example_shape,
+                              **compile_kwargs)
     if not support.works:
         if not fallback:
             raise TitanliteError(f"torch.compile cannot run here: {support.why}. Fix: {support.fix}, "
@@ -95,9 +105,12 @@ def is_compiled(module: nn.Module) -> bool:
 
 # ----- can it compile here? ------------------------------------------------------------------
 
-def compile_support(device: torch.device | str, **compile_kwargs) -> CompileSupport:
+def compile_support(device: torch.device | str, block: nn.Module | None = None, args=None,
+                    example_shape: tuple[int, int] | None = None, **compile_kwargs) -> CompileSupport:
     """Can torch.compile (with these kwargs) run on `device`? Static checks first, because
-    they give the clearest fix, then a trial compile, remembered per process."""
+    they give the clearest fix, then a trial compile, remembered per process: of a copy of
+    `block` (a transformer block of a model with ModelArgs `args`) on a (batch, seq_len)
+    `example_shape` batch, or of a tiny matmul without one."""
     import torch._dynamo  # noqa: F401  (heavy: imported only when compiling)
     device = torch.device(device)
     backend = compile_kwargs.get("backend", "inductor")
@@ -105,20 +118,26 @@ def compile_support(device: torch.device | str, **compile_kwargs) -> CompileSupp
     problem = _static_problem(device, backend)
     if problem:
         return CompileSupport(device.type, name, False, *problem)
+    what = "a tiny matmul"
     key = (str(device), repr(sorted(compile_kwargs.items(), key=lambda kv: kv[0])))
+    real_block = block is not None and args is not None and example_shape is not None
+    if real_block:
+        what = f"block 0 on a {example_shape[0]}x{example_shape[1]} batch"
+        key += (type(block).__name__, tuple(example_shape), str(next(block.parameters()).dtype), repr(args))
     if key not in _TRIALS:
-        _TRIALS[key] = _trial_compile(device, compile_kwargs)
+        _TRIALS[key] = (_trial_compile_block(block, args, example_shape, device, compile_kwargs)
+                        if real_block else _trial_compile(device, compile_kwargs))
     error = _TRIALS[key]
     if error is None:
-        return CompileSupport(device.type, name, True, f"a trial compile (backend={name}) worked")
+        return CompileSupport(device.type, name, True, f"a trial compile of {what} (backend={name}) worked")
     return CompileSupport(device.type, name, False,
-                          f"a trial compile (backend={name}) on {device.type} failed with "
-                          f"{_describe(error)}",
+                          f"a trial compile of {what} (backend={name}) on {device.type} failed "
+                          f"with {_describe(error)}",
                           "check the compile arguments (backend, mode) and this torch install",
                           error)
 
 
-_TRIALS: dict[tuple[str, str], BaseException | None] = {}  # (device, kwargs) -> error or None
+_TRIALS: dict[tuple, BaseException | None] = {}  # (device, kwargs[, block, shape]) -> error or None
 
 
 def _static_problem(device: torch.device, backend) -> tuple[str, str] | None:
@@ -169,6 +188,45 @@ def _trial_compile(device: torch.device, compile_kwargs: dict) -> BaseException 
     except Exception as e:  # noqa: BLE001 - any failure means "not here"
         return e
     return None
+
+
+def _trial_compile_block(block: nn.Module, args, shape: tuple[int, int], device: torch.device,
+                         compile_kwargs: dict) -> BaseException | None:
+    """Compile a copy of a real transformer block and run forward + backward on a batch of
+    the run's shape; None if it works. The copy keeps the real block uncompiled and its
+    gradients untouched; a block still on the meta device gets small random weights."""
+    from ..models.llama import rope_cache
+
+    batch, seq_len = shape
+    # fork_rng: the trial's random numbers must not shift the run's random streams.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            trial = copy.deepcopy(block)
+            if any(p.device.type == "meta" for p in trial.parameters()):
+                trial = trial.to_empty(device=device)
+                with torch.no_grad():
+                    for p in trial.parameters():
+                        p.normal_(std=0.02)
+            dtype = next(trial.parameters()).dtype
+            x = torch.randn(batch, seq_len, args.dim, device=device, dtype=dtype, requires_grad=True)
+            cos, sin = (t[:seq_len].to(dtype) for t in rope_cache(args, device=device))
+            torch.compile(trial, **compile_kwargs)(x, cos, sin).float().pow(2).mean().backward()
+            synchronize(device)
+        except Exception as e:  # noqa: BLE001 - any failure means "not here"
+            return e
+    return None
+
+
+def _trial_block(model: nn.Module) -> nn.Module | None:
+    """Block 0, if a copy of it can run alone. Tensor-parallel blocks (DTensor weights) expect
+    sharded inputs and collectives on every rank: those get the tiny trial instead."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)) or len(layers) == 0:
+        return None
+    block = _blocks(model)[0]
+    if any(hasattr(p, "placements") for p in block.parameters()):
+        return None
+    return block
 
 
 def _describe(e: BaseException) -> str:

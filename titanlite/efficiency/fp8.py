@@ -46,28 +46,21 @@ class FP8Support:
     why: str
 
 
-def _fp8_dtypes_work(device: torch.device) -> bool:
-    # Probing beats version checks: MPS gained float8 dtypes late, and not all of them.
-    try:
-        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            torch.ones(2, device=device).to(dtype).float().sum().item()
-    except (RuntimeError, TypeError):
-        return False
-    return True
-
-
-def _real_gemm_works(device: torch.device, recipe: str) -> bool:
-    """One tiny real-FP8 forward/backward: some recipes need newer kernels than others
-    (rowwise came to SM 8.9 later than to SM 9.0)."""
+def _fp8_linear_works(device: torch.device, recipe: str, emulate: bool) -> bool:
+    """One tiny Float8Linear forward/backward on `device`. Probing beats version checks, and
+    casting a tensor to float8 is not enough: torchao computes scales from amaxes (in float64
+    on some paths, which MPS lacks), clamps, casts, and for real FP8 calls `_scaled_mm`, whose
+    kernels differ per recipe (rowwise came to SM 8.9 later than to SM 9.0)."""
+    dtype = torch.float32 if emulate else torch.bfloat16
     # fork_rng: the probe's random init must not shift the training run's random streams.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         try:
-            lin = nn.Sequential(nn.Linear(32, 32, bias=False)).to(device, torch.bfloat16)
-            convert_to_float8_training(lin, config=_config(recipe, emulate=False))
-            x = torch.randn(16, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+            lin = nn.Sequential(nn.Linear(32, 32, bias=False)).to(device, dtype)
+            convert_to_float8_training(lin, config=_config(recipe, emulate=emulate))
+            x = torch.randn(16, 32, device=device, dtype=dtype, requires_grad=True)
             lin(x).float().sum().backward()
-            return bool(torch.isfinite(x.grad).all())
-        except (RuntimeError, ValueError, NotImplementedError, AssertionError):
+            return bool(torch.isfinite(x.grad).all() and torch.isfinite(lin[0].weight.grad).all())
+        except (RuntimeError, ValueError, TypeError, NotImplementedError, AssertionError):
             return False
 
 
@@ -75,16 +68,19 @@ def fp8_support(device: torch.device | str, recipe: str = "tensorwise") -> FP8Su
     """Can this device train in FP8, for real or emulated, and why?"""
     device = torch.device(device)
     kind = device.type
-    if not _fp8_dtypes_work(device):
-        return FP8Support(kind, False, False, f"this torch cannot hold float8 tensors on {kind} "
-                          f"(torch {torch.__version__}): train FP8 on a CUDA GPU or the CPU "
+    _check_recipe(recipe)
+    if not _fp8_linear_works(device, recipe, emulate=True):
+        return FP8Support(kind, False, False, f"torchao's FP8 '{recipe}' recipe cannot run on "
+                          f"{kind} with torch {torch.__version__} (a tiny emulated Float8Linear "
+                          f"forward/backward failed: float8 dtypes or the float64 scale math are "
+                          f"missing there): train FP8 on a CUDA GPU or the CPU "
                           f"(--training.device cpu, emulated), or disable float8")
     if kind == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             return FP8Support(kind, False, True, f"SM {major}.{minor} has no FP8 tensor cores "
                               f"(they start at SM 8.9): torchao emulates FP8 in high precision")
-        if not _real_gemm_works(device, recipe):
+        if not _fp8_linear_works(device, recipe, emulate=False):
             return FP8Support(kind, False, True, f"this torch has no real '{recipe}' FP8 kernel "
                               f"for SM {major}.{minor}: torchao emulates it")
         return FP8Support(kind, True, True, f"FP8 tensor cores on SM {major}.{minor}")
@@ -92,6 +88,22 @@ def fp8_support(device: torch.device | str, recipe: str = "tensorwise") -> FP8Su
     # it is no faster than emulation, so "real" FP8 is reserved for hardware that gains.
     return FP8Support(kind, False, True, f"{kind} has no FP8 matrix units: torchao emulates FP8 "
                       f"(quantise, then multiply in fp32) - same numerics, slower than fp32")
+
+
+def needs_emulate_precision_casts(recipe: str, compiled: bool) -> bool:
+    """Should Inductor emulate eager's precision casts? Compiled rowwise FP8 rounds its
+    power-of-two scales differently from eager unless it does (torchtitan sets
+    `torch._inductor.config.emulate_precision_casts = True` for rowwise + compile)."""
+    return compiled and recipe == "rowwise"
+
+
+def set_precision_casts_for(recipe: str, compiled: bool) -> bool:
+    """Turn Inductor's `emulate_precision_casts` on where `needs_emulate_precision_casts`
+    says so (never off: other code may rely on it). Returns whether it is on now."""
+    import torch._inductor.config as inductor_config
+    if needs_emulate_precision_casts(recipe, compiled):
+        inductor_config.emulate_precision_casts = True
+    return bool(inductor_config.emulate_precision_casts)
 
 
 def _config(recipe: str, emulate: bool, fsdp_all_gather: bool = False) -> Float8LinearConfig:

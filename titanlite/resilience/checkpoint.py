@@ -15,7 +15,7 @@ the old set of committed checkpoints or the new one. A committed folder is still
 by file before loading (sizes, CRC-32), so a truncated or damaged one fails with one clear line.
 
 Modes: "sync" blocks training for the whole write. "async" (torch's `dcp.async_save`, thread)
-blocks only to *stage* (copy the state to CPU memory; pinned on CUDA) and writes in a background
+blocks only to *stage* (copy the state to CPU memory; pinned for CUDA tensors) and writes in a background
 thread on its own gloo group, so it never interleaves with training's collectives. The copy
 itself also runs in the background: the trainer calls `wait_for_staging()` before the next
 optimizer step changes the weights. "async_process" writes from a separate process.
@@ -23,6 +23,7 @@ optimizer step changes the weights. "async_process" writes from a separate proce
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from .._compat.torch_internals import stop_dcp_writer_process
 from ..errors import TitanliteError
@@ -163,6 +165,64 @@ def dcp_load(sd: dict, path: Path, *, crc_checked: bool, no_dist: bool = False) 
         logging.getLogger().removeFilter(quiet)
 
 
+# ----- staging: the copy an async save makes before training may change the weights ------
+
+def tensor_device_types(state) -> set[str]:
+    """The device types ("cuda", "cpu", ...) of every tensor in a (nested) state dict."""
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state  # a DTensor's shard
+        return {local.device.type}
+    if isinstance(state, dict):
+        state = list(state.values())
+    if isinstance(state, (list, tuple)):
+        return set().union(*(tensor_device_types(v) for v in state)) if state else set()
+    return set()
+
+
+def staging_options(tensor_device_types) -> dict[str, bool]:
+    """How to copy tensors of these device types to host memory in the background.
+
+    Decided by where the tensors are, not by what the machine has: a CPU rank on a GPU host
+    that pinned memory or made a CUDA stream would create a CUDA context (hundreds of MiB on
+    GPU 0 per rank) for nothing. Pinned host memory and a side stream pay off only for CUDA
+    tensors: the copy then runs asynchronously next to training's kernels."""
+    cuda = "cuda" in set(tensor_device_types)
+    return {"use_pinned_memory": cuda, "use_non_blocking_copy": cuda, "use_staging_stream": cuda}
+
+
+def make_stager(options: dict[str, bool], shared_memory: bool = False) -> DefaultStager:
+    """DCP's stager for these options; the caller closes it when the write is done."""
+    torch_options = StagingOptions(use_pinned_memory=options["use_pinned_memory"],
+                                   use_shared_memory=shared_memory, use_async_staging=True,
+                                   use_non_blocking_copy=options["use_non_blocking_copy"])
+    if options["use_staging_stream"]:
+        return DefaultStager(torch_options)  # copies on its own CUDA stream, in a thread
+    return HostStager(torch_options)
+
+
+class HostStager(DefaultStager):
+    """DefaultStager's copy, in a background thread, without an accelerator stream: torch's
+    own async mode makes a `torch.Stream()` whenever the machine has an accelerator, whatever
+    device the tensors are on."""
+
+    def __init__(self, options: StagingOptions):
+        super().__init__(dataclasses.replace(options, use_async_staging=False))
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="titanlite-staging")
+        self._future = None
+
+    def stage(self, state_dict, **kwargs):
+        self._future = self._copier.submit(super().stage, state_dict, **kwargs)
+        return self._future
+
+    def synchronize_staging(self) -> None:
+        if self._future is not None:
+            self._future.result()
+
+    def close(self) -> None:
+        self._copier.shutdown(wait=True)
+        super().close()
+
+
 @dataclass
 class SaveTiming:
     step: int
@@ -224,15 +284,16 @@ class Checkpointer:
                 dcp.save(sd, storage_writer=writer)
                 done = None
             else:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
                 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-                cuda = torch.cuda.is_available()
-                stager = DefaultStager(StagingOptions(use_pinned_memory=cuda,
-                                                      use_shared_memory=self.mode == "async_process",
-                                                      use_async_staging=True, use_non_blocking_copy=cuda))
+                stager = make_stager(staging_options(tensor_device_types(sd)),
+                                     shared_memory=self.mode == "async_process")
                 kind = AsyncCheckpointerType.PROCESS if self.mode == "async_process" else AsyncCheckpointerType.THREAD
-                response = dcp.async_save(sd, storage_writer=writer, process_group=self._pg,
-                                          async_checkpointer_type=kind, async_stager=stager)
+                try:
+                    response = dcp.async_save(sd, storage_writer=writer, process_group=self._pg,
+                                              async_checkpointer_type=kind, async_stager=stager)
+                except BaseException:
+                    stager.close()
+                    raise
                 self._staging, done = response.staging_completion, response.upload_completion
         if before_commit is not None:
             before_commit()
@@ -241,7 +302,7 @@ class Checkpointer:
             if self.distributed:
                 self._barrier()  # everyone returns with the checkpoint committed
         else:
-            self._pending = self._pool.submit(self._finish, done, tmp, final, step)
+            self._pending = self._pool.submit(self._finish, done, tmp, final, step, stager)
         return SaveTiming(step, time.perf_counter() - start, self.mode)
 
     def wait_for_staging(self) -> float:
@@ -262,8 +323,11 @@ class Checkpointer:
             pending.result()  # re-raises a failed background write here
         return time.perf_counter() - start
 
-    def _finish(self, done, tmp: Path, final: Path, step: int) -> None:
-        done.result()  # every rank's data is written and rank 0 wrote .metadata
+    def _finish(self, done, tmp: Path, final: Path, step: int, stager) -> None:
+        try:
+            done.result()  # every rank's data is written and rank 0 wrote .metadata
+        finally:
+            stager.close()  # its copy thread and (pinned) staging buffers: the write is over
         self._commit(tmp, final, step)
 
     def _commit(self, tmp: Path, final: Path, step: int) -> None:

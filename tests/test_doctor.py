@@ -1,0 +1,80 @@
+"""`titanlite doctor`: which checks apply is a function of the device's facts (tested here for
+GPUs and Macs this machine does not have), and the whole self-check runs on this CPU in smoke
+scale, passes, and leaves a report that parses."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from titanlite.cli import main
+from titanlite.doctor import DeviceFacts, plan
+
+H100_PAIR = DeviceFacts("cuda", gpus=2, capability=(9, 0), name="NVIDIA H100 80GB HBM3")
+A100 = DeviceFacts("cuda", gpus=1, capability=(8, 0), name="NVIDIA A100-SXM4-40GB")
+T4 = DeviceFacts("cuda", gpus=1, capability=(7, 5), name="Tesla T4")
+MAC = DeviceFacts("mps", name="Apple M2 (MPS)")
+CPU = DeviceFacts("cpu", name="a CPU")
+
+
+def by_name(facts):
+    return {p.name: p for p in plan(facts)}
+
+
+def test_two_gpus_run_the_two_process_items_on_nccl_and_fp8_for_real():
+    steps = by_name(H100_PAIR)
+    assert steps["2 processes"].args["backend"] == "nccl" and steps["2 processes"].args["on"] == "cuda"
+    assert "fp8 (real)" in steps and steps["fp8 (real)"].args == {"real": True}
+    assert all(steps[f"train {m}"].skip is None for m in ("fp32", "bf16", "fp16"))
+    assert "bf16 autocast probe" not in steps
+
+
+def test_one_gpu_falls_back_to_gloo_on_the_cpu_and_emulates_fp8_below_sm_89():
+    steps = by_name(A100)
+    two = steps["2 processes"].args
+    assert (two["on"], two["backend"]) == ("cpu", "gloo") and "one GPU" in two["why"]
+    assert "fp8 (emulated)" in steps and steps["fp8 (emulated)"].args == {"real": False}
+    assert steps["train bf16"].skip is None
+
+
+def test_a_gpu_without_bf16_skips_it_with_the_reason():
+    skip = by_name(T4)["train bf16"].skip
+    assert skip and "SM 8.0" in skip and "7.5" in skip
+    assert by_name(T4)["train fp16"].skip is None
+
+
+def test_a_mac_probes_bf16_autocast_emulates_fp8_and_uses_gloo():
+    steps = by_name(MAC)
+    assert "bf16 autocast probe" in steps and "fp8 (emulated)" in steps
+    assert steps["2 processes"].args["backend"] == "gloo" and "MPS" in steps["2 processes"].args["why"]
+
+
+def test_a_cpu_gets_every_check_with_gloo():
+    names = [p.name for p in plan(CPU)]
+    assert names == ["device", "matmul peaks", "attention kernel", "train fp32", "train bf16",
+                     "train fp16", "compile", "fp8 (emulated)", "2 processes"]
+    assert by_name(CPU)["2 processes"].args["backend"] == "gloo"
+
+
+def test_doctor_runs_here_in_smoke_scale_passes_and_writes_a_report(tmp_path, capsys):
+    out = tmp_path / "doctor"
+    assert main(["doctor", "--smoke", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] and report["failed"] == [] and report["smoke"]
+    statuses = {c["name"]: c["status"] for c in report["checks"]}
+    assert set(statuses.values()) <= {"pass", "skipped"}
+    for name in ("device", "matmul float32", "attention kernel", "train fp32", "compile",
+                 "fp8 (emulated)", "2-process DDP", "2-process FSDP, bf16 params",
+                 "async checkpoint save", "kill-and-resume drill"):
+        assert statuses.get(name) == "pass", (name, statuses)
+    assert report["checks"][[c["name"] for c in report["checks"]].index("train fp32")]["data"]["tokens_per_sec"] > 0
+    md = (out / "report.md").read_text()
+    assert md.startswith("# titanlite doctor") and md.count("| pass |") == list(statuses.values()).count("pass")
+    assert "nothing failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["doctor", "--devise", "cpu"], ["doctor", "extra"]])
+def test_doctor_refuses_unknown_arguments(argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
