@@ -46,7 +46,8 @@ def measure(variant: str, args) -> dict:
     """Runs in the child process: warm up, then time `args.steps` optimizer steps."""
     import torch
 
-    from titanlite import hardware
+    from titanlite import hardware, quiet_third_party
+    quiet_third_party()  # before torchao is imported: its "Failed to load" lines are noise here
     from titanlite.config import load_config
     from titanlite.train import Trainer
 
@@ -115,7 +116,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    from titanlite import is_smoke
+    from titanlite import is_smoke, quiet_third_party
+    quiet_third_party()
 
     smoke = is_smoke()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -85,7 +85,8 @@ def targets(result: dict, bandwidth: float) -> list[str]:
 def main() -> None:
     import torch
 
-    from titanlite import hardware, is_smoke
+    from titanlite import hardware, is_smoke, quiet_third_party
+    quiet_third_party()
     from titanlite.labs.nb12_distributed_checkpointing import SAVE_MODES, blocking_times, disk_write_bandwidth
 
     smoke = is_smoke()
