@@ -241,7 +241,8 @@ class LivePlot:
         label on every redraw and double the cost of a frame for no visible gain here."""
         (w, h), n = self._fig.get_size_inches(), len(self.metrics)
         left, right, gap, bottom = 0.8, 0.15, 1.0, 0.5
-        top = 0.15 + 0.3 * bool(self.title) + 0.15 * title_lines + 0.1 * bool(title_lines)
+        suptitle_lines = self.title.count("\n") + 1 if self.title else 0
+        top = 0.15 + 0.3 * suptitle_lines + 0.15 * title_lines + 0.1 * bool(title_lines)
         axis_w = (w - left - right - (n - 1) * gap) / n
         self._fig.subplots_adjust(left=left / w, right=1 - right / w, bottom=bottom / h,
                                   top=1 - top / h, wspace=gap / axis_w)
@@ -279,7 +280,7 @@ class LivePlot:
                     ax.set_title("\n".join(peak), fontsize=8.5)
                     self._fix_margins(title_lines=len(peak))
             ax.set_xlabel(AXES.get(self.x, (self.x,))[0])
-            if self.x in ("step", "tokens"):  # counts: no 2.5 steps on a short run's axis
+            if self.x != "elapsed_s":  # steps, tokens, repetitions: no 2.5 steps on a short run's axis
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(True, alpha=0.3)
             ax.relim()
@@ -292,8 +293,11 @@ class LivePlot:
             if emas:  # colours name the runs on the loss panel; here only raw vs smoothed
                 raw = self._lines[(*next(k for k in self._lines if k[2] == "ema" and k[3] == metric)[:2], "train", metric)]
                 ax.legend([raw, emas[0]], ["per step", emas[0].get_label()], fontsize=7, loc="lower right")
-        if self.title:
+        suptitle = self._fig._suptitle.get_text() if self._fig._suptitle else ""
+        if self.title and self.title != suptitle:  # a title may be set after the runs, with their result
             self._fig.suptitle(self.title)
+            mfu_title = next((ax.get_title() for m, ax in zip(self.metrics, self._axes) if m == "mfu"), "")
+            self._fix_margins(title_lines=len(mfu_title.splitlines()))
 
     def png(self) -> bytes:
         """The current figure as PNG bytes (draws everything collected so far)."""
