@@ -141,7 +141,7 @@ def test_validation_records_appear_dashed_on_the_loss_panel(tmp_path):
     assert list(val.get_xdata()) == [9, 19, 29]
     assert val.get_linestyle() == "--"
     # validation records carry no throughput, so they add no point to the other panels
-    assert len(plot._axes[1].get_lines()) == 1
+    assert set(lines_by_label(plot._axes[1])) == {"train", "EMA, α=0.2"}  # raw + its smoothing
 
 
 def test_mfu_in_percent_labelled_with_its_peak(tmp_path):
@@ -177,7 +177,7 @@ def test_widget_mode_reuses_one_image_and_makes_no_new_figures(clock):
     image, box = plot._image, plot._box
     assert "titanlite-live-plot" in image._dom_classes
     assert image.format == "png" and bytes(image.value).startswith(PNG_MAGIC)
-    assert box.children == (plot._status, image)
+    assert box.children[1] is image and plot._status in box.children[0].children
 
     frames = [bytes(image.value)]
     for step in range(5):
@@ -246,7 +246,16 @@ def test_shows_itself_once_per_cell(monkeypatch):
     shown = []
     ip = types.SimpleNamespace(kernel=object(), execution_count=7)
     monkeypatch.setattr(live_plot, "_ipython", lambda: ip)
-    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
+    handles = []
+
+    def display(obj, display_id=None):
+        shown.append(obj)
+        if display_id:
+            handles.append(types.SimpleNamespace(updates=[]))
+            handles[-1].update = handles[-1].updates.append
+            return handles[-1]
+
+    monkeypatch.setattr("IPython.display.display", display)
 
     plot = LivePlot(mode="widget")
     assert shown == [plot._box]  # displayed on construction
@@ -256,6 +265,13 @@ def test_shows_itself_once_per_cell(monkeypatch):
     ip.execution_count = 8
     plot._ipython_display_()  # a later cell asks for it: another live view
     assert shown[-1] is plot._box and len(shown) == 2
+    plot.on_train_end()  # the live view is swapped in place for a picture that outlives the kernel
+    for handle in handles:  # both views, this cell's and the earlier one
+        (final,) = handle.updates
+        assert final.data["image/png"] and "step 0" in final.data["text/plain"]
+    plot(train(1))  # another run into the same plot: the same outputs go live again
+    assert all(h.updates[-1] is plot._box for h in handles) and len(shown) == 2
+    ip.execution_count, shown[:] = 9, shown[:2]
 
     static = LivePlot(mode="static")
     assert len(shown) == 2  # static shows nothing until the end
@@ -304,3 +320,76 @@ def test_nbclient_run_gets_one_static_figure(tmp_path, monkeypatch):
     assert len(pngs) == 1  # shown by on_train_end; the trailing `plot` did not repeat it
     assert not any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
     assert time.monotonic() - start < 60
+
+
+def test_progress_counts_steps_elapsed_and_remaining():
+    plot = LivePlot(mode="off", metrics=("loss",), steps=100)
+    plot(train(0, elapsed_s=0.0))
+    assert "step 0/100 (0%)" in plot._status_text()
+    plot(train(20, elapsed_s=10.0))  # 0.5 s per step: 80 steps = 40 s to go
+    text = plot._status_text()
+    assert "step 20/100 (20%)" in text and "10 s elapsed" in text and "~40 s left" in text, text
+    plot(train(100, elapsed_s=50.0))
+    assert "done" in plot._status_text()
+    plot(train(10, elapsed_s=400.0, run="second"))  # a second run starts over, its own clock
+    text = plot._status_text()
+    assert text.startswith("second · step 10/100") and "left" not in text, text
+    plot(train(40, elapsed_s=430.0, run="second"))
+    assert "7:10 elapsed" in plot._status_text() and "~1:00 left" in plot._status_text()
+    assert "/" not in LivePlot(mode="off")._status_text()  # no total given: no fraction
+
+
+def test_short_runs_get_integer_steps_and_smoothed_throughput(tmp_path):
+    plot = LivePlot(mode="off", metrics=("loss", "tokens_per_sec", "mfu"))
+    for step in range(1, 11):
+        plot(train(step, tokens_per_sec=1000.0 + 300 * (step % 2),
+                   peak_label="measured float32 matmul peak, Some CPU (CPU, 2 threads) (best at n=512) "
+                              "[cached 2026-01-01 00:00]"))
+    plot.savefig(tmp_path / "p.png")
+    ticks = plot._axes[0].get_xticks()
+    assert all(float(t).is_integer() for t in ticks)
+    lines = lines_by_label(plot._axes[1])
+    smooth = next(l for label, l in lines.items() if label.startswith("EMA"))
+    raw = np.array(lines["train"].get_ydata())
+    assert np.std(np.diff(smooth.get_ydata())) < 0.5 * np.std(np.diff(raw))  # it does smooth
+    assert [t.get_text() for t in plot._axes[1].get_legend().get_texts()] == ["per step", smooth.get_label()]
+    title = plot._axes[2].get_title()
+    assert "Some CPU (CPU, 2 threads)" in title and "…" not in title and "cached" not in title
+    assert max(map(len, title.splitlines())) <= 40
+
+
+def test_saved_notebook_keeps_the_final_curves(tmp_path, data_dir):
+    """The student's round trip: train in a notebook whose LivePlot is a live widget (what
+    JupyterLab gets), save, reload. The training cell must hold a PNG of the final curves and
+    no widget, which a reopened notebook could only show as "model not found"."""
+    from nbclient import NotebookClient
+
+    from conftest import tiny_overrides
+
+    overrides = tiny_overrides(data_dir, tmp_path, **{"training.steps": 8, "eval.every": 4})
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import os\n"
+        "os.environ['TITANLITE_LIVE_PLOT'] = 'widget'  # as in a JupyterLab kernel\n"
+        "from titanlite.config import load_config\n"
+        "from titanlite.live_plot import LivePlot\n"
+        "from titanlite.train import Trainer\n"
+        f"trainer = Trainer(load_config(None, {overrides!r}))\n"
+        "plot = LivePlot(steps=8, min_interval_s=0)\n"
+        "history = trainer.fit(callbacks=[plot])\n"
+        "print(plot.mode, plot.n_draws)")]
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    path = tmp_path / "trained.ipynb"
+    nbformat.write(nb, path)
+
+    outputs = nbformat.read(path, as_version=4).cells[0].outputs
+    text = "".join(o.get("text", "") for o in outputs if o["output_type"] == "stream")
+    mode, draws = text.split()[-2:]
+    assert mode == "widget" and int(draws) > 2, text  # it was live while training
+    assert not [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    (picture,) = [o for o in outputs if "image/png" in o.get("data", {})]
+    import base64
+    assert base64.b64decode(picture["data"]["image/png"]).startswith(PNG_MAGIC)
+    assert "step 8/8 (100%)" in picture["data"]["text/plain"] and "done" in picture["data"]["text/plain"]
+    assert 'class="titanlite-live-plot"' in picture["data"]["text/html"]

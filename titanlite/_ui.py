@@ -1,4 +1,5 @@
-"""Small display helpers of the trainer: progress bars in terminals, none in notebooks."""
+"""Small display helpers: the trainer's progress bar in terminals; in notebooks the live plot
+shows progress itself (`Progress` below), since a tqdm widget would be saved as a dead placeholder."""
 from __future__ import annotations
 
 import sys
@@ -30,3 +31,47 @@ def say(text: str, bar) -> None:
         bar.write(text)
     else:
         print(text)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}" if seconds >= 60 else f"{seconds} s"
+
+
+class Progress:
+    """Steps done, elapsed and remaining time, for a notebook's status line (LivePlot's).
+
+    The rate is measured from the first step seen, not from step 0: a resumed run starts at
+    its checkpoint's step, and its first records carry no start-up cost of the skipped steps."""
+
+    def __init__(self, total: int | None = None):
+        self.total = total
+        self.step = self.elapsed_s = None
+        self._first = None  # (step, elapsed_s) of the first record
+
+    def update(self, step: float, elapsed_s: float) -> None:
+        if self._first is None:
+            self._first = (step, elapsed_s)
+        self.step, self.elapsed_s = step, elapsed_s
+
+    @property
+    def fraction(self) -> float | None:
+        if not self.total or self.step is None:
+            return None
+        return min(1.0, self.step / self.total)
+
+    @property
+    def remaining_s(self) -> float | None:
+        if not self.total or self._first is None or self.step <= self._first[0]:
+            return None
+        rate = (self.elapsed_s - self._first[1]) / (self.step - self._first[0])  # s per step
+        return max(0.0, (self.total - self.step) * rate)
+
+    def text(self) -> str:
+        if self.step is None:
+            return ""
+        parts = [f"step {self.step:.0f}" + (f"/{self.total} ({self.fraction:.0%})" if self.total else "")]
+        parts.append(f"{_clock(self.elapsed_s)} elapsed")
+        if self.remaining_s is not None:
+            parts.append("done" if self.step >= self.total else f"~{_clock(self.remaining_s)} left")
+        return " · ".join(parts)

@@ -1,8 +1,8 @@
 """Live training curves in JupyterLab; one static figure everywhere else.
 
-    plot = LivePlot()                  # in JupyterLab: shows itself in this cell's output
+    plot = LivePlot(steps=200)         # in JupyterLab: shows itself in this cell's output
     for record in trainer:  plot(record)
-    plot.on_train_end()                # final draw (static mode: show once / save PNG)
+    plot.on_train_end()                # final draw: a static PNG replaces the live widget
 
     LivePlot.from_jsonl(["runs/fp32", "runs/bf16"])   # overlay finished runs (metrics.jsonl)
 
@@ -16,20 +16,30 @@ Why it looks like this:
 - Redraws are throttled. A draw costs tens of milliseconds of CPU that the training loop
   does not get, so we draw at most every `min_interval_s` and never more often than keeps
   plotting under ~10% of wall time (`draw_seconds` reports the total, for honest tokens/s).
+- A widget lives only as long as its kernel: a saved notebook reopened later (or rendered by
+  nbconvert or GitHub) would show "Error displaying widget: model not found" and no curves.
+  So when training ends, the live outputs are replaced in place (display_id) by a static PNG
+  and a plain status line, which every viewer keeps.
 - Outside a live frontend (nbclient, CI, a terminal) widgets would be saved as dead
   placeholders, so we only collect data and show/save the final figure once at the end.
+- The status line is the notebook's progress bar: step/total, elapsed and remaining time
+  (pass `steps=`, the run's total; the trainer's records do not carry it).
 """
 from __future__ import annotations
 
 import io
 import math
 import os
+import re
 import textwrap
 import time
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from ._ui import Progress
 
 from .errors import TitanliteError, closest
 from .metrics import read_jsonl
@@ -47,6 +57,9 @@ AXES = {
     "grad_norm": ("gradient norm", 1.0),
     "tokens": ("tokens seen", 1.0),
 }
+# Metrics drawn with a smoothed line on top: per-step throughput jitters with the OS scheduler.
+SMOOTHED = {"tokens_per_sec", "step_time_s"}
+EMA_ALPHA = 0.2  # weight of the newest point: ~5 steps of memory
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 
@@ -80,6 +93,22 @@ def resolve_mode(mode: str | None = None) -> str:
     return "widget" if in_kernel and os.environ.get("JPY_SESSION_NAME") else "static"
 
 
+def ema(ys, alpha: float = EMA_ALPHA) -> list[float]:
+    """Exponential moving average; NaN (a diverged step) is skipped, not propagated."""
+    out, avg = [], math.nan
+    for y in ys:
+        if not math.isnan(y):
+            avg = y if math.isnan(avg) else alpha * y + (1 - alpha) * avg
+        out.append(avg)
+    return out
+
+
+def _short_peak(label: str) -> str:
+    """The MFU panel's title: the peak's name without cache date and matrix size."""
+    label = label.split(" [cached")[0]
+    return re.sub(r" \(best at n=\d+\)", "", label)
+
+
 def _num(value) -> float | None:
     """A plottable float, NaN for non-finite (a gap in the line), None for missing/non-numeric."""
     if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy / torch scalars
@@ -99,7 +128,8 @@ class LivePlot:
     it in the cell that trains (or set `show=False` and `display(plot)` yourself)."""
 
     def __init__(self, metrics=("loss", "tokens_per_sec", "mfu"), title=None, mode=None,
-                 min_interval_s=0.5, save_path=None, label=None, x="step", show=True):
+                 min_interval_s=0.5, save_path=None, label=None, x="step", show=True,
+                 steps=None):
         self.metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
         if not self.metrics:
             raise TitanliteError("LivePlot needs at least one metric, e.g. metrics=('loss',)")
@@ -117,12 +147,15 @@ class LivePlot:
         self._dirty = False
         self._shown_at = None  # (IPython execution_count, points) when we last showed ourselves
         self._ended = False
+        self.steps = steps
+        self._progress, self._progress_run, self._t0 = Progress(steps), None, None
+        self._handles = []  # the live outputs' display handles, swapped for static ones at the end
         self._fig = Figure(figsize=(3.9 * len(self.metrics), 3.0), dpi=90)
         FigureCanvasAgg(self._fig)  # attaches itself to the figure
         self._axes = self._fig.subplots(1, len(self.metrics), squeeze=False)[0]
         self._fix_margins()
         self._lines: dict[tuple, object] = {}
-        self._box = self._image = self._status = None
+        self._box = self._image = self._status = self._bar = None
         if self.mode == "widget":
             self._build_widget(show)
 
@@ -131,6 +164,10 @@ class LivePlot:
         self._add(record, run=record.get("run", self.label))
         if self.mode != "widget":
             return  # static/off: collect only; drawing waits for the end
+        if self._ended and self._handles:  # another run into an ended plot: live again
+            self._ended = False
+            for handle in self._handles:
+                handle.update(self._box)
         now = time.monotonic()
         # Keep plotting below ~10% of wall time even when a draw is slow (big figures, slow CPU).
         if now - self._last_draw >= max(self.min_interval_s, 10 * self._draw_cost):
@@ -184,8 +221,19 @@ class LivePlot:
         peak = record.get("peak_label")
         if peak and peak not in self._peak_labels:
             self._peak_labels.append(str(peak))
+        if not is_val:
+            self._track_progress(run, step, record.get("elapsed_s"))
         self._last = {**self._last, **record, "run": run}
         self._dirty = True
+
+    def _track_progress(self, run, step: float, elapsed) -> None:
+        now = time.monotonic()
+        self._t0 = now if self._t0 is None else self._t0
+        # One plot may show several runs in turn (a comparison cell): progress is the latest run's.
+        if run != self._progress_run or (self._progress.step is not None and step < self._progress.step):
+            self._progress, self._progress_run, self._t0 = Progress(self.steps), run, now
+        elapsed = _num(elapsed)
+        self._progress.update(step, now - self._t0 if elapsed is None or math.isnan(elapsed) else elapsed)
 
     # --- drawing ------------------------------------------------------------------------
     def _fix_margins(self, title_lines: int = 0) -> None:
@@ -193,7 +241,8 @@ class LivePlot:
         label on every redraw and double the cost of a frame for no visible gain here."""
         (w, h), n = self._fig.get_size_inches(), len(self.metrics)
         left, right, gap, bottom = 0.8, 0.15, 1.0, 0.5
-        top = 0.15 + 0.3 * bool(self.title) + 0.15 * title_lines + 0.1 * bool(title_lines)
+        suptitle_lines = self.title.count("\n") + 1 if self.title else 0
+        top = 0.15 + 0.3 * suptitle_lines + 0.15 * title_lines + 0.1 * bool(title_lines)
         axis_w = (w - left - right - (n - 1) * gap) / n
         self._fig.subplots_adjust(left=left / w, right=1 - right / w, bottom=bottom / h,
                                   top=1 - top / h, wspace=gap / axis_w)
@@ -214,24 +263,41 @@ class LivePlot:
                                       markersize=3, linewidth=1.4)
                     self._lines[(run, rank, kind, metric)] = line
                 line.set_data(xs, ys)
+                if kind == "train" and metric in SMOOTHED and len(xs) > 2:
+                    key = (run, rank, "ema", metric)
+                    if key not in self._lines:
+                        line.set_alpha(0.35)  # the raw jitter stays visible, behind the trend
+                        self._lines[key] = ax.plot([], [], color=series["color"], linewidth=1.8,
+                                                   label=f"EMA, α={EMA_ALPHA}")[0]
+                    self._lines[key].set_data(xs, ema(ys))
         for metric, ax in zip(self.metrics, self._axes):
             label = AXES.get(metric, (metric, 1.0))[0]
             ax.set_ylabel(label)
             if metric == "mfu" and self._peak_labels:  # MFU means nothing without its peak
-                peak = textwrap.wrap(f"% of {', '.join(self._peak_labels)}", 48,
-                                     max_lines=2, placeholder=" …")
+                # Wrapped to the panel's width (~40 characters of 8.5 pt in 3 inches), never cut.
+                peak = textwrap.wrap(f"MFU: % of {'; '.join(map(_short_peak, self._peak_labels))}", 40)
                 if ax.get_title() != "\n".join(peak):
-                    ax.set_title("\n".join(peak), fontsize=8)
+                    ax.set_title("\n".join(peak), fontsize=8.5)
                     self._fix_margins(title_lines=len(peak))
             ax.set_xlabel(AXES.get(self.x, (self.x,))[0])
+            if self.x != "elapsed_s":  # steps, tokens, repetitions: no 2.5 steps on a short run's axis
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(True, alpha=0.3)
             ax.relim()
             ax.autoscale_view()
         if len(self._axes[0].get_lines()) > 1:
             # "upper right": a falling loss leaves it empty, and "best" costs a search per frame.
             self._axes[0].legend(fontsize=8, loc="upper right")
-        if self.title:
+        for metric, ax in zip(self.metrics[1:], self._axes[1:]):
+            emas = [l for k, l in self._lines.items() if k[2] == "ema" and k[3] == metric]
+            if emas:  # colours name the runs on the loss panel; here only raw vs smoothed
+                raw = self._lines[(*next(k for k in self._lines if k[2] == "ema" and k[3] == metric)[:2], "train", metric)]
+                ax.legend([raw, emas[0]], ["per step", emas[0].get_label()], fontsize=7, loc="lower right")
+        suptitle = self._fig._suptitle.get_text() if self._fig._suptitle else ""
+        if self.title and self.title != suptitle:  # a title may be set after the runs, with their result
             self._fig.suptitle(self.title)
+            mfu_title = next((ax.get_title() for m, ax in zip(self.metrics, self._axes) if m == "mfu"), "")
+            self._fix_margins(title_lines=len(mfu_title.splitlines()))
 
     def png(self) -> bytes:
         """The current figure as PNG bytes (draws everything collected so far)."""
@@ -250,29 +316,48 @@ class LivePlot:
         if self.mode == "widget":
             self._image.value = self.png()  # one comm message; the browser swaps the picture
             self._status.value = self._status_html()
+            if self._bar is not None and self._progress.step is not None:
+                self._bar.value = int(min(self._progress.step, self.steps))
 
-    def _status_html(self) -> str:
+    def _status_text(self) -> str:
         r = self._last
         rank = None if r.get("rank") is None else f"rank {r['rank']}"
-        parts = [" ".join(str(v) for v in (r.get("run"), rank) if v is not None)]
-        for key, fmt in (("step", "step {:.0f}"), ("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"),
+        parts = [" ".join(str(v) for v in (r.get("run"), rank) if v is not None), self._progress.text()]
+        for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"),
                          ("tokens_per_sec", "{:,.0f} tok/s"), ("mfu", "MFU {:.2%}")):
             if (value := _num(r.get(key))) is not None:
                 parts.append(fmt.format(value))
         parts = [p for p in parts if p]
-        return f"<code>{' · '.join(parts) or 'waiting for the first step…'}</code>"
+        return " · ".join(parts) or "waiting for the first step…"
+
+    def _status_html(self) -> str:
+        return f"<code>{self._status_text()}</code>"
 
     # --- showing ------------------------------------------------------------------------
     def _build_widget(self, show: bool) -> None:
         import ipywidgets as widgets
 
         self._status = widgets.HTML(self._status_html())
+        if self.steps:
+            self._bar = widgets.IntProgress(value=0, min=0, max=int(self.steps),
+                                            layout=widgets.Layout(width="240px"))
         self._image = widgets.Image(value=self.png(), format="png",
                                     layout=widgets.Layout(max_width="100%"))
         self._image.add_class("titanlite-live-plot")
-        self._box = widgets.VBox([self._status, self._image])
+        top = [self._bar, self._status] if self._bar is not None else [self._status]
+        self._box = widgets.VBox([widgets.HBox(top), self._image])
         if show:
             self._show()
+
+    def _final_output(self) -> "_Bundle":
+        """What a saved notebook keeps of the live plot: an image/png output (nbconvert, GitHub)
+        whose HTML twin adds the status line and keeps the live image's class."""
+        import base64
+
+        b64 = base64.b64encode(self.png()).decode()
+        return _Bundle({"image/png": b64, "text/plain": self._status_text(),
+                        "text/html": f'{self._status_html()}<br/>'
+                                     f'<img class="titanlite-live-plot" src="data:image/png;base64,{b64}"/>'})
 
     def _show(self) -> None:
         ip = _ipython()
@@ -280,26 +365,35 @@ class LivePlot:
             return
         from IPython.display import Image, display
 
-        display(self._box if self.mode == "widget" else Image(data=self.png(), format="png"))
+        if self.mode == "widget" and not self._ended:
+            self._handles.append(display(self._box, display_id=True))  # the end swaps it in place
+        elif self.mode == "widget":
+            display(self._final_output())
+        else:
+            display(Image(data=self.png(), format="png"))
         self._shown_at = (ip.execution_count, self._n_points())
 
     def _n_points(self) -> int:
         return sum(len(xs) for s in self._series.values() for xs, _ in s["data"].values())
 
     def on_train_end(self) -> None:
-        """Final draw. Widget: the last points; static: show the figure once; then save."""
+        """Final draw. Widget: the last frame, then a static PNG replaces the live widget (a saved
+        notebook keeps it); static: show the figure once; then save."""
         self._ended = True
         self._draw()  # cheap: updates the artists; rendering to pixels happens on demand
         if self.mode == "widget":
             if self._dirty:  # points arrived since the last throttled frame
                 self._refresh()
+            final = self._final_output() if self._handles else None
+            for handle in self._handles:
+                handle.update(final)
         elif self.mode == "static":
             self._show()
         if self.save_path:
             self.savefig(self.save_path)
 
     def close(self) -> None:
-        """Finish (same as on_train_end, once). The widget stays on screen with its last frame."""
+        """Finish (same as on_train_end, once): the static picture replaces the widget."""
         if not self._ended:
             self.on_train_end()
 
@@ -326,3 +420,13 @@ class LivePlot:
         return (f"LivePlot(mode={self.mode!r}, metrics={self.metrics}, "
                 f"series={len(self._series)}, points={self._n_points()})")
 
+
+
+class _Bundle:
+    """A ready-made MIME bundle for IPython's display machinery."""
+
+    def __init__(self, data: dict):
+        self.data = data
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return self.data

@@ -97,15 +97,21 @@ def plot_roofline(points, peak: Peak, bandwidth: float, ax=None, title: str | No
         _, ax = plt.subplots(figsize=(8, 5))
     ridge = ridge_point(peak.flops, bandwidth)
     xs = [p.intensity for p in points] + [ridge]
-    x = np.logspace(np.log10(min(xs) / 3), np.log10(max(xs) * 3), 200)
+    x = np.logspace(np.log10(min(xs) / 3), np.log10(max(xs) * 6), 200)
     ax.loglog(x, np.minimum(peak.flops, x * bandwidth), "k-", lw=2,
               label=f"roof: {peak.flops / 1e9:,.1f} GFLOP/s, {bandwidth / 1e9:,.1f} GB/s")
     ax.axvline(ridge, color="grey", ls=":", label=f"ridge point {ridge:.1f} FLOP/byte")
-    for i, p in enumerate(points):
+    for p in points:
         color = "tab:blue" if p.intensity < ridge else "tab:red"
         ax.loglog(p.intensity, p.achieved, "o", color=color)
-        ax.annotate(f"{p.name}\n{mfu(p.achieved, peak):.1%} MFU", (p.intensity, p.achieved),
-                    textcoords="offset points", xytext=(5, -18 if i % 2 else 4), fontsize=7)
+        # One line, slanting down-right from its point: measured points lie under the roof, and
+        # neighbours (a sweep of matmul sizes climbs up and right) stay apart when the labels
+        # run parallel to each other instead of stacking side by side.
+        ax.annotate(f"{p.name.replace('^3', '³')}  {mfu(p.achieved, peak):.1%}", (p.intensity, p.achieved),
+                    textcoords="offset points", xytext=(4, -5), fontsize=7, rotation=-35,
+                    rotation_mode="anchor", ha="left", va="top", color=color)
+    ax.text(0.02, 0.98, "each label: op, MFU", transform=ax.transAxes, fontsize=7, va="top")
+    ax.set_ylim(min(p.achieved for p in points) / 5, peak.flops * 1.6)  # room for the slanted labels
     ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
     ax.set_ylabel("FLOP/s")
     ax.set_title(title or f"roofline - {peak.label}", fontsize=9)
