@@ -4,9 +4,12 @@
     history = Trainer(load_config("configs/debug.toml")).fit(callbacks=[LivePlot()])
 
 The loop in `fit` is the whole algorithm: take a batch, forward, cross-entropy, backward,
-clip, AdamW step, advance the learning-rate schedule; everything else (timing, MFU,
-validation, samples, logging) watches from the side. Later techniques (accumulation, mixed
-precision, compile, parallelism) plug into the marked places instead of branching the loop.
+clip, AdamW step, advance the learning-rate schedule. `forward_backward` is one step's forward
+and backward, `pipeline_forward_backward` the same through pipeline stages (torchtitan
+separates the two the same way). Everything else (timing, MFU, goodput, stragglers,
+checkpoints, validation, samples, logging) watches from the side: watchers.py. Later
+techniques (accumulation, mixed precision, compile, parallelism) plug into the marked places
+instead of branching the loop.
 """
 from __future__ import annotations
 
@@ -323,13 +326,12 @@ class Trainer:
                 return ""
             model = build_model(self.model_args, "cpu").to(self.dtype)
             model.load_state_dict(state)
-        e = self.cfg.eval
-        prompt = e.prompt if prompt is None else prompt
+        prompt = self.cfg.eval.prompt if prompt is None else prompt
         ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_token_id or 0]
         x = torch.tensor([ids], device=next(model.parameters()).device)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         model.eval()
-        for _ in range(max_new_tokens or e.sample_tokens):
+        for _ in range(max_new_tokens or self.cfg.eval.sample_tokens):
             with eager():  # prompts of every length would each trigger a recompile
                 logits = model(x[:, -self.model_args.max_seq_len:])
             if hasattr(logits, "full_tensor"):  # TP: vocabulary-sharded logits
