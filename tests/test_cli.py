@@ -1,4 +1,5 @@
 """The command line: a real run end to end, and bad input as one line + exit status 2."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,41 @@ def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, args, message):
 def test_export_of_a_missing_run_is_one_line(tmp_path):
     r = titanlite("export-hf", str(tmp_path / "nope"), str(tmp_path / "out"))
     assert r.returncode == 2 and "Traceback" not in r.stderr and "is missing" in r.stderr
+
+
+WORKER_PROBE = """
+import json, runpy, sys
+from pathlib import Path
+import titanlite.distributed.env as env
+
+report, args = Path(sys.argv[1]), sys.argv[2:]
+real_exit = env.exit_worker
+
+def exit_and_report(code=0):
+    # Which modules were loaded from train.py, at the moment the worker leaves.
+    train_py = str(Path(env.__file__).resolve().parents[1] / "train.py")
+    copies = sorted(name for name, m in list(sys.modules.items())
+                    if getattr(m, "__file__", None) and str(Path(m.__file__).resolve()) == train_py)
+    report.write_text(json.dumps({"copies": copies, "code": code,
+                                  "main": sys.modules["__main__"].__spec__.name}))
+    real_exit(code)
+
+env.exit_worker = exit_and_report
+sys.argv = ["titanlite", *args]
+runpy.run_module("titanlite", run_name="__main__", alter_sys=True)  # what `-m titanlite` does
+"""
+
+
+def test_a_torchrun_worker_imports_the_trainer_once(data_dir, tmp_path):
+    """`torchrun -m titanlite train`: train.py is loaded once, as titanlite.train (the old
+    `-m titanlite.train` loaded it twice: as __main__ and as titanlite.train, two Trainers)."""
+    from conftest import run_torchrun
+    probe = tmp_path / "probe.py"
+    probe.write_text(WORKER_PROBE)
+    report = tmp_path / "report.json"
+    run_torchrun(probe, report, "train", "--config", ROOT / "configs/debug.toml",
+                 *flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 2, "eval.every": 0})),
+                 nproc=1, timeout=300)
+    seen = json.loads(report.read_text())
+    assert seen == {"copies": ["titanlite.train"], "code": 0, "main": "titanlite.__main__"}
+    assert (tmp_path / "runs" / "t" / "model.safetensors").is_file()  # the run itself finished

@@ -300,3 +300,33 @@ def test_a_slow_rank_is_flagged_as_a_straggler(data_dir, tmp_path):
     assert last["stragglers"] == [1]
     assert last["ready_s_by_rank"][1] >= 0.3 > last["ready_s_by_rank"][0]
     assert detect_stragglers(result.records) == [1]
+
+
+def _tree(folder) -> dict[str, str]:
+    import hashlib
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _damage(run_dir):
+    shard = committed(run_dir / "checkpoints")[-1] / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+
+
+@pytest.mark.parametrize("change, damage, message", [
+    ({"model.n_layers": 3}, None, r"different model \(.*n_layers: 2 there vs 3 here"),
+    ({}, _damage, "is corrupt"),
+    ({"training.batch_size": 8}, None, "global"),
+])
+def test_a_refused_start_changes_nothing_in_the_run_folder(data_dir, tmp_path, change, damage, message):
+    """Issue 13: a refused resume used to rewrite run.json with the refused settings."""
+    o = _overrides(data_dir, tmp_path, "r", **{"training.steps": 2, "checkpoint.enable": True})
+    run_dir = Trainer(load_config(None, o)).fit().run_dir
+    if damage:
+        damage(run_dir)
+    before = _tree(run_dir)
+    assert {"run.json", "metrics.jsonl", "goodput.jsonl"} <= set(before)
+    with pytest.raises(TitanliteError, match=message):
+        Trainer(load_config(None, {**o, **change, "training.steps": 4})).fit()
+    assert _tree(run_dir) == before

@@ -83,3 +83,77 @@ def test_diverging_loss_stops_with_advice(data_dir, tmp_path):
     with pytest.raises(TitanliteError, match="lower --optimizer.lr"):
         run(data_dir, tmp_path, **{"optimizer.lr": 1e6, "training.grad_clip": 0.0,
                                    "training.steps": 30, "scheduler.warmup_steps": 0})
+
+
+# ----- the loop's device decisions (issue 10) --------------------------------------------------
+def test_only_cuda_copies_batches_non_blocking():
+    """A non-blocking copy from memory freed before it runs corrupts batches on MPS
+    (pytorch#189690): pinned + non-blocking on CUDA only, a blocking copy everywhere else."""
+    from titanlite.data.transfer import should_pin, to_device
+    assert should_pin(torch.device("cuda")) and should_pin(torch.device("cuda", 3)) and should_pin("cuda")
+    assert not should_pin(torch.device("mps")) and not should_pin(torch.device("cpu"))
+    x, y = torch.arange(6).view(2, 3), torch.arange(1, 7).view(2, 3)
+    x2, y2 = to_device((x, y), torch.device("cpu"))
+    assert torch.equal(x2, x) and torch.equal(y2, y)
+
+
+def test_unlogged_steps_leave_the_loss_unread_and_logged_losses_do_not_change(data_dir, tmp_path):
+    """Issue 10.11: the target count comes from the labels' host copy and the loss is read
+    only on logged steps; what is logged is exactly what logging every step gives."""
+    from titanlite.efficiency.accumulation import IGNORE_INDEX, count_targets
+    extra = {"training.deterministic": True, "training.steps": 9, "eval.every": 0}
+    trainer, every = run(data_dir, tmp_path / "every", **extra)
+    batches = trainer.next_micro_batches()
+    assert batches.num_targets == sum(count_targets(y) for _, y in batches) > 0
+    out = trainer.train_step(batches, read=False)
+    assert out["loss"] is None and out["grad_norm"] is None
+    out = trainer.train_step(trainer.next_micro_batches())
+    assert isinstance(out["loss"], float) and isinstance(out["grad_norm"], float)
+    # Padding targets count neither in the loss nor in the divisor, counted on the host.
+    x, y = batches[0]
+    y = y.clone()
+    y[:, ::2] = IGNORE_INDEX
+    assert trainer.global_tokens_per_rank([(x, y)]) == count_targets(y) < y.numel()
+
+    _, sparse = run(data_dir, tmp_path / "sparse", **extra, **{"metrics.log_every": 4})
+    assert [r["step"] for r in sparse.train] == [4, 8, 9]  # every 4th, and the last
+    assert sparse.losses == [every.losses[s - 1] for s in (4, 8, 9)]  # ==, bit for bit
+    assert [r["grad_norm"] for r in sparse.train] == [every.train[s - 1]["grad_norm"] for s in (4, 8, 9)]
+
+
+VAL_SCRIPT = """
+import json, sys
+import torch
+from titanlite.config import load_config
+from titanlite.train import Trainer
+from titanlite.efficiency.accumulation import count_targets
+
+trainer = Trainer(load_config(None, json.loads(sys.argv[1])))
+# This rank's shard alone, as evaluate() measured it before issue 10.12.
+sums = [(trainer.loss_on(x, y).item() * count_targets(y), count_targets(y))
+        for x, y in trainer.data.val.eval_batches(trainer.cfg.eval.batches)]
+mine = [sum(s for s, _ in sums), sum(n for _, n in sums)]
+everyone = [None] * trainer.dist.world_size
+torch.distributed.all_gather_object(everyone, mine)
+result = {"rank": trainer.dist.rank, "evaluate": trainer.evaluate(), "shards": everyone}
+with open(sys.argv[2] + f"/val.rank{trainer.dist.rank}.json", "w") as f:
+    json.dump(result, f)
+trainer.close(barrier=True)
+"""
+
+
+def test_validation_loss_is_the_mean_over_every_data_parallel_rank(data_dir, tmp_path):
+    """Issue 10.12: evaluate() used to return rank 0's shard only."""
+    from conftest import run_torchrun
+    script = tmp_path / "val.py"
+    script.write_text(VAL_SCRIPT)
+    o = tiny_overrides(data_dir, tmp_path, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1,
+                                              "eval.batches": 2})
+    run_torchrun(script, json.dumps(o), tmp_path, nproc=2, timeout=300)
+    results = [json.loads((tmp_path / f"val.rank{r}.json").read_text()) for r in (0, 1)]
+    shards = results[0]["shards"]
+    local_means = [s / n for s, n in shards]
+    assert local_means[0] != local_means[1], "the ranks hold different validation shards"
+    overall = sum(s for s, _ in shards) / sum(n for _, n in shards)
+    assert results[0]["evaluate"] == results[1]["evaluate"]  # one answer everywhere
+    assert results[0]["evaluate"] == pytest.approx(overall, rel=1e-12)

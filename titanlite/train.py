@@ -4,16 +4,18 @@
     history = Trainer(load_config("configs/debug.toml")).fit(callbacks=[LivePlot()])
 
 The loop in `fit` is the whole algorithm: take a batch, forward, cross-entropy, backward,
-clip, AdamW step, advance the learning-rate schedule; everything else (timing, MFU,
-validation, samples, logging) watches from the side. Later techniques (accumulation, mixed
-precision, compile, parallelism) plug into the marked places instead of branching the loop.
+clip, AdamW step, advance the learning-rate schedule. `forward_backward` is one step's forward
+and backward, `pipeline_forward_backward` the same through pipeline stages (torchtitan
+separates the two the same way). Everything else (timing, MFU, goodput, stragglers,
+checkpoints, validation, samples, logging) watches from the side: watchers.py. Later
+techniques (accumulation, mixed precision, compile, parallelism) plug into the marked places
+instead of branching the loop.
 """
 from __future__ import annotations
 
 import math
 import os
 import random
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -24,10 +26,11 @@ import torch
 from . import hardware
 from .config import Config
 from .data import build_data
+from .data.transfer import to_device
 from .efficiency import apply_efficiency  # noqa: F401  (re-exported: titanlite.train.apply_efficiency)
 from .efficiency.accumulation import count_targets, loss_sum, resolve_batch
 from .efficiency.mixed_precision import Precision
-from ._ui import eager, progress_bar, say
+from ._ui import eager
 from .distributed.ddp import grad_sync
 from .distributed.env import all_reduce_sum, destroy_distributed, init_distributed
 from .distributed.fsdp import precompute_fp8_scales
@@ -35,14 +38,11 @@ from .distributed.mesh import ParallelDims
 from .distributed.parallelize import loss_parallel_enabled, parallelize
 from .distributed.pipeline import clip_grad_norm_ as pipeline_clip_grad_norm_
 from .errors import TitanliteError
-from .metrics import MetricsLogger
 from .models.from_config import model_args_for
 from .models.llama import Transformer, build_model
-from .resilience.faults import attempt, check_fault, inject_fault
-from .resilience.goodput import GoodputLog
+from .resilience.faults import check_fault
 from .resilience.resume import open_checkpoint, run_name_for
-from .resilience.stragglers import StragglerDetector, gather_ready_times
-from .resilience.train_state import TrainState
+from .watchers import StepEnd, build_watchers
 from .weights import load_weights  # noqa: F401  (re-exported: titanlite.train.load_weights)
 
 @dataclass
@@ -62,6 +62,12 @@ class History:
     @property
     def val_losses(self) -> list[float]:
         return [r["val_loss"] for r in self.val]
+
+
+class MicroBatches(list):
+    """One optimizer step's (x, y) micro-batches on the device, and their target tokens,
+    counted on the host before the copy (counting on the device would wait for it)."""
+    num_targets: int | None = None
 
 
 def loss_context(enabled: bool):
@@ -104,45 +110,45 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
     # Decay matrices only: shrinking norm gains towards zero hurts and regularises nothing.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    o = cfg.optimizer
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        [{"params": decay, "weight_decay": cfg.optimizer.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.optimizer.lr, betas=(cfg.optimizer.beta1, cfg.optimizer.beta2), eps=cfg.optimizer.eps)
 
 
 class Trainer:
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg = (cfg or Config()).validate()
-        t = cfg.training
-        if t.threads:
-            torch.set_num_threads(t.threads)
+        if cfg.training.threads:
+            torch.set_num_threads(cfg.training.threads)
         # Under torchrun each process joins the job and takes its own device; alone it is a
         # world of one and nothing below changes.
-        self.dist = init_distributed(t.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+        self.dist = init_distributed(cfg.training.device, cfg.parallel.backend, cfg.parallel.timeout_s)
         self.device = self.dist.device
-        p = cfg.parallel
-        self.dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, self.dist.world_size,
-                                         tp=p.tp, pp=p.pp)
+        self.dims = ParallelDims.resolve(cfg.parallel.dp_replicate, cfg.parallel.dp_shard,
+                                         self.dist.world_size, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
         self.mesh = self.dims.build_mesh(self.device.type)
-        check_fault(cfg.fault, t.steps, self.dist.world_size)
-        self.dtype = hardware.resolve_dtype(t.dtype, self.device)
-        seed_everything(t.seed, t.deterministic)
+        check_fault(cfg.fault, cfg.training.steps, self.dist.world_size)
+        self.dtype = hardware.resolve_dtype(cfg.training.dtype, self.device)
+        seed_everything(cfg.training.seed, cfg.training.deterministic)
 
         self.micro_batch, self.grad_accum_steps, self.global_batch = resolve_batch(
-            t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=self.dims.dp)
-        self.precision = Precision(t.mixed_precision, self.device)
+            cfg.training.batch_size, cfg.training.grad_accum_steps, cfg.training.global_batch_size,
+            dp_degree=self.dims.dp)
+        self.precision = Precision(cfg.training.mixed_precision, self.device)
 
         # Each data-parallel rank reads its own slice of every global batch.
-        d = cfg.data
-        self.data = build_data(d.dataset, path=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
-                               seq_len=t.seq_len, batch_size=t.batch_size, val_fraction=d.val_fraction,
-                               seed=t.seed, data_dir=d.data_dir, max_chars=d.max_chars,
+        self.data = build_data(cfg.data.dataset, path=cfg.data.path, tokenizer=cfg.data.tokenizer,
+                               vocab_size=cfg.data.vocab_size, seq_len=cfg.training.seq_len,
+                               batch_size=cfg.training.batch_size, val_fraction=cfg.data.val_fraction,
+                               seed=cfg.training.seed, data_dir=cfg.data.data_dir,
+                               max_chars=cfg.data.max_chars,
                                rank=self.dims.dp_rank(self.dist.rank), world_size=self.dims.dp)
         self.tokenizer = self.data.tokenizer
         self.model_args = model_args_for(cfg, self.data.vocab_size)
         with torch.device("meta"):  # a weightless copy, just to count
             counting = Transformer(self.model_args)
-        self.flops_per_token = counting.flops_per_token(t.seq_len)
+        self.flops_per_token = counting.flops_per_token(cfg.training.seq_len)
         self.num_params = counting.num_params()
         # The techniques modify the model in place (swap Linears, wrap or compile blocks), so
         # state-dict names stay those of the plain model; DDP/FSDP come last (parallelize.py).
@@ -154,12 +160,13 @@ class Trainer:
         self.optimizer = build_optimizer(torch.nn.ModuleList(self.model_parts), cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         # MFU against the peak of the dtype the matmuls actually run in.
-        self.compute_dtype = hardware.matmul_dtype(self.dtype, self.precision.dtype, cfg.parallel.param_dtype if self.dims.strategy in ("fsdp", "hsdp") else None, getattr(self.model, "fp8_info", None))
+        fsdp_param_dtype = cfg.parallel.param_dtype if self.dims.strategy in ("fsdp", "hsdp") else None
+        self.compute_dtype = hardware.matmul_dtype(self.dtype, self.precision.dtype, fsdp_param_dtype,
+                                                   getattr(self.model, "fp8_info", None))
         self.peak = self._get_peak()
         self.step = 0
         self.checkpointer = None  # fit() opens one when [checkpoint] asks
-        self._step_start = time.perf_counter()  # fit() resets both as each step begins
-        self._staging_wait_s = 0.0
+        self._step_start = time.perf_counter()  # fit() resets it as each step begins
 
     def _get_peak(self) -> hardware.Peak:
         """The MFU denominator of one device. Ranks sharing a machine would disturb each
@@ -174,50 +181,79 @@ class Trainer:
         return peak
 
     # ----- the pieces the loop calls --------------------------------------------------------
-    def loss_on(self, x: torch.Tensor, y: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+    def loss_on(self, x: torch.Tensor, y: torch.Tensor, num_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
         """Summed cross-entropy over the real target tokens of one batch, divided by
         `num_tokens` (default: this batch's own count, i.e. the mean)."""
         with self.precision.autocast():
             loss = loss_sum(self.model(x), y)
             loss = loss.to_local() if hasattr(loss, "to_local") else loss  # TP: a replicated DTensor
-            return loss / (num_tokens or max(1, count_targets(y)))
+            return loss / (num_tokens if num_tokens is not None else max(1, count_targets(y)))
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
-        """One optimizer step over `grad_accum_steps` micro-batches.
-
-        Each micro-batch's summed token loss is divided by the token count of the *whole*
-        global batch, so the accumulated gradient is exactly the big batch's gradient.
-        """
-        dp, d = self.dims.dp, self.dims
-        # How long this rank took to get here, its first collective of the step: a straggler
-        # shows up here (afterwards everyone waits for everyone).
-        ready_s = time.perf_counter() - self._step_start
-        local = torch.tensor(float(sum(count_targets(y) for _, y in micro_batches)), device=self.device)
-        # Every TP and PP rank of a data-parallel slice holds the same batch: count it once.
-        global_tokens = all_reduce_sum(local).item() / (d.tp * d.pp)
-        # DDP and FSDP *average* gradients over the dp ranks, so each rank divides by the
-        # global count / dp: the average of those gradients is the global batch's gradient.
+    def forward_backward(self, micro_batches: list, num_tokens) -> torch.Tensor:
+        """Forward and backward of each micro-batch; the gradients add up in `.grad`. Returns
+        the summed loss, on the device and unread (reading it would wait for the device)."""
         total = torch.zeros((), device=self.device)
         last = len(micro_batches) - 1
         for i, (x, y) in enumerate(micro_batches):
             # DDP: all-reduce only after the last micro-batch (no_sync); the others just
             # accumulate into .grad. FSDP reduce-scatters every micro-batch to keep
             # gradients sharded (memory is what FSDP is for).
-            with grad_sync(self.model, sync=i == last or d.strategy != "ddp"), \
+            with grad_sync(self.model, sync=i == last or self.dims.strategy != "ddp"), \
                     loss_context(self.loss_parallel):  # TP: the sharded softmax, and its backward
-                if self.pipe is not None:  # forward and backward, micro-batch by micro-batch
-                    with self.precision.autocast():
-                        total += self.pipe.step(x, y, num_tokens=global_tokens / dp)
-                    continue
-                loss = self.loss_on(x, y, num_tokens=global_tokens / dp)
+                loss = self.loss_on(x, y, num_tokens=num_tokens)
                 self.precision.backward(loss)
             total += loss.detach()
+        return total
+
+    def pipeline_forward_backward(self, micro_batches: list, num_tokens) -> torch.Tensor:
+        """The same through the pipeline: the schedule cuts each batch into its own micro-batches
+        and runs them forward and backward through every stage (distributed/pipeline.py).
+        Returns the summed loss, known on every stage."""
+        total = torch.zeros((), device=self.device)
+        last = len(micro_batches) - 1
+        for i, (x, y) in enumerate(micro_batches):
+            with grad_sync(self.model, sync=i == last or self.dims.strategy != "ddp"), \
+                    loss_context(self.loss_parallel), self.precision.autocast():
+                total += self.pipe.step(x, y, num_tokens=num_tokens)
+        return total
+
+    def global_tokens_per_rank(self, micro_batches: list) -> float | torch.Tensor:
+        """The divisor of every micro-batch's summed loss: the target tokens of the whole global
+        batch / dp. DDP and FSDP *average* gradients over the dp ranks, so the average of
+        those gradients is then exactly the global batch's gradient. Counted on the host (the
+        labels' CPU copy, see next_micro_batches) where it can be: no wait for the device."""
+        local = getattr(micro_batches, "num_targets", None)
+        if local is None:  # micro-batches from elsewhere: count them where they are
+            local = sum(count_targets(y) for _, y in micro_batches)
+        if not self.dist.distributed:
+            return float(local)
+        # Every TP and PP rank of a data-parallel slice holds the same batch: count it once. The
+        # sum stays on the device (a tensor divisor, as torchtitan): .item() would wait for it.
+        counts = all_reduce_sum(torch.tensor(float(local), device=self.device))
+        return counts / (self.dims.tp * self.dims.pp * self.dims.dp)
+
+    def train_step(self, micro_batches: list, read: bool = True) -> dict:
+        """One optimizer step over `grad_accum_steps` micro-batches.
+
+        Each micro-batch's summed token loss is divided by the token count of the *whole*
+        global batch, so the accumulated gradient is exactly the big batch's gradient.
+        `read=False` leaves loss and grad_norm unread (None): reading waits for the device, so
+        the loop reads them only on the steps it logs.
+        """
+        # How long this rank took to get here, its first collective of the step: a straggler
+        # shows up here (afterwards everyone waits for everyone).
+        ready_s = time.perf_counter() - self._step_start
+        num_tokens = self.global_tokens_per_rank(micro_batches)
+        if self.pipe is not None:
+            total = self.pipeline_forward_backward(micro_batches, num_tokens)
+        else:
+            total = self.forward_backward(micro_batches, num_tokens)
         params = [q for part in self.model_parts for q in part.parameters()]
-        if self.checkpointer is not None:  # async save: its copy of the weights must be done
-            self._staging_wait_s += self.checkpointer.wait_for_staging()
+        # An async save's copy of the weights must be done before the weights change.
+        staging_wait_s = self.checkpointer.wait_for_staging() if self.checkpointer is not None else 0.0
         if self.pipe is not None:  # the norm of all stages' gradients, summed over the pipeline
-            grad_norm = float(pipeline_clip_grad_norm_(params, self.cfg.training.grad_clip or float("inf"),
-                                                       pp_group=self.mesh["pp"]))
+            grad_norm = pipeline_clip_grad_norm_(params, self.cfg.training.grad_clip or float("inf"),
+                                                 pp_group=self.mesh["pp"])
             self.optimizer.step()
             skipped = False
         else:
@@ -230,29 +266,53 @@ class Trainer:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # .item() waits for the device, so the step time measured around this is honest.
-        # Each rank holds its slice's loss (TP ranks and PP stages alike): average the slices.
-        return {"loss": all_reduce_sum(total).item() / (dp * d.tp * d.pp), "grad_norm": grad_norm,
-                "skipped": skipped, "ready_s": ready_s}
+        out = {"loss": None, "grad_norm": None, "skipped": skipped, "ready_s": ready_s,
+               "staging_wait_s": staging_wait_s}
+        if read:
+            out.update(loss=self.read_loss(total), grad_norm=float(grad_norm))
+            # Checked where the loss is read: a non-finite loss poisons the weights, so every
+            # later loss is non-finite too and the next logged step (the last one always is)
+            # catches it. (An fp16 step the scaler skipped left the weights untouched.)
+            if not math.isfinite(out["loss"]) and not skipped:
+                raise TitanliteError(f"loss became {out['loss']} by step {self.step + 1}: lower "
+                                     f"--optimizer.lr (now {self.cfg.optimizer.lr}) or enable clipping")
+        return out
 
-    def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [tuple(t.to(self.device, non_blocking=True) for t in self.data.train.next_batch())
-                for _ in range(self.grad_accum_steps)]
+    def read_loss(self, total: torch.Tensor) -> float:
+        """The global batch's mean loss from this rank's summed loss: each rank holds its
+        slice's loss (TP ranks and PP stages alike), so average the slices. .item() waits for
+        the device, so the step time measured around it is honest."""
+        return all_reduce_sum(total).item() / (self.dims.dp * self.dims.tp * self.dims.pp)
+
+    def next_micro_batches(self) -> MicroBatches:
+        """The next step's micro-batches on the device, with their target count taken on the
+        host before the copy (data/transfer.py says how each copy is made)."""
+        batches = [self.data.train.next_batch() for _ in range(self.grad_accum_steps)]
+        on_device = MicroBatches(to_device(batch, self.device) for batch in batches)
+        on_device.num_targets = sum(count_targets(y) for _, y in batches)
+        return on_device
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        batches = [(x.to(self.device), y.to(self.device))
-                   for x, y in self.data.val.eval_batches(self.cfg.eval.batches)]
+        """Mean validation loss per target token over the batches of *every* data-parallel rank
+        (each reads its own shard of the validation set)."""
+        batches = self.data.val.eval_batches(self.cfg.eval.batches)
         for part in self.model_parts:
             part.eval()
+        loss_total, tokens = 0.0, 0
         with loss_context(self.loss_parallel):
-            if self.pipe is not None:
-                losses = [self.pipe.eval_loss(x, y) for x, y in batches]
-            else:
-                losses = [self.loss_on(x, y).item() for x, y in batches]
+            for batch in batches:
+                x, y = to_device(batch, self.device)
+                mean = self.pipe.eval_loss(x, y) if self.pipe is not None else self.loss_on(x, y).item()
+                n = max(1, count_targets(batch[1]))  # counted on the host copy
+                loss_total, tokens = loss_total + mean * n, tokens + n
         for part in self.model_parts:
             part.train()
-        return sum(losses) / len(losses)
+        if self.dist.distributed:
+            # TP and PP ranks of one slice add the same pair twice over: the ratio is unchanged.
+            both = torch.tensor([loss_total, float(tokens)], dtype=torch.float64, device=self.device)
+            loss_total, tokens = all_reduce_sum(both).tolist()
+        return loss_total / tokens
 
     @torch.no_grad()
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None,
@@ -268,13 +328,12 @@ class Trainer:
                 return ""
             model = build_model(self.model_args, "cpu").to(self.dtype)
             model.load_state_dict(state)
-        e = self.cfg.eval
-        prompt = e.prompt if prompt is None else prompt
+        prompt = self.cfg.eval.prompt if prompt is None else prompt
         ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_token_id or 0]
         x = torch.tensor([ids], device=next(model.parameters()).device)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         model.eval()
-        for _ in range(max_new_tokens or e.sample_tokens):
+        for _ in range(max_new_tokens or self.cfg.eval.sample_tokens):
             with eager():  # prompts of every length would each trigger a recompile
                 logits = model(x[:, -self.model_args.max_seq_len:])
             if hasattr(logits, "full_tensor"):  # TP: vocabulary-sharded logits
@@ -290,117 +349,35 @@ class Trainer:
 
     # ----- the loop -------------------------------------------------------------------------
     def fit(self, callbacks=()) -> History:
-        cfg, t, m = self.cfg, self.cfg.training, self.cfg.metrics
-        run_name = self._same_on_all_ranks(run_name_for(cfg))
-        history = History(run_dir=Path(m.log_dir) / run_name)
-        main, rank = self.dist.is_main, self.dist.rank
-        # Rank 0 writes metrics.jsonl; the others metrics.rank<r>.jsonl (their step times and
-        # memory differ; a straggler shows there). The notebook launcher tails them all.
-        # A restarted attempt appends to the same files.
-        logger = MetricsLogger(history.run_dir, tensorboard=m.tensorboard and main,
-                               filename="metrics.jsonl" if main else f"metrics.rank{rank}.jsonl")
-        if main:
-            self._write_run_info(history.run_dir)
-        goodput = GoodputLog(history.run_dir, enabled=main)
-        history.resumed_from = open_checkpoint(self, history.run_dir, goodput)
-        stragglers = StragglerDetector()
-
-        def emit(record: dict) -> None:
-            if self.dist.distributed:
-                record["rank"] = rank
-            if attempt():
-                record["attempt"] = attempt()
-            logger.log(record)
-            {"train": history.train, "val": history.val}.get(record["kind"], history.checkpoints).append(record)
-            for cb in callbacks:
-                cb(record)
-
-        history.samples[self.step] = self.sample()
-        bar = progress_bar(t.steps, enabled=m.progress and main, initial=self.step)
-        tokens_per_step = self.global_batch * t.seq_len
-        start = time.perf_counter()
+        """Until `training.steps`: take the micro-batches, forward and backward, step. The
+        watchers (watchers.py) log, time, checkpoint, evaluate and sample from the side."""
+        run_dir = Path(self.cfg.metrics.log_dir) / self._same_on_all_ranks(run_name_for(self.cfg))
+        history = History(run_dir=run_dir)
+        # Everything that can refuse this start has run (config, data and layout in __init__,
+        # the checkpoint here) before anything in the run folder changes.
+        history.resumed_from, restore_s = open_checkpoint(self, run_dir)
+        watchers = build_watchers(self, history, callbacks, restore_s)
+        if self.dist.is_main:
+            self._write_run_info(run_dir)
         try:
-            while self.step < t.steps:
-                self._step_start = step_start = time.perf_counter()
-                self._staging_wait_s = 0.0
-                inject_fault(cfg.fault, self.step + 1, self.dist.rank)  # off unless [fault] asks
-                hardware.reset_peak_memory(self.device)
-                lr = self.scheduler.get_last_lr()[0]
-                out = self.train_step(self.next_micro_batches())
+            watchers.on_train_start()
+            while self.step < self.cfg.training.steps:
+                self._step_start = time.perf_counter()
+                watchers.on_step_start(self.step + 1)
+                logged = self._logs_at(self.step + 1)
+                out = self.train_step(self.next_micro_batches(), read=logged)
                 self.step += 1
-                dt = time.perf_counter() - step_start
-                goodput.step(self.step, dt - self._staging_wait_s)
-                if self._staging_wait_s:
-                    goodput.checkpoint(self.step, self._staging_wait_s)
-                loss = out["loss"]
-                if not math.isfinite(loss) and not out["skipped"]:
-                    raise TitanliteError(f"loss became {loss} at step {self.step}: lower "
-                                         f"--optimizer.lr (now {cfg.optimizer.lr}) or enable clipping")
-                ready = gather_ready_times(out["ready_s"], self.device)
-                slow = stragglers.update(ready) if len(ready) > 1 else []
-                if slow and main:
-                    say(f"[step {self.step}] straggler rank(s) {slow}: ready after "
-                        f"{', '.join(f'{ready[r]:.2f}s' for r in slow)} vs median "
-                        f"{sorted(ready)[len(ready) // 2]:.2f}s", bar)
-                tps = tokens_per_step / dt
-                if self.step % m.log_every == 0 or self.step == t.steps:
-                    record = {"kind": "train", "step": self.step, "loss": loss, "lr": lr,
-                              "grad_norm": out["grad_norm"], "tokens_per_sec": tps,
-                              "mfu": hardware.mfu(self.flops_per_token * tps, self.peak),
-                              "mfu_datasheet": hardware.datasheet_mfu(self.flops_per_token * tps / self.dist.world_size, self.device, self.compute_dtype),
-                              "peak_memory_bytes": hardware.peak_memory_bytes(self.device),
-                              **hardware.allocator_readings(self.device),
-                              "step_time_s": dt, "elapsed_s": time.perf_counter() - start,
-                              "tokens": self.step * tokens_per_step, "peak_label": self.peak.label,
-                              "ready_s": out["ready_s"]}
-                    if self.dist.distributed:  # MFU per device: the job's FLOPs over all peaks
-                        record.update(world_size=self.dist.world_size,
-                                      mfu=record["mfu"] / self.dist.world_size)
-                        if main:
-                            record.update(ready_s_by_rank=ready, stragglers=slow)
-                    if self.precision.scaler.is_enabled():
-                        record.update(loss_scale=self.precision.scale, skipped=out["skipped"],
-                                      skipped_steps=self.precision.skipped_steps)
-                    emit(record)
-                if self._checkpoint_due():
-                    saved = self.checkpointer.save(
-                        TrainState(self), self.step,
-                        before_commit=lambda: inject_fault(cfg.fault, self.step, rank, phase="save"))
-                    goodput.checkpoint(self.step, saved.blocked_s)
-                    emit({"kind": "checkpoint", "step": self.step, "blocked_s": saved.blocked_s,
-                          "mode": saved.mode})
-                if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == t.steps):
-                    emit({"kind": "val", "step": self.step, "val_loss": self.evaluate(),
-                          "elapsed_s": time.perf_counter() - start})
-                if cfg.eval.sample_every and self.step % cfg.eval.sample_every == 0:
-                    history.samples[self.step] = self.sample()
-                    if main:
-                        say(f"[step {self.step}] {history.samples[self.step]!r}", bar)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                watchers.on_step_end(StepEnd(self.step, time.perf_counter() - self._step_start,
+                                             out, logged))
         finally:
-            if bar is not None:
-                bar.close()
-            logger.close()
-        if self.checkpointer is not None:  # the last async save commits before we say done
-            blocked = self.checkpointer.wait()
-            self.checkpointer.close()
-            self.checkpointer = None
-            goodput.checkpoint(self.step, blocked)
-        history.samples[self.step] = self.sample()
-        goodput.end()
-        for cb in callbacks:
-            if hasattr(cb, "on_train_end"):
-                cb.on_train_end()
+            watchers.close()
+        watchers.on_train_end()
         return history
 
-    # ----- checkpoints, restarts, stragglers -----------------------------------------------
-    def _checkpoint_due(self) -> bool:
-        every = self.cfg.checkpoint.every
-        return self.checkpointer is not None and (
-            self.step == self.cfg.training.steps or (every > 0 and self.step % every == 0))
+    def _logs_at(self, step: int) -> bool:
+        return step % self.cfg.metrics.log_every == 0 or step == self.cfg.training.steps
 
+    # ----- weights, run info, leaving -------------------------------------------------------
     def save_weights(self, run_dir: str | Path) -> Path:
         """Final weights (safetensors) and tokenizer beside run.json, for `titanlite export-hf`.
         Collective under FSDP: call it on every rank; rank 0 writes."""
@@ -435,12 +412,3 @@ class Trainer:
                 "torch": torch.__version__}
         (run_dir / "run.json").write_text(json.dumps(info, indent=2))
 
-
-if __name__ == "__main__":  # torchrun ... -m titanlite.train --config ...
-    # `record` writes an unexpected exception's traceback to the file torchrun names, so the
-    # launcher can show the failing rank's traceback (TitanliteErrors stay one line).
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from titanlite.cli import main as _cli_main
-    from titanlite.distributed.env import exit_worker
-    exit_worker(record(_cli_main)(["train", *sys.argv[1:]]) or 0)  # see exit_worker

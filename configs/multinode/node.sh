@@ -2,7 +2,7 @@
 # One machine's share of a multi-node titanlite job: start this machine's torchrun agent.
 #
 # Run the same line on every machine, changing only NODE_RANK (0 on the machine named by
-# MASTER_ADDR); the arguments go to titanlite.train unchanged:
+# MASTER_ADDR); the arguments go to `titanlite train` unchanged:
 #
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 NPROC_PER_NODE=8 \
 #       configs/multinode/node.sh --config configs/small.toml --parallel.dp_replicate 2
@@ -71,4 +71,4 @@ fi
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 echo "node.sh: machine $NODE_RANK of $NNODES, $NPROC_PER_NODE processes, rendezvous at $MASTER_ADDR:$MASTER_PORT (job ${RDZV_ID:-titanlite})" >&2
-exec "$TORCHRUN" "${args[@]}" -m titanlite.train "$@"
+exec "$TORCHRUN" "${args[@]}" -m titanlite train "$@"

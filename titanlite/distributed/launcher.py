@@ -5,7 +5,7 @@
 
 `launch` runs exactly what you would type in a shell,
 
-    torchrun --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:P -m titanlite.train --config <run>/config.toml
+    torchrun --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:P -m titanlite train --config <run>/config.toml
 
 and, while it runs, tails every rank's metrics file into your callbacks (the live plot). When a
 rank fails, torchrun stops the others; we then show the failing rank's traceback and raise one
@@ -96,7 +96,7 @@ def launch(cfg=None, nproc: int = 2, *, overrides: dict | None = None, callbacks
     run_dir = check_output_dir(Path(cfg.metrics.log_dir) / name, "run folder (metrics.log_dir)")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg.to_dict()))
-    return _run(["-m", "titanlite.train", "--config", str(run_dir / "config.toml")], nproc, run_dir,
+    return _run(["-m", "titanlite", "train", "--config", str(run_dir / "config.toml")], nproc, run_dir,
                 device=t.device, backend=cfg.parallel.backend, threads=t.threads,
                 callbacks=callbacks, timeout_s=timeout_s, port=port, max_restarts=max_restarts, echo=echo)
 

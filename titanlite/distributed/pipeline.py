@@ -204,7 +204,8 @@ def pipeline_step(schedule, stages: list, x: torch.Tensor, y: torch.Tensor, *, l
     Only the first stage needs `x` and only the last needs `y`, but every rank may pass both.
     `loss_fn`: the TokenLoss the schedule was built with; `num_tokens`: its divisor (default:
     the target tokens of this batch; under data parallelism, the global batch's count / dp)."""
-    loss_fn.num_tokens = num_tokens or max(1, count_targets(y))
+    # `is not None`, not `or`: the divisor may be a device tensor, whose truth value waits for it
+    loss_fn.num_tokens = num_tokens if num_tokens is not None else max(1, count_targets(y))
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     losses = [] if last else None
     extra = {}

@@ -273,8 +273,9 @@ class Precision:
     def scale(self) -> float:
         return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
 
-    def step(self, optimizer, params, grad_clip: float) -> tuple[float, bool]:
-        """Unscale, clip, step (unless the gradients overflowed); returns (grad_norm, skipped)."""
+    def step(self, optimizer, params, grad_clip: float) -> tuple[torch.Tensor, bool]:
+        """Unscale, clip, step (unless the gradients overflowed); returns (grad_norm, skipped),
+        the norm a 0-d tensor on the device (float() it when needed: that waits for the device)."""
         params = [p for p in params if p.grad is not None]
         if self.scaler.is_enabled():  # before unscale_, whose own error names no fix
             for dtype in {p.dtype for p in params}:
@@ -291,5 +292,5 @@ class Precision:
         self.skipped_steps += int(skipped)
         if hasattr(norm, "full_tensor"):  # FSDP: the norm is a DTensor, already summed over ranks
             norm = norm.full_tensor()
-        return float(norm), skipped
+        return norm.detach(), skipped
 
