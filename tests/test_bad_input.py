@@ -23,8 +23,6 @@ from conftest import tiny_overrides
 from titanlite import TitanliteError
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_FOLDER_WRITTEN = pytest.mark.xfail(strict=True, reason="run folder written before acceptance: "
-                                                           "fixed in the loop rewrite")
 
 
 def flags(overrides: dict) -> list[str]:
@@ -286,8 +284,7 @@ def test_bad_output_paths(kind, tmp_path_factory, data_dir, capfd):
     check(code, err)
 
 
-@pytest.mark.parametrize("kind", [k if k in ("log-dir-under-file", "log-dir-is-file")
-                                  else pytest.param(k, marks=RUN_FOLDER_WRITTEN) for k in PATHS])
+@pytest.mark.parametrize("kind", PATHS)
 def test_bad_output_paths_leave_the_disk_unchanged(kind, tmp_path_factory, data_dir, capfd):
     _, _, before, after = _path_outcome(kind, tmp_path_factory, data_dir, capfd)
     assert after == before
@@ -322,7 +319,6 @@ def test_damaged_checkpoints_are_refused_in_one_line(case, trained, data_dir, tm
     assert "delete that step folder" in err
 
 
-@RUN_FOLDER_WRITTEN
 @pytest.mark.parametrize("case", [d[0] for d in DAMAGE])
 def test_damaged_checkpoints_leave_the_disk_unchanged(case, trained, data_dir, tmp_path_factory, capfd):
     _, _, before, after = _damaged_outcome(case, trained, data_dir, tmp_path_factory, capfd)

@@ -71,7 +71,7 @@ def test_weights_round_trip_and_tensorboard(data_dir, tmp_path):
     ({"training.device": "cuda"} if not torch.cuda.is_available() else {"training.device": "cuda:99"},
      r"cuda"),
     ({"data.dataset": "file", "data.path": "/no/such/file.txt"}, r"/no/such/file.txt"),
-    ({"model.preset": "tiny"}, r"unknown model preset 'tiny'"),
+    ({"model.preset": "tiny"}, r"model.preset='tiny' is not one of debug, small"),
 ])
 def test_bad_input_is_one_clear_line(data_dir, tmp_path, extra, message):
     with pytest.raises(TitanliteError, match=message) as e:
