@@ -122,3 +122,10 @@ def test_cuda_index_under_torchrun():
         cuda_index_for(None, local_rank=4, local_world_size=5, device_count=4)
     # One process per node (multi-node, one GPU each): an explicit index is still honoured.
     assert cuda_index_for(1, local_rank=0, local_world_size=1, device_count=2) == 1
+
+
+@pytest.mark.parametrize("capability, mode", [(T4, "fp32"), (V100, "fp32"), (A100, "bf16"), (H100, "bf16")])
+def test_auto_never_picks_the_fp16_scaler_for_sharded_runs(capability, mode):
+    # FSDP/TP/PP refuse fp16 + GradScaler (each rank sees only its shard's overflow): "auto"
+    # must not choose it for the user there; the trainer passes scaler_ok=False.
+    assert default_mixed_precision("cuda", capability, scaler_ok=False) == mode

@@ -139,13 +139,14 @@ def test_clipping_sees_unscaled_gradients():
                             grad_clip=0.0)
     fp16 = Precision("fp16", CPU)
     forward_backward(model, fp16, x, y)
+    ref_norm = float(ref_norm)  # step() returns the norm as a tensor: no host sync per step
     clip = ref_norm / 4
     norm, skipped = fp16.step(torch.optim.SGD(model.parameters(), lr=0.0), model.parameters(),
                               grad_clip=clip)
     # fp16 keeps 11 significant bits (relative rounding 2**-11 ~ 5e-4 per value); through a
     # forward and backward pass the norm moves by well under 1%. Without unscaling it would be
     # 65536 times larger.
-    assert not skipped and norm == pytest.approx(ref_norm, rel=1e-2)
+    assert not skipped and float(norm) == pytest.approx(ref_norm, rel=1e-2)
     clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert clipped.item() == pytest.approx(clip, rel=1e-3), "clipped to grad_clip, in true units"
 
@@ -317,3 +318,15 @@ def test_fp16_weights_with_the_fp16_scaler_are_refused_in_one_line():
     with pytest.raises(TitanliteError) as err:   # not GradScaler's "Attempting to unscale FP16 gradients"
         precision.step(opt, model.parameters(), grad_clip=1.0)
     assert "\n" not in str(err.value) and "--training.dtype float32" in str(err.value)
+
+
+def test_the_trainer_refuses_fp16_weights_with_the_scaler_before_any_step(data_dir, tmp_path):
+    from conftest import tiny_overrides
+    from titanlite.config import load_config
+    from titanlite.train import Trainer
+    cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{"training.dtype": "float16",
+                                                                  "training.mixed_precision": "fp16"}))
+    with pytest.raises(TitanliteError) as err:
+        Trainer(cfg)
+    assert "\n" not in str(err.value) and "--training.dtype float32" in str(err.value)
+    assert not (tmp_path / "runs").exists()  # refused at construction: nothing written

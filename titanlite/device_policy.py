@@ -25,29 +25,34 @@ def _version(text: str | None = None) -> tuple[int, int]:
 
 
 # ---- mixed precision ------------------------------------------------------------------------
-def default_mixed_precision(device_type: str, capability: tuple[int, int] | None = None) -> str:
+def default_mixed_precision(device_type: str, capability: tuple[int, int] | None = None,
+                            scaler_ok: bool = True) -> str:
     """What training.mixed_precision="auto" means on this device.
 
     A CUDA GPU left in fp32 runs its matmuls on CUDA cores (or TF32) and its attention on the
     slowest SDPA kernel; bf16 autocast reaches the tensor cores with no loss scaling. Before
     Ampere there is no bf16 hardware, so fp16 + GradScaler. CPU and MPS keep fp32: a CPU
     without AVX512-BF16/AMX emulates 16-bit matmuls (slower), and MPS's 16-bit support
-    depends on the macOS and torch versions - notebook 03 measures both instead."""
+    depends on the macOS and torch versions - notebook 03 measures both instead.
+    scaler_ok=False (FSDP, TP or PP: the ranks would each see only their shard's overflow)
+    keeps a pre-Ampere GPU in fp32 rather than choosing fp16 + GradScaler for the user."""
     if device_type != "cuda":
         return "fp32"
     if capability is None:
         raise TitanliteError("default_mixed_precision('cuda') needs the GPU's compute capability, "
                              "e.g. torch.cuda.get_device_capability()")
-    return "bf16" if tuple(capability) >= AMPERE else "fp16"
+    if tuple(capability) >= AMPERE:
+        return "bf16"
+    return "fp16" if scaler_ok else "fp32"
 
 
-def resolve_mixed_precision(mode: str, device) -> str:
+def resolve_mixed_precision(mode: str, device, scaler_ok: bool = True) -> str:
     """"auto" resolved for this torch.device (asks CUDA for its capability); others unchanged."""
     if mode != "auto":
         return mode
     device = torch.device(device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return default_mixed_precision(device.type, capability)
+    return default_mixed_precision(device.type, capability, scaler_ok)
 
 
 def tf32_default(device_type: str, capability: tuple[int, int] | None = None) -> bool:

@@ -135,7 +135,10 @@ class Trainer:
         self.micro_batch, self.grad_accum_steps, self.global_batch = resolve_batch(
             cfg.training.batch_size, cfg.training.grad_accum_steps, cfg.training.global_batch_size,
             dp_degree=self.dims.dp)
-        self.precision = Precision(cfg.training.mixed_precision, self.device)
+        # FSDP/TP/PP ranks each see only their shard's overflow: "auto" never picks fp16 there.
+        sharded = self.dims.strategy in ("fsdp", "hsdp") or self.dims.tp > 1 or self.dims.pp > 1
+        self.precision = Precision(cfg.training.mixed_precision, self.device, scaler_ok=not sharded,
+                                   param_dtype=self.dtype)
 
         # Each data-parallel rank reads its own slice of every global batch.
         self.data = build_data(cfg.data.dataset, path=cfg.data.path, tokenizer=cfg.data.tokenizer,

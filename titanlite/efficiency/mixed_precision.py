@@ -237,13 +237,15 @@ class Precision:
     tf32 None: allow TF32 for fp32 CUDA matmuls on SM 8.0+ (a process-wide torch switch)."""
 
     def __init__(self, mode: str, device, init_scale: float = 2.0**16, growth_interval: int = 2000,
-                 tf32: bool | None = None):
+                 tf32: bool | None = None, scaler_ok: bool = True, param_dtype: torch.dtype | None = None):
         check_mode(mode, allow_auto=True)
         device = torch.device(device)
         if not _present(device.type):
             raise TitanliteError(f"mixed precision '{mode}' was asked for on {device.type}, which "
                                  f"this machine does not have: use --training.device auto")
-        mode = resolve_mixed_precision(mode, device)
+        mode = resolve_mixed_precision(mode, device, scaler_ok)
+        if param_dtype is not None:  # known now (the trainer): refuse before any step runs
+            check_param_dtype(mode, param_dtype)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         if tf32 is None:  # fp32 matmuls that remain (and fp32 runs) on TF32 tensor cores
             tf32 = tf32_default(device.type, capability)
