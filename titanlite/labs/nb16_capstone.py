@@ -124,11 +124,12 @@ def run_ladder(cfg, rungs: list[Rung], *, warmup: int, callbacks_for=None, timeo
     batch = cfg.training.batch_size
     plan = row_overrides(rungs)
     plan.append((Rung("baseline (again)", {}, carry=False), {}))
+    uneven = sorted({r.nproc for r, _ in plan if batch % r.nproc})
+    if uneven:  # checked before any job starts: minutes of rows must not end in this error
+        raise TitanliteError(f"training.batch_size={batch} does not split over {uneven[0]} ranks: "
+                             f"use a multiple of {uneven[0]}")
     rows = []
     for rung, overrides in plan:
-        if batch % rung.nproc:
-            raise TitanliteError(f"training.batch_size={batch} does not split over {rung.nproc} ranks: "
-                                 f"use a multiple of {rung.nproc}")
         overrides = {**overrides, "training.batch_size": batch // rung.nproc,
                      "metrics.run_name": f"{cfg.metrics.run_name or 'ladder'}-{_slug(rung.name)}"}
         _fresh(cfg, overrides["metrics.run_name"])
