@@ -96,3 +96,11 @@ def test_uneven_batch_is_refused_before_any_job_starts():
     cfg.training.batch_size = 3
     with pytest.raises(TitanliteError, match="does not split over 2 ranks"):
         lab.run_ladder(cfg, lab.ladder(2, 2), warmup=1)
+
+
+def test_drill_band_grows_with_what_mean_step_charging_misses():
+    measured = {"wall_s": 100.0, "lost_s": 1.0, "goodput": 0.4}
+    tight = lab.DrillCheck(measured, {"goodput": 0.4}, [2], 1, step_s=1.0)
+    assert tight.band == pytest.approx(0.03) and tight.error == 0
+    compiled = lab.DrillCheck(measured, {"goodput": 0.38}, [2], 1, step_s=7.0)  # a long compile step in the mean
+    assert compiled.band == pytest.approx(0.09) and abs(compiled.error) < compiled.band
