@@ -60,7 +60,8 @@ NO_BAD_VALUE = {"data.path", "data.tokenizer", "data.data_dir", "checkpoint.fold
                 "checkpoint.load"}
 
 PATTERN_BAD = {"data.dataset": ["", "imagenet", "file:"], "training.device": ["gpu", "cuda:x"],
-               "eval.prompt": [""], "metrics.log_dir": [""], "metrics.run_name": ["a/b", ".."]}
+               "eval.prompt": [""], "metrics.log_dir": [""], "metrics.run_name": ["a/b", ".."],
+               "compile.backend": ["", "in ductor", "-O3"]}
 
 
 def _bad_values(key: str, f) -> list:

@@ -185,7 +185,9 @@ class CompileSection:
     enable: bool = False
     scope: str = one_of("regional", "model")  # regional: each transformer block
     fallback: bool = True  # if compiling fails here, warn once and train eagerly
-    backend: str = "inductor"  # torch.compile backend (aot_eager: no code generation, e.g. on MPS)
+    # torch.compile backend (aot_eager: no code generation, e.g. on MPS); a registered name
+    backend: str = matching("inductor", r"[A-Za-z_][A-Za-z0-9_.]*",
+                            "a torch.compile backend name such as inductor, aot_eager or eager")
 
 
 @dataclass
