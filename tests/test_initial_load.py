@@ -100,19 +100,22 @@ def test_first_loss_equals_transformers_in_one_process(data_dir, tmp_path, tie):
                            hf.model.embed_tokens.weight)
 
 
-@pytest.mark.parametrize("layout, tie", [
-    ({"parallel.dp_shard": 2}, True),                    # FSDP: each rank reads half of each tensor
-    ({"parallel.dp_shard": 1, "parallel.tp": 2}, False),  # TP: column / row slices
-    ({"parallel.dp_shard": 1, "parallel.pp": 2}, False),  # PP: each stage reads its layers only
-], ids=["fsdp", "tp", "pp"])
-def test_first_loss_equals_transformers_on_two_ranks(data_dir, tmp_path, layout, tie):
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, tie, nproc", [
+    ({"parallel.dp_shard": 2}, True, 2),                    # FSDP: each rank reads half a tensor
+    ({"parallel.dp_shard": 1, "parallel.tp": 2}, False, 2),  # TP: column / row slices
+    ({"parallel.dp_shard": 1, "parallel.pp": 2}, False, 2),  # PP: each stage reads its layers only
+    # FSDP over TP shards: FSDP cuts each TP slice again (a strided shard of the whole).
+    ({"parallel.dp_shard": 2, "parallel.tp": 2}, True, 4),
+], ids=["fsdp", "tp", "pp", "fsdp+tp"])
+def test_first_loss_equals_transformers_on_several_ranks(data_dir, tmp_path, layout, tie, nproc):
     from titanlite.distributed.launcher import launch
 
     hf = write_checkpoint(tmp_path / "hf", tie)
     cfg = load_config(None, overrides(data_dir, tmp_path, tmp_path / "hf", **layout))
-    dp = layout["parallel.dp_shard"] if layout["parallel.dp_shard"] > 1 else 1
+    dp = layout["parallel.dp_shard"]
     expected = hf_loss(hf, cfg, dp=dp)  # also builds the token cache the ranks then share
-    result = launch(cfg, nproc=2, timeout_s=300)
+    result = launch(cfg, nproc=nproc, timeout_s=400)
     assert result.train[0]["step"] == 1
     assert result.train[0]["loss"] == pytest.approx(expected, rel=1e-5)
 
