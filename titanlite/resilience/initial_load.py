@@ -75,12 +75,11 @@ def load_initial_weights(parts: list[torch.nn.Module], path: str | Path,
     from torch.distributed.checkpoint import CheckpointException, load
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict)
-    try:  # public in torch.distributed.checkpoint since torch 2.8
+    try:  # public in every torch titanlite supports (2.11+); torchtitan imports it alike
         from torch.distributed.checkpoint import HuggingFaceStorageReader
     except ImportError:
-        raise TitanliteError(f"checkpoint.initial_load_path needs torch >= 2.8 (its DCP "
-                             f"HuggingFaceStorageReader); this is torch {torch.__version__}: "
-                             f"upgrade torch") from None
+        raise TitanliteError(f"checkpoint.initial_load_path needs DCP's HuggingFaceStorageReader, "
+                             f"missing from torch {torch.__version__}: upgrade torch to >= 2.11") from None
 
     start = time.perf_counter()
     path = Path(path).expanduser()
