@@ -30,7 +30,7 @@ from .data.transfer import to_device
 from .efficiency import apply_efficiency  # noqa: F401  (re-exported: titanlite.train.apply_efficiency)
 from .efficiency.accumulation import count_targets, loss_sum, resolve_batch
 from .efficiency.mixed_precision import Precision
-from ._ui import eager
+from ._ui import eager, say
 from .distributed.ddp import grad_sync
 from .distributed.env import all_reduce_sum, destroy_distributed, init_distributed
 from .distributed.fsdp import precompute_fp8_scales
@@ -359,8 +359,10 @@ class Trainer:
         history.resumed_from, restore_s = open_checkpoint(self, run_dir)
         if history.resumed_from is None and self.cfg.checkpoint.initial_load_path:
             # A published model's weights, only when no titanlite checkpoint took precedence.
-            load_initial_weights(self.model_parts, self.cfg.checkpoint.initial_load_path,
-                                 self.model_args.tie_embeddings)
+            seconds = load_initial_weights(self.model_parts, self.cfg.checkpoint.initial_load_path,
+                                           self.model_args.tie_embeddings)
+            if self.dist.is_main:
+                say(f"started from {self.cfg.checkpoint.initial_load_path} ({seconds:.1f}s to load)", None)
         watchers = build_watchers(self, history, callbacks, restore_s)
         if self.dist.is_main:
             self._write_run_info(run_dir)
