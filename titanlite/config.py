@@ -244,6 +244,10 @@ class CheckpointSection:
     keep_latest_k: int = ranged(2, "[0, inf)")  # committed checkpoints kept; 0 keeps all
     resume: bool = True  # start from the newest committed checkpoint in `folder`, if any
     load: str | None = None  # or from this checkpoint (e.g. another run's; resharded on load)
+    # Start from a Hugging Face Llama directory (config.json + *.safetensors + tokenizer.json):
+    # its shape and tokenizer, fresh optimizer, step 0. A titanlite checkpoint found by resume
+    # (or given as `load`) takes precedence. See titanlite/resilience/initial_load.py.
+    initial_load_path: str | None = None
     # before loading, check every file's size and CRC-32 | only "size"
     verify: str = one_of("crc", "size")
 

@@ -30,7 +30,7 @@ from .data.transfer import to_device
 from .efficiency import apply_efficiency  # noqa: F401  (re-exported: titanlite.train.apply_efficiency)
 from .efficiency.accumulation import count_targets, loss_sum, resolve_batch
 from .efficiency.mixed_precision import Precision
-from ._ui import eager
+from ._ui import eager, say
 from .distributed.ddp import grad_sync
 from .distributed.env import all_reduce_sum, destroy_distributed, init_distributed
 from .distributed.fsdp import precompute_fp8_scales
@@ -41,6 +41,7 @@ from .errors import TitanliteError
 from .models.from_config import model_args_for
 from .models.llama import Transformer, build_model
 from .resilience.faults import check_fault
+from .resilience.initial_load import load_initial_weights, tokenizer_for
 from .resilience.resume import open_checkpoint, run_name_for
 from .watchers import StepEnd, build_watchers
 from .weights import load_weights  # noqa: F401  (re-exported: titanlite.train.load_weights)
@@ -141,7 +142,7 @@ class Trainer:
                                    param_dtype=self.dtype)
 
         # Each data-parallel rank reads its own slice of every global batch.
-        self.data = build_data(cfg.data.dataset, path=cfg.data.path, tokenizer=cfg.data.tokenizer,
+        self.data = build_data(cfg.data.dataset, path=cfg.data.path, tokenizer=tokenizer_for(cfg),
                                vocab_size=cfg.data.vocab_size, seq_len=cfg.training.seq_len,
                                batch_size=cfg.training.batch_size, val_fraction=cfg.data.val_fraction,
                                seed=cfg.training.seed, data_dir=cfg.data.data_dir,
@@ -359,6 +360,12 @@ class Trainer:
         # Everything that can refuse this start has run (config, data and layout in __init__,
         # the checkpoint here) before anything in the run folder changes.
         history.resumed_from, restore_s = open_checkpoint(self, run_dir)
+        if history.resumed_from is None and self.cfg.checkpoint.initial_load_path:
+            # A published model's weights, only when no titanlite checkpoint took precedence.
+            seconds = load_initial_weights(self.model_parts, self.cfg.checkpoint.initial_load_path,
+                                           self.model_args.tie_embeddings)
+            if self.dist.is_main:
+                say(f"started from {self.cfg.checkpoint.initial_load_path} ({seconds:.1f}s to load)", None)
         watchers = build_watchers(self, history, callbacks, restore_s)
         if self.dist.is_main:
             self._write_run_info(run_dir)

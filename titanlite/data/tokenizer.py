@@ -95,7 +95,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         if path.is_file():
             tok = wrap(Tokenizer.from_file(str(path)))
         elif (path / "tokenizer.json").is_file():
-            tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+            # A checkpoint's own tokenizer (e.g. Llama 3's 128K vocabulary), never downloaded.
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
         else:
             raise TitanliteError(f"no tokenizer at {path} (expected a tokenizer.json file or a "
                                  "folder containing one); check the path, or pass "

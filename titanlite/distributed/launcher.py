@@ -83,9 +83,11 @@ def launch(cfg=None, nproc: int = 2, *, overrides: dict | None = None, callbacks
     p = cfg.parallel
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, nproc, tp=p.tp, pp=p.pp)
     # The model's shape decides which TP/PP degrees work (its vocabulary is the tokenizer's
-    # for the small presets: the configured size when titanlite trains the tokenizer).
+    # for the small presets: the configured size when titanlite trains the tokenizer; a
+    # checkpoint given by initial_load_path brings its own).
     from ..models.from_config import model_args_for
-    args = model_args_for(cfg, cfg.data.vocab_size if cfg.data.tokenizer is None else 1)
+    trains_tokenizer = cfg.data.tokenizer is None and not cfg.checkpoint.initial_load_path
+    args = model_args_for(cfg, cfg.data.vocab_size if trains_tokenizer else 1)
     check_parallel_config(cfg, dims, args)
     t = cfg.training
     check_fault(cfg.fault, t.steps, nproc)

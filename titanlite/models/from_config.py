@@ -12,11 +12,15 @@ VOCAB_FROM_TOKENIZER = ("debug", "small")
 def model_args_for(cfg, tokenizer_vocab: int) -> ModelArgs:
     """ModelArgs for `cfg.model` (a titanlite Config), checked against the tokenizer and seq_len."""
     m = cfg.model
-    args = ModelArgs.preset(m.preset, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
-                            n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
-                            max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings)
-    if m.vocab_size is None and m.preset in VOCAB_FROM_TOKENIZER:
-        args.vocab_size = tokenizer_vocab
+    if cfg.checkpoint.initial_load_path:  # a published checkpoint's shape, not a preset's
+        from ..resilience.initial_load import checkpoint_model_args
+        args = checkpoint_model_args(cfg)
+    else:
+        args = ModelArgs.preset(m.preset, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
+                                n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
+                                max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings)
+        if m.vocab_size is None and m.preset in VOCAB_FROM_TOKENIZER:
+            args.vocab_size = tokenizer_vocab
     if args.vocab_size < tokenizer_vocab:
         raise TitanliteError(
             f"the tokenizer has {tokenizer_vocab} tokens but the model's vocab_size is "

@@ -264,19 +264,34 @@ def from_hf(src, dtype: torch.dtype | None = None, device: torch.device | str = 
     return model
 
 
+def read_hf_config(path: str | Path):
+    """The `LlamaConfig` of a save_pretrained directory, checked to hold safetensors weights;
+    offline (local_files_only), and one line naming the problem if the directory is not one."""
+    from transformers import AutoConfig
+
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise TitanliteError(f"no Hugging Face checkpoint directory at '{path}': download one "
+                             f"first (huggingface-cli download <repo> --local-dir {path}) or fix "
+                             f"the path")
+    if not (path / "config.json").is_file():
+        raise TitanliteError(f"'{path}' has no config.json: point at a directory written by "
+                             f"save_pretrained / titanlite's to_hf / huggingface-cli download")
+    if not sorted(path.glob("*.safetensors")):
+        raise TitanliteError(f"'{path}' holds no *.safetensors weights: re-save it with "
+                             f"save_pretrained(..., safe_serialization=True)")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as err:  # a damaged or foreign config.json
+        raise TitanliteError(f"cannot read '{path / 'config.json'}' ({str(err)[:160]}); "
+                             f"re-download the checkpoint") from None
+
+
 def _read_dir(path: Path):
     """(LlamaConfig, {name: tensor}) from a save_pretrained directory, via safetensors so no
     second full HF model is built in memory."""
-    from transformers import AutoConfig
-
-    if not (path / "config.json").is_file():
-        raise TitanliteError(f"'{path}' has no config.json: point from_hf at a directory "
-                             f"written by save_pretrained / titanlite's to_hf")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = read_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise TitanliteError(f"'{path}' holds no *.safetensors weights: re-save it with "
-                             f"save_pretrained(..., safe_serialization=True)")
     from safetensors.torch import load_file
     tensors = {}
     for f in files:
