@@ -41,3 +41,19 @@ def test_readme_gives_two_commands_and_ci_runs_the_test_one():
 def test_console_script_is_declared():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["titanlite"] == "titanlite.cli:main"
+
+
+def test_license_is_an_spdx_string_setuptools_reads_without_a_deprecation_warning():
+    """A license *table* made `pip install -e .` print the same deprecation warning three times."""
+    import warnings
+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert isinstance(project["project"]["license"], str)
+    assert "setuptools>=77" in project["build-system"]["requires"][0]  # first to accept SPDX strings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_configuration(Distribution(), ROOT / "pyproject.toml")
+    assert not [w for w in caught if "license" in str(w.message).lower()], [str(w.message) for w in caught]
