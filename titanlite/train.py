@@ -344,18 +344,21 @@ class Trainer:
                         f"{sorted(ready)[len(ready) // 2]:.2f}s", bar)
                 tps = tokens_per_step / dt
                 if self.step % m.log_every == 0 or self.step == t.steps:
+                    achieved = self.flops_per_token * tps / self.dist.world_size  # per device, as the peak is
+                    if not self.dist.distributed:  # ranks sharing a machine would disturb a re-measurement
+                        self.peak = hardware.recheck_peak(achieved, self.peak, self.device,
+                                                          self.compute_dtype, say=lambda s: say(s, bar))
                     record = {"kind": "train", "step": self.step, "loss": loss, "lr": lr,
                               "grad_norm": out["grad_norm"], "tokens_per_sec": tps,
-                              "mfu": hardware.mfu(self.flops_per_token * tps, self.peak),
-                              "mfu_datasheet": hardware.datasheet_mfu(self.flops_per_token * tps / self.dist.world_size, self.device, self.compute_dtype),
+                              "mfu": hardware.mfu(achieved, self.peak),
+                              "mfu_datasheet": hardware.datasheet_mfu(achieved, self.device, self.compute_dtype),
                               "peak_memory_bytes": hardware.peak_memory_bytes(self.device),
                               **hardware.allocator_readings(self.device),
                               "step_time_s": dt, "elapsed_s": time.perf_counter() - start,
                               "tokens": self.step * tokens_per_step, "peak_label": self.peak.label,
                               "ready_s": out["ready_s"]}
-                    if self.dist.distributed:  # MFU per device: the job's FLOPs over all peaks
-                        record.update(world_size=self.dist.world_size,
-                                      mfu=record["mfu"] / self.dist.world_size)
+                    if self.dist.distributed:  # MFU is per device: the job's FLOPs over all peaks
+                        record.update(world_size=self.dist.world_size)
                         if main:
                             record.update(ready_s_by_rank=ready, stragglers=slow)
                     if self.precision.scaler.is_enabled():
