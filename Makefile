@@ -21,8 +21,14 @@ $(VENV)/.installed: pyproject.toml
 # Jupyter refuses to run as root unless told; containers and lab machines often are root.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
+# On its first start JupyterLab asks in a pop-up whether to fetch Jupyter news, right over the
+# notebook's plots. configs/jupyterlab/overrides.json answers "no" (fetchNews "false", no update
+# checks) as a default the learner can still change under Settings. LAB_ARGS passes more options:
+#   make lab LAB_ARGS="--ip 0.0.0.0 --port 8888"     (a lab node, reached from your browser)
+LAB_ARGS ?=
+
 lab: setup  ## the workbook: JupyterLab on notebooks/
-	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/
+	$(BIN)/jupyter lab $(ROOT_FLAG) "--LabApp.app_settings_dir=$(CURDIR)/configs/jupyterlab" $(LAB_ARGS) notebooks/
 
 train: setup  ## the quick training run, headless
 	$(BIN)/titanlite train --config configs/debug.toml

@@ -95,3 +95,49 @@ def test_a_torchrun_worker_imports_the_trainer_once(data_dir, tmp_path):
     seen = json.loads(report.read_text())
     assert seen == {"copies": ["titanlite.train"], "code": 0, "main": "titanlite.__main__"}
     assert (tmp_path / "runs" / "t" / "model.safetensors").is_file()  # the run itself finished
+
+
+def test_train_help_lists_every_section_and_key_with_its_default_and_comment():
+    import dataclasses
+
+    from titanlite.config import Config
+    r = titanlite("train", "--help")
+    assert r.returncode == 0, r.stderr
+    for section in dataclasses.fields(Config):
+        assert f"[{section.name}]" in r.stdout
+        for f in dataclasses.fields(getattr(Config(), section.name)):
+            assert f"--{section.name}.{f.name} " in r.stdout, f"{section.name}.{f.name} missing"
+    assert "--training.steps 200" in r.stdout and "optimizer steps" in r.stdout  # trailing comment
+    assert "--training.dtype float32" in r.stdout and "parameter (and optimizer state) dtype" in r.stdout  # comment above
+    assert "--scheduler.decay cosine" in r.stdout and "one of cosine, linear, constant" in r.stdout
+    assert "--eval.prompt 'The '" in r.stdout  # a default with a space shows it
+
+
+def test_every_listed_default_is_accepted_back_as_an_override():
+    """The help shows defaults as one would type them: feeding them all back changes nothing."""
+    import re
+
+    from titanlite.config import Config, load_config
+    from titanlite._config_help import overrides_help
+    pairs = re.findall(r"^    (--\S+) ('[^']*'|\S+)", overrides_help(), re.M)
+    args = [a for flag, value in pairs for a in (flag, value.strip("'") if value.startswith("'") else value)]
+    assert len(pairs) > 80 and load_config(None, args) == Config()
+
+
+@pytest.mark.parametrize("typo, line", [
+    ("trian", "titanlite: error: unknown command 'trian': did you mean 'train'?"),
+    ("export-ckeckpoint", "titanlite: error: unknown command 'export-ckeckpoint': did you mean 'export-checkpoint'?"),
+    ("zzz", "titanlite: error: unknown command 'zzz': use one of train, peaks"),
+])
+def test_an_unknown_command_is_one_line_with_the_nearest_one(typo, line):
+    r = titanlite(typo, "--config", "configs/debug.toml")
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(line), r.stderr
+
+
+def test_export_checkpoint_help_is_a_full_sentence():
+    r = titanlite("--help")
+    line = " ".join(r.stdout.rsplit("export-checkpoint", 1)[-1].split())
+    assert line.startswith("write a distributed checkpoint") and "torch.save file" in line
+    r = titanlite("export-checkpoint", "--help")
+    assert "Write a distributed checkpoint" in r.stdout and "step-N folder" in r.stdout

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -159,6 +160,59 @@ def test_unwritable_cache_warns_but_returns_the_peak(counted_measure, monkeypatc
 def test_cache_dir_defaults_to_home(monkeypatch):
     monkeypatch.delenv("TITANLITE_CACHE_DIR", raising=False)
     assert hardware.cache_dir() == Path.home() / ".cache" / "titanlite"
+
+
+FRESH = {"flops": 1e11, "label": "measured", "measured_at": 1_000_000.0, "threads": 4,
+         "torch": "2.13.0", "device": "Some CPU (CPU, 4 threads)"}
+
+
+def _stale(entry=FRESH, now=1_000_000.0 + 3600, threads=4, torch_version="2.13.0",
+           device_name="Some CPU (CPU, 4 threads)"):
+    return hardware.peak_is_stale(entry, now, threads, torch_version, device_name)
+
+
+def test_a_fresh_peak_of_the_same_machine_is_not_stale():
+    assert _stale() is None
+    assert _stale(now=FRESH["measured_at"] + hardware.PEAK_MAX_AGE_S) is None
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"now": 1_000_000.0 + 8 * 86400}, "8.0 days ago"),
+    ({"now": 1_000_000.0 - 60}, "days ago"),  # the clock went backwards: trust nothing
+    ({"threads": 16}, "threads=4, now 16"),
+    ({"torch_version": "2.11.0"}, "torch='2.13.0', now '2.11.0'"),
+    ({"device_name": "NVIDIA H100 80GB HBM3"}, "device="),
+    ({"entry": {k: v for k, v in FRESH.items() if k != "measured_at"}}, "no usable"),  # old format
+    ({"entry": None}, "no usable"),
+])
+def test_a_peak_is_stale_when_old_or_measured_elsewhere(change, reason):
+    assert reason in _stale(**change)
+
+
+def test_an_expired_cache_entry_is_measured_again(counted_measure, tmp_path, monkeypatch):
+    hardware.matmul_peak("cpu", torch.float32)
+    real_time = time.time
+    monkeypatch.setattr(hardware.time, "time", lambda: real_time() + hardware.PEAK_MAX_AGE_S + 60)
+    again = hardware.matmul_peak("cpu", torch.float32)
+    assert len(counted_measure) == 2 and "[cached" not in again.label
+    entry = next(iter(json.loads((tmp_path / "matmul_peaks.json").read_text()).values()))
+    assert entry["threads"] == torch.get_num_threads() and entry["torch"] == torch.__version__
+    assert entry["device"] == hardware.device_name("cpu")
+
+
+def test_a_run_beating_its_peak_re_measures_it_once(counted_measure, monkeypatch):
+    monkeypatch.setattr(hardware, "_RECHECKED", set())
+    cached = hardware.matmul_peak("cpu", torch.float32)
+    said = []
+    assert hardware.recheck_peak(cached.flops / 2, cached, "cpu", torch.float32, say=said.append) is cached
+    fresh = hardware.recheck_peak(cached.flops * 2, cached, "cpu", torch.float32, say=said.append)
+    assert len(counted_measure) == 2 and fresh.flops != cached.flops and "[cached" not in fresh.label
+    assert len(said) == 1 and "above the peak" in said[0] and "re-measured" in said[0]
+    # Still beaten: no third measurement (mfu() warns instead), and datasheet peaks are left alone.
+    assert hardware.recheck_peak(fresh.flops * 2, fresh, "cpu", torch.float32, say=said.append) is fresh
+    sheet = Peak(1.0, "datasheet", "datasheet: test")
+    assert hardware.recheck_peak(10.0, sheet, "cpu", torch.float16, say=said.append) is sheet
+    assert len(counted_measure) == 2 and len(said) == 1
 
 
 # ---- datasheet -----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.distributed import launch
-from titanlite.distributed.launcher import _check_machine, job_processes
+from titanlite.distributed.launcher import STOP_GRACE_S, _check_machine, job_processes
 from titanlite.train import Trainer
 
 from conftest import tiny_overrides
@@ -128,11 +128,17 @@ def test_the_launcher_timeout_stops_a_job(data_dir, tmp_path):
     _assert_no_job_processes()
 
 
-def test_interrupting_the_kernel_leaves_no_process(data_dir, tmp_path):
-    """What a notebook's interrupt button does: SIGINT to the process running `launch`."""
+def _start_driver(data_dir, tmp_path) -> subprocess.Popen:
+    """A process that launches a long 2-rank job, as a notebook kernel does, and prints STEP
+    once training is under way."""
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(f"""
-        import sys
+        import signal, sys
+        # A kernel handles Ctrl-C (ipykernel installs its handler). Python only installs its
+        # own if SIGINT is not ignored at start-up - and a non-interactive shell starts
+        # background jobs (`make test &` in a script) with SIGINT ignored, which made this
+        # test wait out its timeout. So, like the kernel, install it ourselves.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, {str(os.path.dirname(__file__))!r})
         from conftest import tiny_overrides
         from pathlib import Path
@@ -146,19 +152,58 @@ def test_interrupting_the_kernel_leaves_no_process(data_dir, tmp_path):
                 print("STEP", flush=True)
         launch(load_config(None, o), nproc=2, callbacks=[announce], timeout_s=600)
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                             stderr=subprocess.PIPE)
+
+
+def _kill_job_processes():
+    for pid in _our_processes():  # after a failed test: a 10,000-step job must not run on
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_interrupting_the_kernel_leaves_no_process(data_dir, tmp_path):
+    """What a notebook's interrupt button does: SIGINT to the process running `launch`."""
+    proc = _start_driver(data_dir, tmp_path)
     driver = proc.pid
     try:
         assert proc.stdout.readline().strip() == "STEP"  # training is under way
         ranks = _our_processes()
         assert len(ranks) >= 3  # torchrun and two ranks
         proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
         _, err = proc.communicate(timeout=60)
+        stopped_s = time.monotonic() - start
     finally:
         proc.kill()
+        _kill_job_processes()
     assert "KeyboardInterrupt" in err and "stopped all 2 ranks" in err
     assert not [p for p in ranks if _alive(p) and p != driver], "ranks survived the interrupt"
+    # The launcher's grace period, plus the driver's own exit on a busy machine.
+    assert stopped_s < STOP_GRACE_S + 25, f"took {stopped_s:.0f} s to stop"
+
+
+def test_a_killed_kernel_takes_its_job_with_it(data_dir, tmp_path):
+    """Restarting a kernel can SIGKILL it, with no chance to clean up: the kernel asks Linux to
+    SIGTERM torchrun when it dies, and each rank asks to be killed with torchrun."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("parent-death signals are Linux's")
+    proc = _start_driver(data_dir, tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "STEP"
+        ranks = _our_processes()
+        assert len(ranks) >= 3
+        proc.kill()
+        proc.communicate(timeout=30)
+        deadline = time.monotonic() + 60
+        while [p for p in ranks if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [p for p in ranks if _alive(p)], "torchrun or ranks outlived the killed kernel"
+    finally:
+        proc.kill()
+        _kill_job_processes()
 
 
 def test_bad_launches_fail_before_starting_anything(data_dir, tmp_path):

@@ -18,13 +18,16 @@ alike (bad input is the same everywhere) is printed once, by the first rank to g
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import hashlib
 import os
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
+from ._config_help import overrides_help
 from .errors import TitanliteError
 
 
@@ -122,8 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party()  # before anything imports torchao: its "Failed to load" lines are noise
     parser = argparse.ArgumentParser(prog="titanlite", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a model; any --section.key value overrides the config")
-    p.add_argument("--config", help="TOML file (see configs/)")
+    p = sub.add_parser("train", help="train a model; any --section.key value overrides the config",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       usage="titanlite train [-h] [--config TOML] [--section.key VALUE ...]",
+                       description=textwrap.fill(
+                           "Train a model. Settings start from the defaults below, then the "
+                           "--config file, then --section.key VALUE overrides (e.g. --training.steps "
+                           "50); every key is checked before any work starts.", 88),
+                       epilog=overrides_help())
+    p.add_argument("--config", metavar="TOML", help="a TOML file with [section] tables of the keys "
+                                                    "below (examples in configs/)")
     p.set_defaults(func=_train)
     p = sub.add_parser("peaks", help="measure (and cache) this device's matmul peaks per dtype")
     p.add_argument("--device", default="auto")
@@ -133,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir")
     p.add_argument("out_dir")
     p.set_defaults(func=_export_hf)
-    p = sub.add_parser("export-checkpoint", help="a distributed checkpoint (runs/<name>/checkpoints/"
-                       "step-N) as one file or a Hugging Face directory")
-    p.add_argument("checkpoint")
-    p.add_argument("out")
+    sentence = ("Write a distributed checkpoint (runs/<name>/checkpoints/step-N) out as a Hugging "
+                "Face directory or as a single torch.save file.")
+    p = sub.add_parser("export-checkpoint", help=sentence[0].lower() + sentence[1:-1],
+                       description=sentence)
+    p.add_argument("checkpoint", help="a committed checkpoint's step-N folder")
+    p.add_argument("out", help="where to write it: a folder (hf) or a file (torch, torch-full)")
     p.add_argument("--format", choices=("hf", "torch", "torch-full"), default="hf",
                    help="hf: LlamaForCausalLM directory; torch: the weights in one torch.save "
                         "file; torch-full: the whole training state in one file")
@@ -149,6 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/doctor", help="where report.md and report.json go")
     p.set_defaults(func=_doctor)
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command is not None and command not in sub.choices:
+        # argparse would print the usage and "invalid choice: ... (choose from ...)": two lines
+        # that bury the likely typo. One line, the nearest command, exit 2 as argparse does.
+        near = difflib.get_close_matches(command, list(sub.choices), n=1, cutoff=0.5)
+        hint = f": did you mean '{near[0]}'?" if near else f": use one of {', '.join(sub.choices)}"
+        return _report(f"unknown command '{command}'{hint}", 2)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "train":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

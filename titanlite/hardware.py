@@ -2,7 +2,8 @@
 
 MFU (model FLOPs utilisation) = achieved FLOP/s / peak FLOP/s, so it is only as honest as the
 peak. Here the default peak is *measured*: the best square-matmul rate this device reaches in
-this dtype (`matmul_peak`, cached per device/dtype/threads/torch version). Vendor datasheet
+this dtype (`matmul_peak`, cached per device/dtype/threads/torch version for at most a week,
+and re-measured once if a run beats it: `recheck_peak`). Vendor datasheet
 peaks exist for common GPUs (`datasheet_peak`), always labelled "datasheet": they are upper
 bounds that real kernels fall short of, and a CPU has none worth quoting.
 
@@ -236,22 +237,53 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TITANLITE_CACHE_DIR") or Path.home() / ".cache" / "titanlite")
 
 
+PEAK_MAX_AGE_S = 7 * 24 * 3600  # a week: long enough to save the seconds, short enough to
+# forget a measurement taken while something else was hogging the machine
+
+
+def peak_is_stale(entry, now: float, threads: int, torch_version: str, device_name: str) -> str | None:
+    """Why a cached peak must be measured again, or None if it can be used.
+
+    A peak is a fact about one machine in one state: it changes with the thread count, the torch
+    build (new kernels) and the device, and a measurement taken on a busy machine stays too low
+    for as long as it is cached - inflating every later MFU. So entries carry those facts and
+    expire after PEAK_MAX_AGE_S. Pure function of its arguments, so it is testable anywhere."""
+    if not isinstance(entry, dict) or not {"flops", "label", "measured_at"} <= entry.keys():
+        return "no usable cache entry"
+    age = now - float(entry["measured_at"])
+    if not 0 <= age <= PEAK_MAX_AGE_S:  # negative: a clock change; do not trust it either
+        return f"measured {age / 86400:.1f} days ago (more than {PEAK_MAX_AGE_S / 86400:.0f})"
+    for fact, value in (("threads", threads), ("torch", torch_version), ("device", device_name)):
+        if entry.get(fact) != value:
+            return f"measured with {fact}={entry.get(fact)!r}, now {value!r}"
+    return None
+
+
+def _cache_facts(device) -> dict:
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__,
+            "device": device_name(device)}
+
+
 def matmul_peak(device, dtype, refresh: bool = False) -> Peak:
-    """Measured matmul peak, cached on disk: measuring costs seconds, every run needs it."""
+    """Measured matmul peak, cached on disk: measuring costs seconds, every run needs it.
+    Re-measured when asked (refresh) or when `peak_is_stale` says the cached one is out of date."""
     device = torch.device(device)
+    facts = _cache_facts(device)
     # Everything that changes the answer is in the key: a new torch or thread count re-measures.
-    key = (f"{device_name(device)} | {_matmul_label(device, dtype)} | "
-           f"threads={torch.get_num_threads()} | torch={torch.__version__}")
+    key = (f"{facts['device']} | {_matmul_label(device, dtype)} | "
+           f"threads={facts['threads']} | torch={facts['torch']}")
     path = cache_dir() / "matmul_peaks.json"
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):  # missing or corrupt: start afresh rather than fail
         table = {}
     entry = table.get(key)
-    if not refresh and isinstance(entry, dict) and {"flops", "label", "when"} <= entry.keys():
+    if not refresh and not peak_is_stale(entry, time.time(), facts["threads"], facts["torch"],
+                                         facts["device"]):
         return Peak(entry["flops"], "measured", f"{entry['label']} [cached {entry['when']}]")
     peak = measure_matmul_peak(device, dtype)
-    table[key] = {"flops": peak.flops, "label": peak.label, "when": time.strftime("%Y-%m-%d %H:%M")}
+    table[key] = {"flops": peak.flops, "label": peak.label, "when": time.strftime("%Y-%m-%d %H:%M"),
+                  "measured_at": time.time(), **facts}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Write-then-rename: a reader (or a crash) never sees half a JSON file.
@@ -263,6 +295,34 @@ def matmul_peak(device, dtype, refresh: bool = False) -> Peak:
         warnings.warn(f"could not cache the matmul peak in {path} ({e}): set TITANLITE_CACHE_DIR "
                       "to a writable folder", RuntimeWarning, stacklevel=2)
     return peak
+
+
+_RECHECKED: set[str] = set()
+
+
+def recheck_peak(achieved_flops_per_s: float, peak: Peak, device, dtype, say=print) -> Peak:
+    """The peak to keep using after a device achieved `achieved_flops_per_s`.
+
+    Achieving more than the peak means the peak is wrong - most often measured while the machine
+    was busy. A measured peak is then re-measured, once per device and dtype in this process, and
+    we say so in one line; if the run still beats the new one, `mfu` warns as before. Datasheet
+    peaks are never re-measured (exceeding one is a FLOP-count bug, and `mfu` says so)."""
+    device = torch.device(device)
+    key = f"{device_name(device)} | {_matmul_label(device, dtype)}"
+    if peak.source != "measured" or achieved_flops_per_s <= peak.flops or key in _RECHECKED:
+        return peak
+    _RECHECKED.add(key)
+    fresh = _with_datasheet(matmul_peak(device, dtype, refresh=True), datasheet_peak(device, dtype))
+    say(f"titanlite: this run reached {achieved_flops_per_s / 1e12:.4g} TFLOP/s, above the peak of "
+        f"{peak.flops / 1e12:.4g} ({peak.label}); re-measured it: {fresh.flops / 1e12:.4g} TFLOP/s")
+    return fresh
+
+
+def _with_datasheet(peak: Peak, sheet: Peak | None) -> Peak:
+    """A measured peak whose label quotes the datasheet figure beside it, where one exists."""
+    if sheet is None:
+        return peak
+    return Peak(peak.flops, peak.source, f"{peak.label}; {sheet.label} ({peak.flops / sheet.flops:.0%} of it)")
 
 
 def lookup_datasheet(gpu_name: str, dtype: torch.dtype, tf32: bool = False) -> Peak | None:
@@ -293,10 +353,7 @@ def get_peak(device, dtype, source: str = "auto") -> Peak:
                                  f"{_dtype_name(dtype)}: use source='measured'")
         return sheet
     peak = matmul_peak(device, dtype)
-    if source == "auto" and sheet is not None:
-        peak = Peak(peak.flops, peak.source, f"{peak.label}; {sheet.label} "
-                                             f"({peak.flops / sheet.flops:.0%} of it)")
-    return peak
+    return _with_datasheet(peak, sheet) if source == "auto" else peak
 
 
 def datasheet_mfu(achieved_flops_per_s: float, device, dtype) -> float | None:

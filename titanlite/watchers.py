@@ -157,19 +157,22 @@ class TrainLog(Watcher):
         trainer, out = self.trainer, end.out
         step_time = self.interval_s / self.interval_steps
         tps = self.tokens_per_step / step_time
+        achieved = trainer.flops_per_token * tps / trainer.dist.world_size  # per device, as the peak is
+        if not trainer.dist.distributed:  # ranks sharing a machine would disturb a re-measurement
+            trainer.peak = hardware.recheck_peak(achieved, trainer.peak, trainer.device,
+                                                 trainer.compute_dtype, say=self.say)
         record = {"kind": "train", "step": end.step, "loss": out["loss"], "lr": self.lr,
                   "grad_norm": out["grad_norm"], "tokens_per_sec": tps,
-                  "mfu": hardware.mfu(trainer.flops_per_token * tps, trainer.peak),
+                  "mfu": hardware.mfu(achieved, trainer.peak),
                   # the figure published MFUs (torchtitan, nanoGPT, PaLM) use; None off the table
-                  "mfu_datasheet": hardware.datasheet_mfu(trainer.flops_per_token * tps / trainer.dist.world_size,
-                                                          trainer.device, trainer.compute_dtype),
+                  "mfu_datasheet": hardware.datasheet_mfu(achieved, trainer.device, trainer.compute_dtype),
                   "peak_memory_bytes": hardware.peak_memory_bytes(trainer.device),
                   **hardware.allocator_readings(trainer.device),  # reserved, retries (CUDA)
                   "step_time_s": step_time, "elapsed_s": self.elapsed(),
                   "tokens": end.step * self.tokens_per_step, "peak_label": trainer.peak.label,
                   "ready_s": out["ready_s"]}
-        if trainer.dist.distributed:  # MFU per device: the job's FLOPs over all peaks
-            record.update(world_size=trainer.dist.world_size, mfu=record["mfu"] / trainer.dist.world_size)
+        if trainer.dist.distributed:  # MFU is per device: the job's FLOPs over all peaks
+            record.update(world_size=trainer.dist.world_size)
         record.update(end.extra)
         if trainer.precision.scaler.is_enabled():
             record.update(loss_scale=trainer.precision.scale, skipped=out["skipped"],
