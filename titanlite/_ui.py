@@ -102,7 +102,7 @@ def say(text: str, bar) -> None:
         print(text)
 
 
-def _clock(seconds: float) -> str:
+def _short_clock(seconds: float) -> str:  # "7 s", "1:05": a notebook status line
     seconds = int(round(seconds))
     return f"{seconds // 60}:{seconds % 60:02d}" if seconds >= 60 else f"{seconds} s"
 
@@ -140,7 +140,7 @@ class Progress:
         if self.step is None:
             return ""
         parts = [f"step {self.step:.0f}" + (f"/{self.total} ({self.fraction:.0%})" if self.total else "")]
-        parts.append(f"{_clock(self.elapsed_s)} elapsed")
+        parts.append(f"{_short_clock(self.elapsed_s)} elapsed")
         if self.remaining_s is not None:
-            parts.append("done" if self.step >= self.total else f"~{_clock(self.remaining_s)} left")
+            parts.append("done" if self.step >= self.total else f"~{_short_clock(self.remaining_s)} left")
         return " · ".join(parts)
