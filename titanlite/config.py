@@ -247,6 +247,15 @@ class CheckpointSection:
 
 
 @dataclass
+class ProfileSection:
+    # Steps run under torch.profiler (1-based, inclusive), e.g. "5-8"; empty: off. Leave the
+    # first steps out: they include one-off costs (allocator warm-up, compilation).
+    steps: str = ""  # checked by parse_steps
+    memory: bool = True  # also record memory: a CUDA snapshot, or the allocation timeline
+    trace_dir: str | None = None  # None: <run dir>/trace
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -261,6 +270,7 @@ class Config:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     fault: FaultSection = field(default_factory=FaultSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -271,7 +281,22 @@ class Config:
         for section in dataclasses.fields(self):
             for f in dataclasses.fields(getattr(self, section.name)):
                 _check_field(f"{section.name}.{f.name}", getattr(getattr(self, section.name), f.name), f)
+        parse_steps(self.profile.steps, self.training.steps)  # inside the run, first <= last
         return self
+
+
+def parse_steps(text: str, total_steps: int) -> tuple[int, int] | None:
+    """'5-8' → (5, 8); '6' → (6, 6); '' → None (off). One line naming the fix otherwise."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", text)
+    first, last = (int(m[1]), int(m[2] or m[1])) if m else (0, 0)
+    if not m or not 1 <= first <= last <= total_steps:
+        raise TitanliteError(f"profile.steps must look like 5-8 within training.steps (1-{total_steps}), "
+                             f"got {text!r}: e.g. --profile.steps {min(2, total_steps)}-{min(3, total_steps)}")
+    return first, last
+
 
 
 def _check_field(key: str, value, f: dataclasses.Field) -> None:
