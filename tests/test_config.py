@@ -57,10 +57,11 @@ def test_bad_files(tmp_path):
 # path when the corpus is read, a checkpoint when it is loaded, output folders by
 # titanlite.paths). A new field must either declare a range/choices/pattern or join this list.
 NO_BAD_VALUE = {"data.path", "data.tokenizer", "data.data_dir", "checkpoint.folder",
-                "checkpoint.load"}
+                "checkpoint.load", "profile.trace_dir"}
 
 PATTERN_BAD = {"data.dataset": ["", "imagenet", "file:"], "training.device": ["gpu", "cuda:x"],
-               "eval.prompt": [""], "metrics.log_dir": [""], "metrics.run_name": ["a/b", ".."]}
+               "eval.prompt": [""], "metrics.log_dir": [""], "metrics.run_name": ["a/b", ".."],
+               "profile.steps": ["five", "5-", "-8", "5-8-9"]}
 
 
 def _bad_values(key: str, f) -> list:

@@ -70,7 +70,7 @@ def test_two_ranks_write_two_traces_with_their_collectives(data_dir, tmp_path):
 
 @pytest.mark.parametrize("steps", ["0-2", "3-2", "2-99", "five", "2-3-4"])
 def test_the_config_refuses_bad_profile_ranges(steps):
-    with pytest.raises(TitanliteError, match=r"profile.steps must look like 5-8 within training.steps \(1-10\)"):
+    with pytest.raises(TitanliteError, match=r"profile.steps must (look like|be a step range like) 5-8 within training.steps.*e.g. --profile.steps"):
         load_config(None, {"training.steps": 10, "profile.steps": steps})
 
 

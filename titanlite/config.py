@@ -47,9 +47,11 @@ def one_of(*choices: str):
     return field(default=choices[0], metadata={"choices": choices})
 
 
-def matching(default: str, regex: str, shape: str):
-    """A string matching `regex` in full; `shape` says which in words."""
-    return field(default=default, metadata={"pattern": (regex, shape)})
+def matching(default: str, regex: str, shape: str, example: str | None = None):
+    """A string matching `regex` in full; `shape` says which in words; `example` is the value an
+    error message suggests where the default (say, "" for off) would not show the shape."""
+    meta = {"pattern": (regex, shape)} | ({"example": example} if example is not None else {})
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -250,7 +252,8 @@ class CheckpointSection:
 class ProfileSection:
     # Steps run under torch.profiler (1-based, inclusive), e.g. "5-8"; empty: off. Leave the
     # first steps out: they include one-off costs (allocator warm-up, compilation).
-    steps: str = ""  # checked by parse_steps
+    steps: str = matching("", r"(\d+(\s*-\s*\d+)?)?", "a step range like 5-8 within training.steps (empty: off)",
+                          example="5-8")
     memory: bool = True  # also record memory: a CUDA snapshot, or the allocation timeline
     trace_dir: str | None = None  # None: <run dir>/trace
 
@@ -326,6 +329,8 @@ def _check_field(key: str, value, f: dataclasses.Field) -> None:
 
 def _example(key: str, f: dataclasses.Field):
     """The default, or a sensible value where the default is None (keep the preset's)."""
+    if "example" in f.metadata:
+        return f.metadata["example"]
     if f.default is not None:
         return f.default
     r = f.metadata.get("range")

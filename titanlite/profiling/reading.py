@@ -100,7 +100,7 @@ def phase_seconds(phases: dict[int, list[Span]]) -> dict[int, dict[str, list[flo
 
 
 def memory_timeline(source, device: str | None = None, rank: int = 0) -> tuple[list[float], list[int]]:
-    """(seconds since the first allocation, bytes allocated) from the profiler's memory events.
+    """(seconds since the first profiled step, bytes allocated) from the profiler's memory events.
 
     `source`: a trace file or dict, a folder (this rank's trace in it), or the rank<r>.memory.json
     the trainer writes. `device`: "cpu" or "cuda" (None: cuda if the trace has it). On CPU the
@@ -118,7 +118,9 @@ def memory_timeline(source, device: str | None = None, rank: int = 0) -> tuple[l
     events = sorted((ev for ev in events if ev["args"].get("Device Type") == wanted), key=lambda ev: ev["ts"])
     if not events:
         return [], []
-    t0 = events[0]["ts"]
+    # The same origin as trace_phases: this trace's first profiled step, so the two line up.
+    steps = [ev["ts"] for ev in data["traceEvents"] if ev.get("ph") == "X" and STEP.match(ev.get("name", ""))]
+    t0 = min(steps) if steps else events[0]["ts"]
     return [(ev["ts"] - t0) / 1e6 for ev in events], [int(ev["args"]["Total Allocated"]) for ev in events]
 
 
@@ -158,6 +160,6 @@ def plot_memory(ax, t_s, allocated, label: str = None):
     if mib:
         i = max(range(len(mib)), key=mib.__getitem__)
         ax.plot([t_s[i]], [mib[i]], "o", color=line.get_color())
-    ax.set_xlabel("s since the first allocation")
+    ax.set_xlabel("s since the first profiled step")
     ax.set_ylabel("MiB allocated")
     return ax
