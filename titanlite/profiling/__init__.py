@@ -62,8 +62,8 @@ def top_ops(prof, n: int = 8, device_type: str = "cpu") -> list[tuple[str, float
     return [(e.key, getattr(e, attr) / total) for e in events[:n]]
 
 
-from .reading import memory_timeline, plot_memory, plot_phases, phase_seconds, trace_phases  # noqa: E402
+from .reading import memory_timeline, phase_at, phase_seconds, plot_memory, plot_phases, trace_phases  # noqa: E402
 from .watcher import StepProfiler, memory_record_kind, parse_steps  # noqa: E402
 
 __all__ = ["profile_steps", "top_ops", "activities_for", "StepProfiler", "memory_record_kind",
-           "parse_steps", "trace_phases", "phase_seconds", "memory_timeline", "plot_phases", "plot_memory"]
+           "parse_steps", "trace_phases", "phase_seconds", "phase_at", "memory_timeline", "plot_phases", "plot_memory"]

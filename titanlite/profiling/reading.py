@@ -99,6 +99,12 @@ def phase_seconds(phases: dict[int, list[Span]]) -> dict[int, dict[str, list[flo
     return out
 
 
+def phase_at(spans: list[Span], t_s: float) -> str | None:
+    """The trainer's phase (forward, backward, optimizer, ...) one rank was in at time t_s."""
+    inside = [s for s in spans if s.phase in PHASES and s.start_s <= t_s <= s.end_s]
+    return inside[0].phase if inside else None
+
+
 def memory_timeline(source, device: str | None = None, rank: int = 0) -> tuple[list[float], list[int]]:
     """(seconds since the first profiled step, bytes allocated) from the profiler's memory events.
 
@@ -154,12 +160,12 @@ def plot_phases(ax, phases: dict[int, list[Span]], title: str = "one row per ran
 
 
 def plot_memory(ax, t_s, allocated, label: str = None):
-    """Bytes allocated over time, in MiB, with the peak marked."""
-    mib = [b / 2**20 for b in allocated]
-    line, = ax.plot(t_s, mib, label=label)
+    """Bytes allocated over time, in MiB, with the peak marked; the x axis matches plot_phases."""
+    ms, mib = [t * 1e3 for t in t_s], [b / 2**20 for b in allocated]
+    line, = ax.step(ms, mib, where="post", label=label)
     if mib:
         i = max(range(len(mib)), key=mib.__getitem__)
-        ax.plot([t_s[i]], [mib[i]], "o", color=line.get_color())
-    ax.set_xlabel("s since the first profiled step")
+        ax.plot([ms[i]], [mib[i]], "o", color=line.get_color())
+    ax.set_xlabel("ms since the first profiled step")
     ax.set_ylabel("MiB allocated")
     return ax
