@@ -6,7 +6,9 @@
 
 The phases are the labels the trainer puts around its work (torch.profiler.record_function in
 Trainer.forward_backward and Trainer.train_step) plus the process-group's collective operators:
-the only names in a trace that mean the same thing on every device and torch version.
+the only names in a trace that mean the same thing on every device and torch version. On a GPU
+the labelled spans are the host's (when the work was issued; the kernels run later, and appear
+beside them in Perfetto), and the collectives include NCCL's kernels on the device.
 """
 from __future__ import annotations
 
@@ -71,9 +73,10 @@ def trace_phases(source) -> dict[int, list[Span]]:
         for ev in trace.get("traceEvents", []):
             if ev.get("ph") != "X" or "dur" not in ev:
                 continue
-            name = ev.get("name", "")
-            phase = (name if name in PHASES and ev.get("cat") == "user_annotation" else
-                     "step" if STEP.match(name) else "collective" if COLLECTIVE.match(name) else None)
+            name, host_label = ev.get("name", ""), ev.get("cat") == "user_annotation"
+            # (On CUDA the labels appear a second time, as gpu_user_annotation: the host's are the ones.)
+            phase = (name if name in PHASES and host_label else "step" if host_label and STEP.match(name)
+                     else "collective" if COLLECTIVE.match(name) else None)
             if phase:
                 spans.setdefault(phase, []).append((ev["ts"] / 1e6, (ev["ts"] + ev["dur"]) / 1e6))
     starts = [a for spans in raw.values() for a, _ in spans.get("step", [])]
