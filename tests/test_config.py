@@ -57,11 +57,12 @@ def test_bad_files(tmp_path):
 # path when the corpus is read, a checkpoint when it is loaded, output folders by
 # titanlite.paths). A new field must either declare a range/choices/pattern or join this list.
 NO_BAD_VALUE = {"data.path", "data.tokenizer", "data.data_dir", "checkpoint.folder",
-                "checkpoint.load", "checkpoint.initial_load_path"}
+                "checkpoint.load", "checkpoint.initial_load_path", "profile.trace_dir"}
 
 PATTERN_BAD = {"data.dataset": ["", "imagenet", "file:"], "training.device": ["gpu", "cuda:x"],
                "eval.prompt": [""], "metrics.log_dir": [""], "metrics.run_name": ["a/b", ".."],
-               "compile.backend": ["", "in ductor", "-O3"]}
+               "compile.backend": ["", "in ductor", "-O3"],
+               "profile.steps": ["five", "5-", "-8", "5-8-9"]}
 
 
 def _bad_values(key: str, f) -> list:

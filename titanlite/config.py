@@ -47,9 +47,11 @@ def one_of(*choices: str):
     return field(default=choices[0], metadata={"choices": choices})
 
 
-def matching(default: str, regex: str, shape: str):
-    """A string matching `regex` in full; `shape` says which in words."""
-    return field(default=default, metadata={"pattern": (regex, shape)})
+def matching(default: str, regex: str, shape: str, example: str | None = None):
+    """A string matching `regex` in full; `shape` says which in words; `example` is the value an
+    error message suggests where the default (say, "" for off) would not show the shape."""
+    meta = {"pattern": (regex, shape)} | ({"example": example} if example is not None else {})
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,16 @@ class CheckpointSection:
 
 
 @dataclass
+class ProfileSection:
+    # Steps run under torch.profiler (1-based, inclusive), e.g. "5-8"; empty: off. Leave the
+    # first steps out: they include one-off costs (allocator warm-up, compilation).
+    steps: str = matching("", r"(\d+(\s*-\s*\d+)?)?", "a step range like 5-8 within training.steps (empty: off)",
+                          example="5-8")
+    memory: bool = True  # also record memory: a CUDA snapshot, or the allocation timeline
+    trace_dir: str | None = None  # None: <run dir>/trace
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -267,6 +279,7 @@ class Config:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     fault: FaultSection = field(default_factory=FaultSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -277,7 +290,22 @@ class Config:
         for section in dataclasses.fields(self):
             for f in dataclasses.fields(getattr(self, section.name)):
                 _check_field(f"{section.name}.{f.name}", getattr(getattr(self, section.name), f.name), f)
+        parse_steps(self.profile.steps, self.training.steps)  # inside the run, first <= last
         return self
+
+
+def parse_steps(text: str, total_steps: int) -> tuple[int, int] | None:
+    """'5-8' → (5, 8); '6' → (6, 6); '' → None (off). One line naming the fix otherwise."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", text)
+    first, last = (int(m[1]), int(m[2] or m[1])) if m else (0, 0)
+    if not m or not 1 <= first <= last <= total_steps:
+        raise TitanliteError(f"profile.steps must look like 5-8 within training.steps (1-{total_steps}), "
+                             f"got {text!r}: e.g. --profile.steps {min(2, total_steps)}-{min(3, total_steps)}")
+    return first, last
+
 
 
 def _check_field(key: str, value, f: dataclasses.Field) -> None:
@@ -307,6 +335,8 @@ def _check_field(key: str, value, f: dataclasses.Field) -> None:
 
 def _example(key: str, f: dataclasses.Field):
     """The default, or a sensible value where the default is None (keep the preset's)."""
+    if "example" in f.metadata:
+        return f.metadata["example"]
     if f.default is not None:
         return f.default
     r = f.metadata.get("range")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from . import hardware
 from .config import Config
@@ -204,8 +205,11 @@ class Trainer:
             # gradients sharded (memory is what FSDP is for).
             with grad_sync(self.model, sync=i == last or self.dims.strategy != "ddp"), \
                     loss_context(self.loss_parallel):  # TP: the sharded softmax, and its backward
-                loss = self.loss_on(x, y, num_tokens=num_tokens)
-                self.precision.backward(loss)
+                # The labels a profiler trace shows (profiling/); nearly free when it is off.
+                with record_function("forward"):
+                    loss = self.loss_on(x, y, num_tokens=num_tokens)
+                with record_function("backward"):
+                    self.precision.backward(loss)
             total += loss.detach()
         return total
 
@@ -217,7 +221,8 @@ class Trainer:
         last = len(micro_batches) - 1
         for i, (x, y) in enumerate(micro_batches):
             with grad_sync(self.model, sync=i == last or self.dims.strategy != "ddp"), \
-                    loss_context(self.loss_parallel), self.precision.autocast():
+                    loss_context(self.loss_parallel), self.precision.autocast(), \
+                    record_function("forward_backward"):  # the schedule interleaves the two
                 total += self.pipe.step(x, y, num_tokens=num_tokens)
         return total
 
@@ -255,21 +260,22 @@ class Trainer:
         params = [q for part in self.model_parts for q in part.parameters()]
         # An async save's copy of the weights must be done before the weights change.
         staging_wait_s = self.checkpointer.wait_for_staging() if self.checkpointer is not None else 0.0
-        if self.pipe is not None:  # the norm of all stages' gradients, summed over the pipeline
-            grad_norm = pipeline_clip_grad_norm_(params, self.cfg.training.grad_clip or float("inf"),
-                                                 pp_group=self.mesh["pp"])
-            self.optimizer.step()
-            skipped = False
-        else:
-            grad_norm, skipped = self.precision.step(self.optimizer, params, self.cfg.training.grad_clip)
-        for part in self.model_parts:
-            precompute_fp8_scales(part)
-        with warnings.catch_warnings():
-            # A step the fp16 scaler skipped still advances the schedule (torchtitan does the
-            # same); torch would warn that the scheduler stepped before the optimizer.
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("optimizer"):  # clip, step, schedule, zero_grad
+            if self.pipe is not None:  # the norm of all stages' gradients, summed over the pipeline
+                grad_norm = pipeline_clip_grad_norm_(params, self.cfg.training.grad_clip or float("inf"),
+                                                     pp_group=self.mesh["pp"])
+                self.optimizer.step()
+                skipped = False
+            else:
+                grad_norm, skipped = self.precision.step(self.optimizer, params, self.cfg.training.grad_clip)
+            for part in self.model_parts:
+                precompute_fp8_scales(part)
+            with warnings.catch_warnings():
+                # A step the fp16 scaler skipped still advances the schedule (torchtitan does the
+                # same); torch would warn that the scheduler stepped before the optimizer.
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         out = {"loss": None, "grad_norm": None, "skipped": skipped, "ready_s": ready_s,
                "staging_wait_s": staging_wait_s}
         if read:

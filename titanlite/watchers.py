@@ -287,5 +287,8 @@ def build_watchers(trainer, history, callbacks=(), restore_s: float | None = Non
         chain.append(Checkpoints(trainer, goodput, log))
     if trainer.cfg.eval.every:
         chain.append(Evaluation(trainer, log))
+    if trainer.cfg.profile.steps:  # first: its step ends with train_step, before evals and saves
+        from .profiling.watcher import StepProfiler  # (it imports this module)
+        chain.insert(0, StepProfiler(trainer, history.run_dir))
     return Watchers(chain)
 

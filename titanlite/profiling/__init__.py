@@ -1,4 +1,9 @@
-"""Where does the time go? A few training steps under `torch.profiler`.
+"""Where does the time go, and where does the memory go? Training steps under `torch.profiler`.
+
+    profile_steps(trainer, 5) + top_ops(prof)   a table of the operators with the most time
+    [profile] steps = "5-8"                      the trainer writes a trace (and memory record)
+                                                 of those steps: watcher.py
+    trace_phases(dir), memory_timeline(dir)      read them back: reading.py
 
 The profiler's C++ backend (kineto) prints "profiler_start/stop" lines straight to file
 descriptor 2, which Jupyter shows as red stderr; they say nothing to a learner, so we point
@@ -28,12 +33,15 @@ def _quiet_fd2():
         os.close(devnull)
 
 
+def activities_for(device_type: str) -> list[ProfilerActivity]:
+    """What the profiler records: host operators always, the device's kernels where kineto
+    can see them (CUDA; an MPS or CPU run has only the host)."""
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+
+
 def profile_steps(trainer, steps: int = 5):
     """Run `steps` training steps under the profiler; returns the `torch.profiler.profile`."""
-    activities = [ProfilerActivity.CPU]
-    if trainer.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    prof = profile(activities=activities)
+    prof = profile(activities=activities_for(trainer.device.type))
     with _quiet_fd2():
         prof.__enter__()
     try:
@@ -52,3 +60,10 @@ def top_ops(prof, n: int = 8, device_type: str = "cpu") -> list[tuple[str, float
     total = sum(getattr(e, attr) for e in events) or 1
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     return [(e.key, getattr(e, attr) / total) for e in events[:n]]
+
+
+from .reading import memory_timeline, phase_at, phase_seconds, plot_memory, plot_phases, trace_phases  # noqa: E402
+from .watcher import StepProfiler, memory_record_kind, parse_steps  # noqa: E402
+
+__all__ = ["profile_steps", "top_ops", "activities_for", "StepProfiler", "memory_record_kind",
+           "parse_steps", "trace_phases", "phase_seconds", "phase_at", "memory_timeline", "plot_phases", "plot_memory"]
