@@ -6,6 +6,7 @@ import pytest
 from titanlite.distributed.launcher import LaunchResult
 from titanlite.errors import TitanliteError
 from titanlite.labs import nb16_capstone as lab
+from titanlite.models.llama import ModelArgs
 
 
 def test_each_row_carries_the_ones_before_except_siblings():
@@ -104,3 +105,48 @@ def test_drill_band_grows_with_what_mean_step_charging_misses():
     assert tight.band == pytest.approx(0.03) and tight.error == 0
     compiled = lab.DrillCheck(measured, {"goodput": 0.38}, [2], 1, step_s=7.0)  # a long compile step in the mean
     assert compiled.band == pytest.approx(0.09) and abs(compiled.error) < compiled.band
+
+
+@pytest.mark.parametrize("device, in_process, own", [
+    ("cpu", False, True), ("cuda", False, True), ("mps", False, True),   # a fresh job's is its own
+    ("cpu", True, False),    # the kernel's resident set: every row before it
+    ("mps", True, False),    # a lifetime peak
+    ("cuda", True, True)])   # the allocator's peak is reset every step and counts tensors only
+def test_memory_is_own_from_device_facts(device, in_process, own):
+    assert lab.memory_is_own(device, in_process) is own
+
+
+def test_table_and_recipe_show_memory_that_is_not_a_rows_own_as_not_comparable():
+    ok = {"tokens_per_sec": 1000.0, "mfu": 0.1, "mfu_datasheet": None, "peak_memory_bytes": None, "loss": 7.0,
+          "first_step_s": 1.0, "compute_dtype": "float32", "fp8": "", "nproc": 1}
+    rows = [{**ok, "row": "baseline"}, {**ok, "row": "FSDP ×2", "nproc": 2, "peak_memory_bytes": 2**30},
+            {**ok, "row": "baseline (again)"}]
+    text = lab.table(rows)
+    assert "—*" in text and "not the row's own" in text
+    assert "—*" not in lab.table([{**r, "peak_memory_bytes": 2**30} for r in rows])  # no footnote needed
+    lines = [ln for ln in lab.choose_recipe(ModelArgs.preset("small", vocab_size=4096), 2, 80e9, rows, seq_len=64)
+             .splitlines() if "FSDP ×2" in ln and "speed" in ln]
+    assert lines and "memory per rank not comparable" in lines[0]
+
+
+def test_in_process_rows_train_here_and_are_measured_like_jobs(tmp_path):
+    """Smoke scale's path, for real: the one-process rows through `Trainer.fit` in this process."""
+    import torch
+    from titanlite.config import Config
+    cfg = Config()
+    cfg.model.preset, cfg.training.device, cfg.training.threads = "debug", "cpu", 1
+    cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len = 3, 2, 32
+    cfg.eval.every, cfg.eval.sample_tokens = 0, 4
+    cfg.metrics.log_dir, cfg.metrics.run_name = str(tmp_path), "t"
+    threads = torch.get_num_threads()
+    seen = []
+    rungs = [lab.Rung("baseline", {}), lab.Rung("+bf16", {"training.mixed_precision": "bf16"})]
+    rows = lab.run_ladder(cfg, rungs, warmup=1, in_process=True, callbacks_for=lambda n: [seen.append])
+    assert [r["row"] for r in rows] == ["baseline", "+bf16", "baseline (again)"]
+    assert all(r["in_process"] and r["steps"] == 3 and r["tokens_per_sec"] > 0 for r in rows)
+    assert all(r["peak_memory_bytes"] is None for r in rows)   # CPU, in this process: not its own
+    assert rows[1]["overrides"]["training.mixed_precision"] == "bf16" and rows[1]["compute_dtype"] != "float32"
+    assert (tmp_path / "t-bf16" / "run.json").is_file()        # each row its own run folder
+    assert len([r for r in seen if r.get("kind") == "train"]) == 9   # the callbacks saw every step
+    assert rows[0]["loss"] == rows[2]["loss"]                  # the same computation twice
+    assert torch.get_num_threads() == threads                  # the kernel's threads are given back

@@ -5,9 +5,12 @@
 
 Like torchtitan's table (FSDP → +compile → +FP8 ...), each row adds one technique to the row
 before it (`Rung.carry`), except siblings that are measured *instead of* the row before
-(FP8 rowwise next to tensorwise). Every row is its own job started by `launch`, so its peak
-memory and compile caches are its own; the baseline runs first and again last, and the
-difference between those two is the machine's drift: the noise band for every speed ratio.
+(FP8 rowwise next to tensorwise). At full scale every row is its own job started by `launch`, so
+its peak memory and compile caches are its own; in smoke scale the one-process rows train in
+this process one after another (`in_process=True`: seconds of start-up saved per row), and a
+peak-memory figure that is then not the row's own is reported as None. The baseline runs first
+and again last, and the difference between those two is the machine's drift: the noise band for
+every speed ratio.
 
 A row that the device runs in a slower, emulated form (FP8 without FP8 tensor cores; bf16 on a
 CPU without bf16 units) is measured as what it is and labelled so. A row the device cannot run
@@ -80,9 +83,19 @@ def row_overrides(rungs: list[Rung]) -> list[tuple[Rung, dict]]:
     return out
 
 
-def measure_row(name: str, result, warmup: int, nproc: int, datasheet_peak=None) -> dict:
+def memory_is_own(device_type: str, in_process: bool) -> bool:
+    """Whether a row's peak-memory figure is the row's alone. A fresh job's always is. In this
+    process: CUDA's allocator peak is reset every step and counts live tensors only, so it is;
+    a CPU figure is the resident set of the whole process (every row before, the kernel's
+    imports and caches) and MPS keeps a lifetime peak, so they are not comparable."""
+    return not in_process or device_type == "cuda"
+
+
+def measure_row(name: str, result, warmup: int, nproc: int, datasheet_peak=None,
+                memory_own: bool = True) -> dict:
     """One row from a finished job's records: medians over the steps after `warmup` (the first
-    steps compile and warm caches), memory the largest of any rank, the last step's loss."""
+    steps compile and warm caches), memory the largest of any rank (None where the figure is
+    not the row's own: `memory_is_own`), the last step's loss."""
     train = [r for r in result.records if r.get("kind") == "train"]
     rank0 = {r["step"]: r for r in train if r.get("rank", 0) == 0}  # the last attempt of each step
     steps = sorted(rank0)
@@ -100,7 +113,7 @@ def measure_row(name: str, result, warmup: int, nproc: int, datasheet_peak=None)
             "mfu": statistics.median(r["mfu"] for r in timed),
             "mfu_datasheet": statistics.median(mfu_ds) if mfu_ds else None,
             "peak_label": timed[-1].get("peak_label", ""),
-            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in train),
+            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in train) if memory_own else None,
             "loss": rank0[steps[-1]]["loss"], "first_loss": rank0[steps[0]]["loss"],
             "tokens": rank0[steps[-1]].get("tokens"), "steps": len(steps),
             "compute_dtype": info.get("compute_dtype", "?").replace("torch.", ""),
@@ -115,11 +128,42 @@ def _run_info(run_dir) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def train_here(cfg, overrides: dict, callbacks=()):
+    """One row in this process: `Trainer(cfg)` under the row's overrides, `fit`, close. Returns
+    what `launch` would (run folder, records, wall time) so a row is measured the same way."""
+    import gc
+    import time
+
+    import torch
+
+    from ..config import Config, set_value
+    from ..distributed.launcher import LaunchResult
+    from ..train import Trainer
+    cfg = Config(**{k: type(v)(**vars(v)) for k, v in vars(cfg).items()})  # a copy we may edit
+    for key, value in overrides.items():
+        set_value(cfg, key, value, source="ladder overrides")
+    cfg.metrics.progress = False  # the live plot is the progress
+    threads = torch.get_num_threads()  # the Trainer sets the row's; the kernel gets its own back
+    torch._dynamo.reset()  # compile from scratch, as a fresh job would (no graphs of the row before)
+    gc.collect()  # the row before's tensors go now, not inside this row's memory peak
+    start = time.perf_counter()
+    trainer = Trainer(cfg)
+    try:
+        history = trainer.fit(callbacks=list(callbacks))
+    finally:
+        trainer.close()
+        torch.set_num_threads(threads)
+    return LaunchResult(run_dir=history.run_dir, command="in this process: Trainer(cfg).fit()",
+                        wall_s=time.perf_counter() - start, job_id="in-process", records=history.train)
+
+
 def run_ladder(cfg, rungs: list[Rung], *, warmup: int, callbacks_for=None, timeout_s: float = 900,
-               datasheet_peak=None) -> list[dict]:
-    """Launch every row in a fresh job, then the baseline again; return the measured rows.
-    Every row trains the same global batch (per-rank batch = batch / nproc), so after the same
-    steps every row has seen the same tokens. `callbacks_for(row_name)` gives a row's callbacks."""
+               datasheet_peak=None, in_process: bool = False) -> list[dict]:
+    """Every row, then the baseline again; return the measured rows. Each row is a fresh job
+    (`launch`), or with `in_process` (smoke scale) the one-process rows train here, one after
+    another (`train_here`). Every row trains the same global batch (per-rank batch =
+    batch / nproc), so after the same steps every row has seen the same tokens.
+    `callbacks_for(row_name)` gives a row's callbacks."""
     from ..distributed.launcher import launch
     batch = cfg.training.batch_size
     plan = row_overrides(rungs)
@@ -134,13 +178,16 @@ def run_ladder(cfg, rungs: list[Rung], *, warmup: int, callbacks_for=None, timeo
                      "metrics.run_name": f"{cfg.metrics.run_name or 'ladder'}-{_slug(rung.name)}"}
         _fresh(cfg, overrides["metrics.run_name"])
         callbacks = callbacks_for(rung.name) if callbacks_for else ()
+        here = in_process and rung.nproc == 1
         try:
-            result = launch(cfg, rung.nproc, overrides=overrides, callbacks=callbacks, timeout_s=timeout_s)
+            result = train_here(cfg, overrides, callbacks) if here else \
+                launch(cfg, rung.nproc, overrides=overrides, callbacks=callbacks, timeout_s=timeout_s)
         except TitanliteError as e:  # a row this device cannot run: its one line, no numbers
             rows.append({"row": rung.name, "nproc": rung.nproc, "error": str(e), "published": rung.published})
             continue
-        row = measure_row(rung.name, result, warmup, rung.nproc, datasheet_peak)
-        row.update(published=rung.published, overrides=overrides)
+        row = measure_row(rung.name, result, warmup, rung.nproc, datasheet_peak,
+                          memory_own=memory_is_own(cfg.training.device.split(":")[0], here))
+        row.update(published=rung.published, overrides=overrides, in_process=here)
         rows.append(row)
     return rows
 
@@ -186,10 +233,14 @@ def table(rows: list[dict]) -> str:
         ratio = r["tokens_per_sec"] / base
         sheet = "—" if r["mfu_datasheet"] is None else f"{r['mfu_datasheet']:.1%}"
         notes = ", ".join(x for x in (r["compute_dtype"], r["fp8"], verdict(ratio, band) if r is not rows[0] else "") if x)
+        mem = "—*" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**20:,.0f}"
         out.append(f"{r['row']:22} {r['nproc']:5d} {r['tokens_per_sec']:9,.0f} {ratio:7.2f}× {r['mfu']:9.1%} "
-                   f"{sheet:>9} {r['peak_memory_bytes'] / 2**20:13,.0f} {r['loss']:7.3f} {r['first_step_s']:10.1f}  "
+                   f"{sheet:>9} {mem:>13} {r['loss']:7.3f} {r['first_step_s']:10.1f}  "
                    f"{notes:30}  {r.get('published', '')}")
     out.append(f"drift of the baseline, first vs last: {band:.1%} (a ratio within 1 ± {band:.2f} is noise)")
+    if any(r.get("peak_memory_bytes", 0) is None for r in rows):
+        out.append("—* trained in this process after other rows: its peak memory is the process's, "
+                   "not the row's own, so it is not shown (a fresh job per row measures it)")
     return "\n".join(out)
 
 
@@ -235,8 +286,9 @@ def choose_recipe(args, n_devices: int, mem_bytes: float, rows: list[dict], *, s
     measured = [r for r in rows[:-1] if "error" not in r]
     for prev, r in zip(measured, measured[1:]):
         speed = r["tokens_per_sec"] / prev["tokens_per_sec"]
-        mem = r["peak_memory_bytes"] / prev["peak_memory_bytes"]
-        lines.append(f"  {r['row']:20} speed {speed:5.2f}× ({verdict(speed, band)}), memory per rank {mem:5.2f}×"
+        known = r["peak_memory_bytes"] is not None and prev["peak_memory_bytes"] is not None
+        mem = f"{r['peak_memory_bytes'] / prev['peak_memory_bytes']:5.2f}×" if known else "not comparable"
+        lines.append(f"  {r['row']:20} speed {speed:5.2f}× ({verdict(speed, band)}), memory per rank {mem}"
                      + (f"   [{r['fp8']}]" if r["fp8"] and "emulated" in r["fp8"] else ""))
     return "\n".join(lines)
 
