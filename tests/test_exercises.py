@@ -67,6 +67,7 @@ def _wrong(name):
         "08_fsdp_shard": (lambda shape, w, r: math.prod(shape) // w, "rank "),
         "09_tp_mlp": (lambda g, u, d, tp, r: (g.chunk(tp, 1)[r], u.chunk(tp, 1)[r], d.chunk(tp, 0)[r]),
                       "rank 0's gate shard"),
+        "09_block_comm": (lambda b, s, d, sp: {"all_reduce": 2 * b * s * d * 4}, "sequence_parallel=True"),
         "10_one_f_one_b": (lambda r, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)],
                            "rank 1 of p=2, m=2: op 1"),
         "10_bubble": (lambda p, m: p / m, "the bubble for p=2, m=4"),

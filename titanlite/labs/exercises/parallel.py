@@ -178,3 +178,19 @@ def groups(fn):
             got = sorted(sorted(int(r) for r in group) for group in got) if isinstance(got, (list, tuple)) else got
             same_value(name, got, sorted(dims.groups(dim)), f"the '{dim}' groups of shape {dims.shape}", seed=seed)
     return passed(name, "equals ParallelDims.groups for every dim of 4 random grids")
+
+
+@exercise("09_block_comm", "bytes one transformer block's forward communicates under TP")
+def block_comm(fn):
+    from ...models.llama import ModelArgs
+    from ..nb09_tensor_parallel import tp_comm_formula
+    name, seed = "09_block_comm", fresh_seed()
+    rng = random.Random(seed)
+    for sp in (False, True, False, True, False, True):
+        batch, seq, dim = rng.randint(1, 8), rng.randint(1, 512), rng.choice([64, 256, 4096])
+        want = {op: row["bytes"] for op, row in tp_comm_formula(
+            ModelArgs(dim=dim), batch, seq, 2, sequence_parallel=sp)["per_block"]["forward"].items()}
+        got = call(name, fn, batch, seq, dim, sp)
+        same_value(name, got, want, f"the forward collectives of one block (batch {batch}, seq {seq}, dim {dim}, "
+                   f"sequence_parallel={sp}, fp32 activations)", seed=seed)
+    return passed(name, "the bytes tp_comm_formula predicts, which notebook 09 counted on real collectives")
