@@ -58,6 +58,7 @@ def _wrong(name):
         "03_autocast_policy": (lambda d, c: "bf16" if d == "cuda" else "fp32", "SM (6, 0)"),
         "04_sac_policy": (lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE, "the policy for"),
         "04_selective_blocks": (lambda n, mode, every: list(range(n)), "blocks_to_checkpoint("),
+        "05_no_graph_break": (_scaled_sin_with_item, "graph"),
         "06_tensorwise_fp8": (lambda x: x.to(torch.float8_e4m3fn).float(), "round trip"),
         "06_fp8_dtype": (lambda role: torch.float8_e4m3fn, "'grad_output'"),
         "07_buckets": (lambda ps, cap: [list(ps)], "buckets"),
@@ -80,6 +81,11 @@ def _wrong(name):
         "13_young": (lambda d, m: math.sqrt(d * m), "the interval for"),
         "13_cluster_mtbf": (lambda n, rate: 1 / (n * rate), "the MTBF in seconds"),
     }[name]
+
+
+def _scaled_sin_with_item(x):
+    y = torch.sin(x)
+    return y * y.abs().max().item()  # right values, but .item() breaks the graph
 
 
 def _commit_after_rename(tmp, final, step):

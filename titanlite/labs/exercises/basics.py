@@ -169,6 +169,23 @@ def selective_blocks(fn):
     return passed(name, "matches the blocks apply_ac really wrapped in 4 random models")
 
 
+@exercise("05_no_graph_break", "the same function, rewritten to compile into one graph")
+def no_graph_break(fn):
+    from ...efficiency.compile import graph_break_report
+    name, seed = "05_no_graph_break", fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(int(torch.randint(4, 32, (1,), generator=g)), generator=g)
+    want = torch.sin(x) * torch.sin(x).abs().max()
+    same_tensor(name, call(name, fn, x.clone()), want, "the result (sin(x) scaled by its largest |value|)",
+                seed=seed, rtol=1e-5)
+    report = call(name, graph_break_report, fn, x.clone())
+    if report["graph_breaks"] or report["graphs"] != 1:
+        why = "; ".join(f"{r['reason']} at {r['where']}" for r in report["break_reasons"]) or "?"
+        fail(name, f"Dynamo still splits it into {report['graphs']} graphs ({report['graph_breaks']} "
+                   f"breaks): {why}")
+    return passed(name, f"one graph of {report['ops']} ops, no breaks (graph_break_report)")
+
+
 @exercise("06_tensorwise_fp8", "tensorwise FP8 (e4m3) quantise and dequantise")
 def tensorwise_fp8(fn):
     from ...efficiency.fp8 import fp8_roundtrip
