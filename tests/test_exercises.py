@@ -69,6 +69,10 @@ def _wrong(name):
         "09_tp_mlp": (lambda g, u, d, tp, r: (g.chunk(tp, 1)[r], u.chunk(tp, 1)[r], d.chunk(tp, 0)[r]),
                       "rank 0's gate shard"),
         "09_block_comm": (lambda b, s, d, sp: {"all_reduce": 2 * b * s * d * 4}, "sequence_parallel=True"),
+        "14_state_bytes": (lambda n, b, s, v: 16 * n, "bytes for"),
+        "15_best_lr_per_accum": (lambda st: {t.params["grad_accum_steps"]: (t.value, t.params["lr"])  # swapped
+                                             for t in st.trials if t.value is not None}, "the best (lr, loss)"),
+        "15_compute_saved": (lambda st: sum(t.user_attrs["token_budget"] for t in st.trials), "tokens saved"),
         "10_one_f_one_b": (lambda r, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)],
                            "rank 1 of p=2, m=2: op 1"),
         "10_bubble": (lambda p, m: p / m, "the bubble for p=2, m=4"),
