@@ -8,7 +8,7 @@ check is registered with `@exercise(name, title)` under the name the notebook's 
 """
 from __future__ import annotations
 
-from ...errors import closest
+from ...errors import closest, install_notebook_handler
 from ...exercises import ExerciseError
 
 EXERCISES: dict[str, tuple[str, object]] = {}  # name → (title, check function)
@@ -22,7 +22,10 @@ def exercise(name: str, title: str):
 
 
 def check(name: str, student_fn) -> str:
-    """Check the student's function for exercise `name`; returns the line it printed."""
+    """Check the student's function for exercise `name`; returns the line it printed.
+    In IPython it first installs titanlite's one-line error display (what notebook_setup()
+    does; idempotent), so a failed check reads as one line even in a notebook without it."""
+    install_notebook_handler()
     if name not in EXERCISES:
         raise ExerciseError(f"no exercise named '{name}'{closest(name, EXERCISES)}; "
                             f"the exercises are: {', '.join(sorted(EXERCISES))}")
