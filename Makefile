@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup lab train test bench doctor clean-venv
+.PHONY: setup lab train test bench doctor student clean-venv
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,9 @@ test: setup  ## the whole test suite (notebooks in smoke scale, the browser chec
 
 doctor: setup  ## self-check this machine's device: writes runs/doctor/report.md (attach it to bug reports)
 	$(BIN)/titanlite doctor
+
+student: setup  ## the student edition: notebooks/ with every exercise's solution stripped, in student/
+	$(BIN)/python -m titanlite.course notebooks student
 
 bench: setup
 	$(BIN)/python bench/bench_vs_hf.py

@@ -120,6 +120,13 @@ def _doctor(args, _overrides) -> None:
         raise SystemExit(1)
 
 
+def _progress(args, _overrides) -> None:
+    from .course import format_table, progress
+
+    results = progress(args.folder, run=not args.saved, smoke=not args.full, only=args.only)
+    print(format_table(results))
+
+
 def main(argv: list[str] | None = None) -> int:
     from . import quiet_third_party
     quiet_third_party()  # before anything imports torchao: its "Failed to load" lines are noise
@@ -161,6 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="shrink every check (also TITANLITE_SMOKE=1)")
     p.add_argument("--out", default="runs/doctor", help="where report.md and report.json go")
     p.set_defaults(func=_doctor)
+
+    p = sub.add_parser("progress", help="which exercises pass: runs each notebook with exercises "
+                       "(smoke scale) and prints notebook × exercise → pass / fail / not attempted")
+    p.add_argument("folder", nargs="?", default="notebooks", help="notebooks/, a student's copy, "
+                   "or one notebook")
+    p.add_argument("--saved", action="store_true", help="read the outputs the notebooks were saved "
+                   "with instead of running them (fast; as current as the student's last run)")
+    p.add_argument("--only", help="notebooks whose name starts with this, e.g. 07")
+    p.add_argument("--full", action="store_true", help="run at full scale, not smoke scale")
+    p.set_defaults(func=_progress)
 
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)

@@ -1,0 +1,232 @@
+"""Course-lab exercises: every check passes the instructor's solution, fails a wrong answer with
+its one-line message, and fails the student edition's stub; the student edition is generated
+from the same notebooks and really fails at its first check; `titanlite progress` reads it."""
+import json
+import math
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from titanlite.course import (BEGIN, END, format_table, is_check_cell, is_solution_cell,
+                              progress, read_results, strip_solution, student_notebook)
+from titanlite.errors import TitanliteError
+from titanlite.exercises import ExerciseError
+from titanlite.labs.exercises import EXERCISES, check
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+WITH_EXERCISES = [p for p in NOTEBOOKS if any(is_check_cell(c) for c in nbformat.read(p, 4).cells)]
+
+
+def _solutions() -> dict[str, tuple[str, str, Path]]:
+    """exercise → (solution cell source, the function name its check passes, notebook)."""
+    found = {}
+    for path in WITH_EXERCISES:
+        cells = nbformat.read(path, 4).cells
+        for i, cell in enumerate(cells):
+            if is_check_cell(cell):
+                name, fn = cell.source.split('check("')[1].split('", ')
+                found[name] = (cells[i - 1].source, fn.rstrip(")"), path)
+    return found
+
+
+SOLUTIONS = _solutions()
+
+
+def _define(source: str, fn: str):
+    ns = {}
+    exec(compile(source, "<solution cell>", "exec"), ns)
+    return ns[fn]
+
+
+# One plausible mistake per exercise, and a fragment of the line its check must say.
+def _wrong(name):
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import CheckpointPolicy
+    return {
+        "01_cross_entropy": (lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten().clamp(min=0),
+                                                           reduction="sum"), "expected"),
+        "01_lr_schedule": (lambda s, w, t, f: s / w if s < w else 1.0, "lr_factor(0"),
+        "02_global_token_loss": (lambda xs, ts: [F.cross_entropy(x.flatten(0, 1), t.flatten(), reduction="sum")
+                                                 / (t != -100).sum() / len(xs) for x, t in zip(xs, ts)],
+                                 "micro-batch 0's loss"),
+        "02_accum_steps": (lambda g, m, dp: g // m, "accum_steps("),
+        "03_scaler_step": (lambda grads, s, tr, gi: (False, s, tr), "step "),
+        "03_autocast_policy": (lambda d, c: "bf16" if d == "cuda" else "fp32", "SM (6, 0)"),
+        "04_sac_policy": (lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE, "the policy for"),
+        "04_selective_blocks": (lambda n, mode, every: list(range(n)), "blocks_to_checkpoint("),
+        "05_no_graph_break": (_scaled_sin_with_item, "graph"),
+        "06_tensorwise_fp8": (lambda x: x.to(torch.float8_e4m3fn).float(), "round trip"),
+        "06_fp8_dtype": (lambda role: torch.float8_e4m3fn, "'grad_output'"),
+        "07_buckets": (lambda ps, cap: [list(ps)], "buckets"),
+        "07_bucketed_allreduce": (lambda g, cap: ([t for t in g[0]], 1), "averaged over"),
+        "08_zero_bytes": (lambda n, w, s: {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n // w},
+                          "bytes for"),
+        "08_fsdp_shard": (lambda shape, w, r: math.prod(shape) // w, "rank "),
+        "09_tp_mlp": (lambda g, u, d, tp, r: (g.chunk(tp, 1)[r], u.chunk(tp, 1)[r], d.chunk(tp, 0)[r]),
+                      "rank 0's gate shard"),
+        "09_block_comm": (lambda b, s, d, sp: {"all_reduce": 2 * b * s * d * 4}, "sequence_parallel=True"),
+        "14_state_bytes": (lambda n, b, s, v: 16 * n, "bytes for"),
+        "15_best_lr_per_accum": (lambda st: {t.params["grad_accum_steps"]: (t.value, t.params["lr"])  # swapped
+                                             for t in st.trials if t.value is not None}, "the best (lr, loss)"),
+        "15_compute_saved": (lambda st: sum(t.user_attrs["token_budget"] for t in st.trials), "tokens saved"),
+        "10_one_f_one_b": (lambda r, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)],
+                           "rank 1 of p=2, m=2: op 1"),
+        "10_bubble": (lambda p, m: p / m, "the bubble for p=2, m=4"),
+        "11_rank_grid": (lambda r, shape: {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": r},
+                         "the coordinates of rank"),
+        "11_groups": (lambda shape, dim: [[0]], "groups of shape"),
+        "12_atomic_commit": (_commit_after_rename, "was not in the folder when it was renamed"),
+        "12_latest_committed": (lambda folder: max(Path(folder).iterdir(), default=None),
+                                "the latest committed checkpoint"),
+        "13_young": (lambda d, m: math.sqrt(d * m), "the interval for"),
+        "13_cluster_mtbf": (lambda n, rate: 1 / (n * rate), "the MTBF in seconds"),
+    }[name]
+
+
+def _scaled_sin_with_item(x):
+    y = torch.sin(x)
+    return y * y.abs().max().item()  # right values, but .item() breaks the graph
+
+
+def _commit_after_rename(tmp, final, step):
+    """The classic bug: move the folder first, write the record after."""
+    import os
+    import zlib
+    os.rename(tmp, final)
+    files = {f.name: [f.stat().st_size, zlib.crc32(f.read_bytes())] for f in final.iterdir()}
+    (final / "titanlite.json").write_text(json.dumps({"format": 1, "step": step, "files": files}))
+
+
+def test_every_exercise_has_a_notebook_cell_and_a_check():
+    assert set(SOLUTIONS) == set(EXERCISES), set(SOLUTIONS) ^ set(EXERCISES)
+    assert len(EXERCISES) >= 20
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_check_passes_the_solution_and_fails_a_wrong_one(name, capsys):
+    source, fn, _ = SOLUTIONS[name]
+    line = check(name, _define(source, fn))
+    assert line.startswith(f"✓ {name}: passed") and line in capsys.readouterr().out
+    wrong, says = _wrong(name)
+    with pytest.raises(ExerciseError) as e:
+        check(name, wrong)
+    message = str(e.value)
+    assert message.startswith(f"{name}: ") and says in message and "\n" not in message, message
+    with pytest.raises(ExerciseError, match=f"^{name}: not attempted yet"):
+        check(name, _define(strip_solution(source), fn))
+
+
+def test_a_crashing_answer_is_named_in_one_line():
+    def broken(step, warmup, total, floor):
+        return 1 / 0
+    with pytest.raises(ExerciseError, match=r"^01_lr_schedule: your function raised ZeroDivisionError: "
+                                            r"division by zero \(line \d+ of broken\)$"):
+        check("01_lr_schedule", broken)
+    with pytest.raises(ExerciseError, match="did you mean: 13_young"):
+        check("13_yung", broken)
+    assert issubclass(ExerciseError, TitanliteError)  # the notebook handler shows it as one line
+
+
+def test_strip_solution_is_nbgraders_stub():
+    source = f"def f(x):\n    '''doc'''\n    {BEGIN}\n    y = x + 1\n    return y\n    {END}\n\nprint(1)"
+    assert strip_solution(source) == ("def f(x):\n    '''doc'''\n    # YOUR CODE HERE\n"
+                                      "    raise NotImplementedError()\n\nprint(1)")
+    for bad, says in ((f"{BEGIN}\nx = 1", "never closed"), (f"x = 1\n{END}", "without"),
+                      (f"{BEGIN}\n{BEGIN}\n{END}", "inside another")):
+        with pytest.raises(TitanliteError, match=says):
+            strip_solution(bad)
+
+
+@pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
+def test_instructor_notebook_is_nbgrader_ready(path):
+    """Solution cells carry nbgrader's metadata and markers, each is followed by its locked
+    check cell, and grade ids are unique (nbgrader refuses duplicates)."""
+    cells = nbformat.read(path, 4).cells
+    ids = [c.metadata["nbgrader"]["grade_id"] for c in cells if "nbgrader" in c.metadata]
+    assert len(ids) == len(set(ids))
+    solutions = [i for i, c in enumerate(cells) if is_solution_cell(c)]
+    assert 1 <= len(solutions) <= 3
+    for i in solutions:
+        meta = cells[i].metadata["nbgrader"]
+        assert meta["schema_version"] == 3 and meta["locked"] is False and meta["grade"] is False
+        assert BEGIN in cells[i].source and END in cells[i].source
+        check_meta = cells[i + 1].metadata["nbgrader"]
+        assert check_meta["grade"] and check_meta["locked"] and check_meta["points"] == 1
+        assert BEGIN not in student_notebook(nbformat.read(path, 4)).cells[i].source
+
+
+def _run_until_first_check(path: Path, tmp_path, monkeypatch):
+    from nbclient import NotebookClient
+    work = tmp_path / "notebooks"
+    shutil.copytree(path.parent, work, ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints"))
+    monkeypatch.setenv("TITANLITE_SMOKE", "1")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = student_notebook(nbformat.read(path, 4))
+    first = next(i for i, c in enumerate(nb.cells) if is_check_cell(c))
+    nb.cells = nb.cells[: first + 1]
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=False,
+                            resources={"metadata": {"path": str(work)}})
+    return nb, client
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
+def test_student_edition_fails_at_its_first_check_in_one_line(path, tmp_path, monkeypatch):
+    from nbclient.exceptions import CellExecutionError
+    nb, client = _run_until_first_check(path, tmp_path, monkeypatch)
+    with pytest.raises(CellExecutionError) as e:
+        client.execute()
+    name = nb.cells[-1].source.split('check("')[1].split('"')[0]
+    shown = [o["text"] for o in nb.cells[-1].outputs if o.get("name") == "stderr"]
+    assert shown == [f"ExerciseError: {name}: not attempted yet - replace `raise NotImplementedError()` "
+                     f"in the cell above with your code, run it, then run this check\n"], shown
+    assert "Traceback" not in str(e.value) and f"ExerciseError: {name}: not attempted" in str(e.value)
+
+
+def _with_outputs(tmp_path, outputs: dict[str, list]) -> Path:
+    """A notebook whose check cells carry the given outputs (as a student's saved copy does)."""
+    nb = nbformat.v4.new_notebook()
+    for name, outs in outputs.items():
+        cell = nbformat.v4.new_code_cell(f'check("{name}", f)')
+        cell.metadata["nbgrader"] = {"grade": True, "grade_id": f"{name}_check", "locked": True,
+                                     "points": 1, "schema_version": 3, "solution": False, "task": False}
+        cell.outputs = [nbformat.v4.new_output("stream", name=n, text=t) for n, t in outs]
+        cell.execution_count = 1 if outs else None
+        nb.cells.append(cell)
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    nbformat.write(nb, folder / "99_lab.ipynb")
+    return folder
+
+
+def test_progress_reads_saved_outputs(tmp_path):
+    folder = _with_outputs(tmp_path, {
+        "a": [("stdout", "✓ a: passed - equals the real one\n")],
+        "b": [("stderr", "ExerciseError: b: the loss is 3, expected 2 [seed 1]\n")],
+        "c": [("stderr", "ExerciseError: c: not attempted yet - replace ...\n")],
+        "d": []})
+    results = progress(folder, run=False)
+    assert [(r.exercise, r.status) for r in results] == [("a", "pass"), ("b", "fail"),
+                                                         ("c", "not attempted"), ("d", "not run")]
+    table = format_table(results)
+    assert "the loss is 3, expected 2" in table and table.endswith("1 of 4 exercises pass")
+    assert read_results(nbformat.read(folder / "99_lab.ipynb", 4), "x")[0].notebook == "x"
+    with pytest.raises(TitanliteError, match="no notebooks"):
+        progress(tmp_path / "nowhere", run=False)
+
+
+@pytest.mark.slow
+def test_progress_runs_both_editions(tmp_path, monkeypatch, capsys):
+    """`titanlite progress` on notebook 02: the instructor's passes, the student's is not attempted."""
+    from titanlite.cli import main
+    from titanlite.course import student_edition
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    student_edition(ROOT / "notebooks", tmp_path / "student")
+    assert main(["progress", str(tmp_path / "student"), "--only", "02"]) == 0
+    out = capsys.readouterr().out
+    assert "02_accum_steps        not attempted" in out and out.strip().endswith("0 of 2 exercises pass")
+    assert [r.status for r in progress(ROOT / "notebooks", only="02")] == ["pass"] * 2
