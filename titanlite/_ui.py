@@ -17,7 +17,11 @@ def eager():
 
 
 def in_notebook() -> bool:
-    return "ipykernel" in sys.modules
+    """True inside a Jupyter kernel; False in a terminal, a script or a test run that merely
+    imported ipykernel (nbclient, an IPython shell)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
 
 
 def progress_bar(total: int, enabled: bool, initial: int = 0):
