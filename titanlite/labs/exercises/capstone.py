@@ -7,6 +7,7 @@ import random
 from ...exercises import call, fail, fresh_seed, passed, same_value
 from . import exercise
 
+_ABSENT = object()
 _KEYS = ("training.mixed_precision", "compile.enable", "float8.enable", "float8.recipe",
          "activation_checkpoint.mode", "parallel.dp_shard", "checkpoint.every")
 
@@ -36,9 +37,18 @@ def row_overrides(fn):
         for i, ((rung, want_over), item) in enumerate(zip(want, got)):
             if not (isinstance(item, tuple) and len(item) == 2 and item[0] is rung):
                 fail(name, f"item {i} should be the pair (rungs[{i}], its overrides)", seed)
-            carried = ", ".join(f"{r.name}{'' if r.carry else ' (not carried)'}" for r in rungs[:i])
-            same_value(name, item[1], want_over,
-                       f"the overrides of {rung.name!r} after [{carried}]", seed=seed)
+            got_over = item[1]
+            if not isinstance(got_over, dict):
+                fail(name, f"the overrides of {rung.name!r} should be a dict, got "
+                           f"{type(got_over).__name__}", seed)
+            if got_over != want_over:  # name the first key that differs, not two whole dicts
+                key = next(k for k in [*want_over, *got_over]
+                           if got_over.get(k, _ABSENT) != want_over.get(k, _ABSENT))
+                carried = ", ".join(f"{r.name}{'' if r.carry else ' (not carried)'}" for r in rungs[:i])
+                show = lambda v: "absent" if v is _ABSENT else repr(v)  # noqa: E731
+                fail(name, f"the overrides of {rung.name!r} after [{carried}]: {key!r} is "
+                           f"{show(got_over.get(key, _ABSENT))}, expected "
+                           f"{show(want_over.get(key, _ABSENT))}", seed)
     return passed(name, f"equals titanlite.labs.nb16_capstone.row_overrides on {len(ladders)} ladders")
 
 
