@@ -39,7 +39,7 @@ test: setup  ## the whole test suite (notebooks in smoke scale, the browser chec
 doctor: setup  ## self-check this machine's device: writes runs/doctor/report.md (attach it to bug reports)
 	$(BIN)/titanlite doctor
 
-student: setup  ## the student edition: notebooks/ with every exercise's solution stripped, in student/
+student: setup  ## the student edition in student/: solutions stripped by nbgrader (ClearSolutions) if installed, else by titanlite
 	$(BIN)/python -m titanlite.course notebooks student
 
 bench: setup

@@ -4,6 +4,7 @@ from the same notebooks and really fails at its first check; `titanlite progress
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import nbformat
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from titanlite.course import (BEGIN, END, format_table, is_check_cell, is_solution_cell,
-                              progress, read_results, strip_solution, student_notebook)
+                              progress, read_results, strip_solution, strip_solutions, stripper,
+                              student_edition, student_notebook)
 from titanlite.errors import TitanliteError
 from titanlite.exercises import ExerciseError
 from titanlite.labs.exercises import EXERCISES, check
@@ -84,7 +86,19 @@ def _wrong(name):
                                 "the latest committed checkpoint"),
         "13_young": (lambda d, m: math.sqrt(d * m), "the interval for"),
         "13_cluster_mtbf": (lambda n, rate: 1 / (n * rate), "the MTBF in seconds"),
+        "16_row_overrides": (_carry_every_rung, "the overrides of"),
+        "16_speed_verdict": (lambda first, last, row: "faster (beyond drift)" if row > first  # no band
+                             else "slower (beyond drift)", "the verdict for baselines"),
     }[name]
+
+
+def _carry_every_rung(rungs):
+    """The classic bug: carry FP8 rowwise (carry=False) on to the rows after it too."""
+    kept, out = {}, []
+    for rung in rungs:
+        kept.update(rung.overrides)
+        out.append((rung, dict(kept)))
+    return out
 
 
 def _scaled_sin_with_item(x):
@@ -139,6 +153,80 @@ def test_strip_solution_is_nbgraders_stub():
                       (f"{BEGIN}\n{BEGIN}\n{END}", "inside another")):
         with pytest.raises(TitanliteError, match=says):
             strip_solution(bad)
+
+
+FAKE_NBGRADER = '''
+CALLS = []
+
+class ClearSolutions:
+    """Stands in for nbgrader's preprocessor: records each call, stubs the solution cells."""
+    def preprocess(self, nb, resources):
+        CALLS.append((nb, resources))
+        if any("FAIL" in c.source for c in nb.cells):
+            raise RuntimeError("unclosed solution region\\nsecond line")
+        for cell in nb.cells:
+            if cell.metadata.get("nbgrader", {}).get("solution"):
+                cell.source = "# stripped by nbgrader"
+        return nb, resources
+'''
+
+
+@pytest.fixture
+def no_nbgrader(monkeypatch):
+    """Hide any nbgrader (real or fake) from this test and put sys.modules back after it."""
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] == "nbgrader"}
+    for k in saved:
+        monkeypatch.delitem(sys.modules, k)
+    monkeypatch.setitem(sys.modules, "nbgrader", None)  # find_spec says None: not installed
+    yield monkeypatch
+    for k in [k for k in sys.modules if k.split(".")[0] == "nbgrader"]:
+        del sys.modules[k]
+    sys.modules.update(saved)
+
+
+def _fake_nbgrader(tmp_path, monkeypatch):
+    package = tmp_path / "site" / "nbgrader"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "preprocessors.py").write_text(FAKE_NBGRADER)
+    monkeypatch.delitem(sys.modules, "nbgrader")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+
+
+def test_strip_solutions_without_nbgrader_uses_the_stripper(no_nbgrader):
+    nb = nbformat.read(ROOT / "notebooks" / "16_capstone.ipynb", 4)
+    assert stripper() == "titanlite" and stripper(False) == "titanlite"
+    assert strip_solutions(nb) == student_notebook(nb)
+    with pytest.raises(TitanliteError, match="^nbgrader is not installed: `pip install nbgrader`"):
+        strip_solutions(nb, use_nbgrader=True)
+
+
+def test_strip_solutions_with_nbgrader_calls_its_clear_solutions(no_nbgrader, tmp_path):
+    _fake_nbgrader(tmp_path, no_nbgrader)
+    assert stripper() == "nbgrader" and stripper(True) == "nbgrader" and stripper(False) == "titanlite"
+    calls = __import__("nbgrader.preprocessors").preprocessors.CALLS
+    nb = nbformat.read(ROOT / "notebooks" / "16_capstone.ipynb", 4)
+    nb.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="old output")]
+    student = strip_solutions(nb)
+    assert len(calls) == 1 and calls[0][1] == {} and calls[0][0] is student   # (nb, {}) as documented
+    solutions = [i for i, c in enumerate(nb.cells) if is_solution_cell(c)]
+    assert solutions and all(student.cells[i].source == "# stripped by nbgrader" for i in solutions)
+    assert not student.cells[2].outputs and nb.cells[2].outputs, "outputs cleared, on a copy"
+    assert BEGIN in nb.cells[solutions[0]].source, "the instructor's notebook is untouched"
+    assert strip_solutions(nb, use_nbgrader=False) == student_notebook(nb) and len(calls) == 1
+    # `make student` (student_edition) goes the same way: one ClearSolutions call per notebook
+    source = tmp_path / "nbs"
+    source.mkdir()
+    shutil.copy(ROOT / "notebooks" / "16_capstone.ipynb", source)
+    shutil.copy(ROOT / "notebooks" / "14_cpu_and_apple_silicon.ipynb", source)
+    student_edition(source, tmp_path / "student")
+    assert len(calls) == 3
+    written = nbformat.read(tmp_path / "student" / "16_capstone.ipynb", 4)
+    assert written.cells[solutions[0]].source == "# stripped by nbgrader"
+    nb.cells[0].source = "FAIL"
+    with pytest.raises(TitanliteError, match="^nbgrader's ClearSolutions refused the notebook: unclosed") as e:
+        strip_solutions(nb)
+    assert "\n" not in str(e.value), "one line, however many nbgrader's message has"
 
 
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])

@@ -4,8 +4,9 @@ The notebooks in notebooks/ are the instructor edition: each exercise's solution
 nbgrader's `### BEGIN SOLUTION` / `### END SOLUTION` markers in a cell whose nbgrader metadata
 says `"solution": true`, and its check cell says `"grade": true` (nbgrader can generate and
 autograde them as they are). `student_edition` writes the same notebooks with every solution
-replaced by `# YOUR CODE HERE` + `raise NotImplementedError()`, as nbgrader does, so a course
-without nbgrader gets the same student copy (`make student`).
+replaced by `# YOUR CODE HERE` + `raise NotImplementedError()` (`make student`): with nbgrader's
+own `ClearSolutions` preprocessor when nbgrader is installed, else with the small stripper here,
+which writes the same stub, so a course without nbgrader gets the same student copy.
 
 `progress` runs a folder of notebooks (smoke scale, errors allowed) - or reads the outputs a
 student saved - and reports, per exercise, pass / fail / not attempted from what each check
@@ -13,6 +14,8 @@ cell printed.
 """
 from __future__ import annotations
 
+import copy
+import importlib.util
 import os
 import re
 import shutil
@@ -63,18 +66,52 @@ def strip_solution(source: str) -> str:
     return "\n".join(out)
 
 
-def student_notebook(nb):
-    """A copy of notebook `nb` (an nbformat node) with the solutions stripped and no outputs."""
-    import copy
+def _without_outputs(nb):
+    """A copy of `nb` with no outputs, after checking every solution region is marked as one
+    (nbgrader would silently mark an unmarked cell a solution; here it is an authoring error)."""
     nb = copy.deepcopy(nb)
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
-        if is_solution_cell(cell):
-            cell.source = strip_solution(cell.source)
-        elif BEGIN in cell.get("source", ""):
+        if BEGIN in cell.get("source", "") and not is_solution_cell(cell):
             raise TitanliteError(f"cell {cell.get('id', '?')} holds {BEGIN} but no nbgrader "
                                  f"solution metadata: mark it as a solution cell")
+    return nb
+
+
+def student_notebook(nb):
+    """A copy of notebook `nb` (an nbformat node) with the solutions stripped and no outputs,
+    by the small stripper here (no nbgrader needed)."""
+    nb = _without_outputs(nb)
+    for cell in nb.cells:
+        if is_solution_cell(cell):
+            cell.source = strip_solution(cell.source)
+    return nb
+
+
+def stripper(use_nbgrader: bool | None = None) -> str:
+    """Which tool strips the solutions: "nbgrader" when asked for, or (None) when it is
+    importable; else "titanlite". Asking for nbgrader without it installed is an error."""
+    installed = importlib.util.find_spec("nbgrader") is not None
+    if use_nbgrader and not installed:
+        raise TitanliteError("nbgrader is not installed: `pip install nbgrader`, or leave "
+                             "use_nbgrader=None to use titanlite's own stripper")
+    return "nbgrader" if (installed if use_nbgrader is None else use_nbgrader) else "titanlite"
+
+
+def strip_solutions(nb, use_nbgrader: bool | None = None):
+    """The student copy of notebook `nb`: no outputs, each solution replaced by the stub - by
+    nbgrader's ClearSolutions preprocessor (what `nbgrader generate_assignment` runs) where
+    `stripper` picks it, so the copy is exactly nbgrader's; else by `student_notebook`."""
+    if stripper(use_nbgrader) == "titanlite":
+        return student_notebook(nb)
+    from nbgrader.preprocessors import ClearSolutions
+    nb = _without_outputs(nb)
+    try:
+        nb, _ = ClearSolutions().preprocess(nb, {})
+    except Exception as e:  # e.g. an unclosed region: one line, naming who said it
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise TitanliteError(f"nbgrader's ClearSolutions refused the notebook: {first}") from None
     return nb
 
 
@@ -82,9 +119,11 @@ def has_exercises(nb) -> bool:
     return any(is_check_cell(c) for c in nb.cells)
 
 
-def student_edition(source: str | Path = "notebooks", out: str | Path = "student") -> list[Path]:
-    """Write the student edition of every notebook in `source` into `out` (replaced whole);
-    the notebooks without exercises are copied as they are, so the edition is complete."""
+def student_edition(source: str | Path = "notebooks", out: str | Path = "student",
+                    use_nbgrader: bool | None = None) -> list[Path]:
+    """Write the student edition of every notebook in `source` into `out` (replaced whole),
+    stripped as `strip_solutions` picks; the notebooks without exercises are copied without
+    their outputs, so the edition is complete."""
     import nbformat
     source, out = Path(source), Path(out)
     notebooks = sorted(source.glob("*.ipynb"))
@@ -99,7 +138,7 @@ def student_edition(source: str | Path = "notebooks", out: str | Path = "student
     written = []
     for path in notebooks:
         nb = nbformat.read(path, as_version=4)
-        nbformat.write(student_notebook(nb), out / path.name)
+        nbformat.write(strip_solutions(nb, use_nbgrader), out / path.name)
         written.append(out / path.name)
     return written
 
@@ -202,9 +241,10 @@ def format_table(results: list[Result]) -> str:
 if __name__ == "__main__":  # python -m titanlite.course [notebooks] [student]  (make student)
     import sys
     args = sys.argv[1:] + ["notebooks", "student"][len(sys.argv[1:]):]
-    try:
+    try:  # nbgrader's ClearSolutions when it is installed, titanlite's stripper otherwise
         paths = student_edition(args[0], args[1])
     except TitanliteError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    print(f"wrote the student edition of {len(paths)} notebooks to {args[1]}/")
+    print(f"wrote the student edition of {len(paths)} notebooks to {args[1]}/ "
+          f"(solutions stripped by {stripper()})")

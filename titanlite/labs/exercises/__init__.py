@@ -2,7 +2,8 @@
 check on fresh random inputs against the package's real implementation, prints one line
 when it passes and raises one `ExerciseError` line saying what is wrong when it does not.
 
-One module per group of notebooks (basics: 01-06, parallel: 07-11, resilience: 12-13, cpu_and_search: 14-15); each
+One module per group of notebooks (basics: 01-06, parallel: 07-11, resilience: 12-13,
+cpu_and_search: 14-15, capstone: 16); each
 check is registered with `@exercise(name, title)` under the name the notebook's check cell uses
 (the notebook number first: "02_global_token_loss").
 """
@@ -37,6 +38,6 @@ def exercises_of(notebook: str) -> list[str]:
     return sorted(n for n in EXERCISES if n[:2] == notebook[:2])
 
 
-from . import basics, cpu_and_search, parallel, resilience  # noqa: E402,F401  (they register their checks)
+from . import basics, capstone, cpu_and_search, parallel, resilience  # noqa: E402,F401  (they register their checks)
 
 __all__ = ["EXERCISES", "ExerciseError", "check", "exercise", "exercises_of"]
