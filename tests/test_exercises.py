@@ -271,7 +271,8 @@ def test_student_edition_fails_at_its_first_check_in_one_line(path, tmp_path, mo
     name = nb.cells[-1].source.split('check("')[1].split('"')[0]
     shown = [o["text"] for o in nb.cells[-1].outputs if o.get("name") == "stderr"]
     assert shown == [f"ExerciseError: {name}: not attempted yet - replace `raise NotImplementedError()` "
-                     f"in the cell above with your code, run it, then run this check\n"], shown
+                     f"in the cell above with your code, run it, then run this check\n"], \
+        f"the first error was not the check's: {str(e.value)[-1500:]}"
     assert "Traceback" not in str(e.value) and f"ExerciseError: {name}: not attempted" in str(e.value)
 
 
