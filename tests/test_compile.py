@@ -165,6 +165,28 @@ def test_the_trial_compiles_a_real_block_so_a_toy_that_compiles_proves_nothing()
     assert all(p.grad is None for p in model.parameters())  # the trial ran on a copy
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_trial_traces_the_graph_training_runs_so_step_one_compiles_nothing_new(data_dir, tmp_path,
+                                                                                  precision):
+    # The trial runs block 0 as the model will (its autocast too): Dynamo then reuses the
+    # trial's graph for every block at step 1 instead of tracing and compiling a second one,
+    # which on a cold cache halves the compile time of a run.
+    from torch._dynamo.utils import counters
+
+    from titanlite.efficiency import compile as compile_module
+    extra = {"compile.enable": True, "training.mixed_precision": precision, "training.steps": 1,
+             "eval.every": 0, "eval.sample_every": 0, "metrics.run_name": f"trial-{precision}"}
+    cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **extra))
+    torch._dynamo.reset()
+    compile_module._TRIALS.clear()  # this process's earlier trials would skip this one's
+    trainer = Trainer(cfg)
+    traced = counters["stats"]["unique_graphs"]
+    assert traced > 0, "the trial compiled block 0"
+    trainer.fit()
+    trainer.close()
+    assert counters["stats"]["unique_graphs"] == traced, "step 1 traced no graph the trial had not"
+
+
 def test_a_model_that_cannot_compile_trains_eagerly_in_the_trainer_and_says_why(data_dir, tmp_path):
     extra = {"compile.enable": True, "compile.backend": "fails_on_attention", "training.steps": 3,
              "eval.every": 0, "metrics.run_name": "compile-fails"}

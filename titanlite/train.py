@@ -159,7 +159,7 @@ class Trainer:
         # state-dict names stay those of the plain model; DDP/FSDP come last (parallelize.py).
         # One part, or one per pipeline stage this rank holds (then `self.pipe` runs them).
         self.model_parts, self.pipe = parallelize(self.model_args, cfg, self.dist, self.dims,
-                                                  self.mesh, self.dtype)
+                                                  self.mesh, self.dtype, self.precision.dtype)
         self.model = self.model_parts[0]
         self.loss_parallel = loss_parallel_enabled(cfg, self.dims)
         self.optimizer = build_optimizer(torch.nn.ModuleList(self.model_parts), cfg)

@@ -29,8 +29,10 @@ from .mesh import ParallelDims
 
 
 def parallelize(args: ModelArgs, cfg, env: DistEnv, dims: ParallelDims, mesh,
-                dtype: torch.dtype) -> tuple[list[nn.Module], "Pipeline | None"]:
-    """This rank's model parts (one, or one per pipeline stage it holds) and the pipeline."""
+                dtype: torch.dtype, autocast_dtype: torch.dtype | None = None
+                ) -> tuple[list[nn.Module], "Pipeline | None"]:
+    """This rank's model parts (one, or one per pipeline stage it holds) and the pipeline.
+    `autocast_dtype`: the run's mixed precision, which the trial compile runs under."""
     check_parallel_config(cfg, dims, args)
     p = cfg.parallel
     fsdp = dims.strategy in ("fsdp", "hsdp")
@@ -47,7 +49,7 @@ def parallelize(args: ModelArgs, cfg, env: DistEnv, dims: ParallelDims, mesh,
         # The weights are drawn later (rank 0, below), so the trial runs that the FP8 and
         # compile support checks make must not move the random generator in between.
         with torch.random.fork_rng(devices=[]):
-            model = apply_efficiency(model, cfg, env.device)
+            model = apply_efficiency(model, cfg, env.device, autocast_dtype)
         return [shard_and_init(model, lambda: build_model(args, "cpu").to(dtype), dp_mesh,
                                env.device, **fsdp_kwargs)], None
     # Initialised on the CPU whatever the device: the same seed gives the same weights on
@@ -66,7 +68,7 @@ def parallelize(args: ModelArgs, cfg, env: DistEnv, dims: ParallelDims, mesh,
             from .tensor_parallel import apply_tp
             apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel_enabled(cfg, dims),
                      loss_parallel=loss_parallel_enabled(cfg, dims))
-        part = apply_efficiency(part, cfg, env.device)
+        part = apply_efficiency(part, cfg, env.device, autocast_dtype)
         if fsdp:
             part = apply_fsdp(part, dp_mesh, **fsdp_kwargs)
         elif dims.strategy == "ddp":

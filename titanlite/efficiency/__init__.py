@@ -15,10 +15,12 @@ from __future__ import annotations
 import torch
 
 
-def apply_efficiency(model: torch.nn.Module, cfg, device: torch.device) -> torch.nn.Module:
+def apply_efficiency(model: torch.nn.Module, cfg, device: torch.device,
+                     autocast_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """torchtitan's order: FP8 swaps Linear modules first, so everything after sees the final
     modules; checkpointing wraps blocks next; compile comes last, so it traces the wrapped
-    blocks and the recomputation is compiled too. Each step is one module's entry point."""
+    blocks and the recomputation is compiled too. Each step is one module's entry point.
+    `autocast_dtype`: the run's mixed precision (`Precision.dtype`), for the trial compile."""
     if cfg.float8.enable:
         from .fp8 import apply_fp8
         f = cfg.float8
@@ -38,5 +40,6 @@ def apply_efficiency(model: torch.nn.Module, cfg, device: torch.device) -> torch
         # cannot compile falls back here, not at step 1.
         model = apply_compile(model, scope=cfg.compile.scope, fallback=cfg.compile.fallback,
                               device=device, example_shape=(cfg.training.batch_size,
-                                                            cfg.training.seq_len), **backend)
+                                                            cfg.training.seq_len),
+                              autocast_dtype=autocast_dtype, **backend)
     return model

@@ -62,12 +62,14 @@ class CompileSupport:
 
 def apply_compile(model: nn.Module, scope: str = "regional", fallback: bool = True,
                   device: torch.device | str | None = None,
-                  example_shape: tuple[int, int] | None = None, **compile_kwargs) -> nn.Module:
+                  example_shape: tuple[int, int] | None = None,
+                  autocast_dtype: torch.dtype | None = None, **compile_kwargs) -> nn.Module:
     """Compile `model` in place (`scope`: "regional" = each block, "model" = all of it) and
     return it. `compile_kwargs` go to torch.compile (backend, mode, dynamic, fullgraph...).
     `device`: where it will run (default: where its parameters are; pass it for a model
     still on the meta device, as FSDP's meta-device init builds it).
-    `example_shape`: (batch, seq_len) of the run: the trial compiles block 0 on it."""
+    `example_shape`: (batch, seq_len) of the run: the trial compiles block 0 on it.
+    `autocast_dtype`: the run's autocast (mixed precision), which the trial runs under too."""
     if scope not in SCOPES:
         raise TitanliteError(f"compile scope '{scope}' is not one of {', '.join(SCOPES)}"
                              f"{closest(scope, SCOPES)}: regional compiles each transformer "
@@ -79,7 +81,7 @@ def apply_compile(model: nn.Module, scope: str = "regional", fallback: bool = Tr
     args = getattr(model, "args", None)  # a Transformer's ModelArgs: the block's shapes
     block = _trial_block(model) if example_shape is not None and args is not None else None
     support = compile_support(device, block=block, args=args, example_shape=example_shape,
-                              **compile_kwargs)
+                              autocast_dtype=autocast_dtype, **compile_kwargs)
     if not support.works:
         if not fallback:
             raise TitanliteError(f"torch.compile cannot run here: {support.why}. Fix: {support.fix}, "
@@ -106,11 +108,13 @@ def is_compiled(module: nn.Module) -> bool:
 # ----- can it compile here? ------------------------------------------------------------------
 
 def compile_support(device: torch.device | str, block: nn.Module | None = None, args=None,
-                    example_shape: tuple[int, int] | None = None, **compile_kwargs) -> CompileSupport:
+                    example_shape: tuple[int, int] | None = None,
+                    autocast_dtype: torch.dtype | None = None, **compile_kwargs) -> CompileSupport:
     """Can torch.compile (with these kwargs) run on `device`? Static checks first, because
     they give the clearest fix, then a trial compile, remembered per process: of a copy of
     `block` (a transformer block of a model with ModelArgs `args`) on a (batch, seq_len)
-    `example_shape` batch, or of a tiny matmul without one."""
+    `example_shape` batch under the run's autocast (`autocast_dtype`), or of a tiny matmul
+    without one."""
     import torch._dynamo  # noqa: F401  (heavy: imported only when compiling)
     device = torch.device(device)
     backend = compile_kwargs.get("backend", "inductor")
@@ -122,10 +126,13 @@ def compile_support(device: torch.device | str, block: nn.Module | None = None, 
     key = (str(device), repr(sorted(compile_kwargs.items(), key=lambda kv: kv[0])))
     real_block = block is not None and args is not None and example_shape is not None
     if real_block:
-        what = f"block 0 on a {example_shape[0]}x{example_shape[1]} batch"
-        key += (type(block).__name__, tuple(example_shape), str(next(block.parameters()).dtype), repr(args))
+        what = f"block 0 on a {example_shape[0]}x{example_shape[1]} batch" + \
+               (f" under {str(autocast_dtype)[6:]} autocast" if autocast_dtype is not None else "")
+        key += (type(block).__name__, tuple(example_shape), str(next(block.parameters()).dtype),
+                repr(args), str(autocast_dtype))
     if key not in _TRIALS:
-        _TRIALS[key] = (_trial_compile_block(block, args, example_shape, device, compile_kwargs)
+        _TRIALS[key] = (_trial_compile_block(block, args, example_shape, device, compile_kwargs,
+                                             autocast_dtype)
                         if real_block else _trial_compile(device, compile_kwargs))
     error = _TRIALS[key]
     if error is None:
@@ -191,10 +198,16 @@ def _trial_compile(device: torch.device, compile_kwargs: dict) -> BaseException 
 
 
 def _trial_compile_block(block: nn.Module, args, shape: tuple[int, int], device: torch.device,
-                         compile_kwargs: dict) -> BaseException | None:
+                         compile_kwargs: dict, autocast_dtype: torch.dtype | None = None
+                         ) -> BaseException | None:
     """Compile a copy of a real transformer block and run forward + backward on a batch of
     the run's shape; None if it works. The copy keeps the real block uncompiled and its
-    gradients untouched; a block still on the meta device gets small random weights."""
+    gradients untouched; a block still on the meta device gets small random weights.
+
+    The trial feeds the block what the model will (hidden states in the weights' dtype, rotary
+    tables sliced and cast as `Transformer.forward` does) under the run's autocast, so it traces
+    the very graph training will: a bf16 graph can fail where an fp32 one compiles, and the
+    same graph is then found in Inductor's cache at step 1 instead of being compiled twice."""
     from ..models.llama import rope_cache
 
     batch, seq_len = shape
@@ -210,7 +223,11 @@ def _trial_compile_block(block: nn.Module, args, shape: tuple[int, int], device:
             dtype = next(trial.parameters()).dtype
             x = torch.randn(batch, seq_len, args.dim, device=device, dtype=dtype, requires_grad=True)
             cos, sin = (t[:seq_len].to(dtype) for t in rope_cache(args, device=device))
-            torch.compile(trial, **compile_kwargs)(x, cos, sin).float().pow(2).mean().backward()
+            autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                        else contextlib.nullcontext())
+            with autocast:
+                out = torch.compile(trial, **compile_kwargs)(x, cos, sin)
+            out.float().pow(2).mean().backward()
             synchronize(device)
         except Exception as e:  # noqa: BLE001 - any failure means "not here"
             return e
