@@ -1,5 +1,7 @@
 """The trainer: it learns, logs honest metrics, is deterministic, and refuses bad input."""
 import json
+import statistics
+import warnings
 
 import pytest
 import torch
@@ -18,17 +20,27 @@ def run(data_dir, tmp_path, **extra):
     return trainer, trainer.fit()
 
 
-def test_loss_falls_and_metrics_are_logged(data_dir, tmp_path):
+def test_loss_falls_and_metrics_are_logged(data_dir, tmp_path, monkeypatch):
+    from titanlite import hardware
+    monkeypatch.setattr(hardware, "_WARNED", set())  # an earlier test's warning must not hide ours
     seen = []
     cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{"training.steps": 40}))
     trainer = Trainer(cfg)
-    history = trainer.fit(callbacks=[seen.append])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = trainer.fit(callbacks=[seen.append])
     assert sum(history.losses[-5:]) / 5 < sum(history.losses[:5]) / 5 - 0.5
     records = [json.loads(l) for l in (history.run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert len(train) == 40 and REQUIRED <= set(train[0])
     assert [r["step"] for r in records if r["kind"] == "val"] == [6, 12, 18, 24, 30, 36, 40]
-    assert all(0 < r["mfu"] < 1 and r["tokens_per_sec"] > 0 for r in train)
+    assert all(r["mfu"] > 0 and r["tokens_per_sec"] > 0 for r in train)
+    # MFU is a fraction of the peak measured on this machine. A step can still beat a peak that
+    # was measured while the machine was busier (the load here comes and goes): the typical step
+    # does not, and a step that does is never silent.
+    assert statistics.median(r["mfu"] for r in train) < 1
+    if any(r["mfu"] >= 1 for r in train):
+        assert any("peak is too low" in str(w.message) for w in caught), "MFU > 1 said so"
     assert seen == records  # callbacks see exactly what is logged
     info = json.loads((history.run_dir / "run.json").read_text())
     assert info["flops_per_token"] == trainer.model.flops_per_token(32)

@@ -128,7 +128,8 @@ def compile_support(device: torch.device | str, block: nn.Module | None = None, 
     if real_block:
         what = f"block 0 on a {example_shape[0]}x{example_shape[1]} batch" + \
                (f" under {str(autocast_dtype)[6:]} autocast" if autocast_dtype is not None else "")
-        key += (type(block).__name__, tuple(example_shape), str(next(block.parameters()).dtype),
+        # repr: the block's module tree (FP8 Linears, a checkpoint wrapper): each kind is tried
+        key += (repr(block), tuple(example_shape), str(next(block.parameters()).dtype),
                 repr(args), str(autocast_dtype))
     if key not in _TRIALS:
         _TRIALS[key] = (_trial_compile_block(block, args, example_shape, device, compile_kwargs,
