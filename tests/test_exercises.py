@@ -319,3 +319,16 @@ def test_progress_runs_both_editions(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "02_accum_steps        not attempted" in out and out.strip().endswith("0 of 2 exercises pass")
     assert [r.status for r in progress(ROOT / "notebooks", only="02")] == ["pass"] * 2
+
+
+def test_tensorwise_fp8_check_holds_at_a_seed_where_a_float32_scale_lands_one_fp8_step_off(monkeypatch):
+    """Seed 1812472548 (a loaded CI run): the (16, 8) tensor has a value on an e4m3 rounding
+    boundary, so a scale divided in float32 instead of torchao's float64 casts it a whole FP8
+    step away. The instructor's solution divides in float64 and passes; the float32 one fails."""
+    from titanlite.labs.exercises import basics
+    monkeypatch.setattr(basics, "fresh_seed", lambda: 1812472548)
+    source, fn, _ = SOLUTIONS["06_tensorwise_fp8"]
+    assert check("06_tensorwise_fp8", _define(source, fn)).startswith("✓")
+    float32_scale = _define(source.replace(".double()", ".float()"), fn)
+    with pytest.raises(ExerciseError, match="expected 69.148"):
+        check("06_tensorwise_fp8", float32_scale)
