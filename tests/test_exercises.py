@@ -3,6 +3,7 @@ its one-line message, and fails the student edition's stub; the student edition 
 from the same notebooks and really fails at its first check; `titanlite progress` reads it."""
 import json
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ def _wrong(name):
         "01_lr_schedule": (lambda s, w, t, f: s / w if s < w else 1.0, "lr_factor(0"),
         "02_global_token_loss": (lambda xs, ts: [F.cross_entropy(x.flatten(0, 1), t.flatten(), reduction="sum")
                                                  / (t != -100).sum() / len(xs) for x, t in zip(xs, ts)],
-                                 "micro-batch 0's loss"),
+                                 "real tokens) is"),
         "02_accum_steps": (lambda g, m, dp: g // m, "accum_steps("),
         "03_scaler_step": (lambda grads, s, tr, gi: (False, s, tr), "step "),
         "03_autocast_policy": (lambda d, c: "bf16" if d == "cuda" else "fp32", "SM (6, 0)"),
@@ -332,3 +333,40 @@ def test_tensorwise_fp8_check_holds_at_a_seed_where_a_float32_scale_lands_one_fp
     float32_scale = _define(source.replace(".double()", ".float()"), fn)
     with pytest.raises(ExerciseError, match="expected 69.148"):
         check("06_tensorwise_fp8", float32_scale)
+
+
+# Seeds at which a check once let the classic mistake through (found by running every check over
+# thousands of seeds): 01 drew no padding token, 02 gave every micro-batch a third of the tokens
+# (or the first one exactly a third), 04 drew only "full" models, 12 drew no unfinished newest save.
+ONCE_WEAK = {"01_cross_entropy": [70000217, 100000307, 209000634],
+             "02_global_token_loss": [172770512, 41000130, 48000151],
+             "04_selective_blocks": [3000016, 18000061, 53000166],
+             "12_latest_committed": [7, 6000025, 16000055]}
+
+
+@pytest.mark.parametrize("name", sorted(ONCE_WEAK))
+def test_checks_catch_the_classic_mistake_at_seeds_that_once_let_it_through(name, monkeypatch, capsys):
+    from titanlite.labs.exercises import basics, resilience
+    source, fn, _ = SOLUTIONS[name]
+    wrong, says = _wrong(name)
+    for seed in ONCE_WEAK[name]:
+        for module in (basics, resilience):
+            monkeypatch.setattr(module, "fresh_seed", lambda seed=seed: seed)
+        assert check(name, _define(source, fn)).startswith("✓")
+        with pytest.raises(ExerciseError, match=f"{re.escape(says)}.*\\[seed {seed}\\]"):
+            check(name, wrong)
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_every_check_separates_solution_and_mistake_at_many_seeds(name, monkeypatch, capsys):
+    """A check draws a fresh seed each run; at 30 spread seeds the solution must pass and the
+    classic mistake must fail with its message, so a check is not right only most of the time."""
+    from titanlite.labs.exercises import basics, capstone, cpu_and_search, parallel, resilience
+    source, fn, _ = SOLUTIONS[name]
+    solution, (wrong, says) = _define(source, fn), _wrong(name)
+    for seed in range(12345, 12345 + 30 * 7_654_321, 7_654_321):
+        for module in (basics, capstone, cpu_and_search, parallel, resilience):
+            monkeypatch.setattr(module, "fresh_seed", lambda seed=seed: seed)
+        assert check(name, solution).startswith("✓")
+        with pytest.raises(ExerciseError, match=re.escape(says)):
+            check(name, wrong)

@@ -87,9 +87,13 @@ def latest_committed(fn):
         for trial in range(3):
             folder = root / f"run{trial}"
             folder.mkdir()
-            for step in rng.sample(range(1, 10_000), rng.randint(0, 5)):
+            steps = sorted(rng.sample(range(1, 10_000), rng.randint(2 if trial == 0 else 0, 5)))
+            for step in steps:
                 d = step_dir(folder, step)
                 kind = rng.choice(["done", "done", "partial", "unfinished"])
+                if trial == 0:  # one folder whose newest save never finished, over an older good one
+                    kind = rng.choice(["partial", "unfinished"]) if step == steps[-1] else \
+                        "done" if step == steps[0] else kind
                 if kind == "partial":
                     d = d.with_name(d.name + ".partial")
                 d.mkdir()
