@@ -95,7 +95,7 @@ def test_uneven_batch_is_refused_before_any_job_starts():
     from titanlite.config import Config
     cfg = Config()
     cfg.training.batch_size = 3
-    with pytest.raises(TitanliteError, match="does not split over 2 ranks"):
+    with pytest.raises(TitanliteError, match=r"does not split over \[1, 2\] ranks: use a multiple of 2"):
         lab.run_ladder(cfg, lab.ladder(2, 2), warmup=1)
 
 
@@ -107,13 +107,13 @@ def test_drill_band_grows_with_what_mean_step_charging_misses():
     assert compiled.band == pytest.approx(0.09) and abs(compiled.error) < compiled.band
 
 
-@pytest.mark.parametrize("device, in_process, own", [
-    ("cpu", False, True), ("cuda", False, True), ("mps", False, True),   # a fresh job's is its own
-    ("cpu", True, False),    # the kernel's resident set: every row before it
-    ("mps", True, False),    # a lifetime peak
-    ("cuda", True, True)])   # the allocator's peak is reset every step and counts tensors only
-def test_memory_is_own_from_device_facts(device, in_process, own):
-    assert lab.memory_is_own(device, in_process) is own
+@pytest.mark.parametrize("device, fresh_process, own", [
+    ("cpu", True, True), ("cuda", True, True), ("mps", True, True),   # the first row its process trained
+    ("cpu", False, False),    # the process's resident set: every row before it
+    ("mps", False, False),    # a lifetime peak
+    ("cuda", False, True)])   # the allocator's peak is reset every step and counts tensors only
+def test_memory_is_own_from_device_facts(device, fresh_process, own):
+    assert lab.memory_is_own(device, fresh_process) is own
 
 
 def test_table_and_recipe_show_memory_that_is_not_a_rows_own_as_not_comparable():
@@ -150,3 +150,59 @@ def test_in_process_rows_train_here_and_are_measured_like_jobs(tmp_path):
     assert len([r for r in seen if r.get("kind") == "train"]) == 9   # the callbacks saw every step
     assert rows[0]["loss"] == rows[2]["loss"]                  # the same computation twice
     assert torch.get_num_threads() == threads                  # the kernel's threads are given back
+
+
+def test_rows_on_the_same_ranks_train_in_one_job_with_the_same_micro_batches(tmp_path):
+    """Smoke scale's multi-process path, for real: two FSDP rows in one 2-rank job, each its own
+    run folder and records; the one-process rows accumulate the micro-batches FSDP's ranks take
+    one each, so every row saw the same tokens and learned alike."""
+    from titanlite.config import Config
+    cfg = Config()
+    cfg.model.preset, cfg.training.device, cfg.training.threads = "debug", "cpu", 1
+    cfg.training.steps, cfg.training.batch_size, cfg.training.seq_len = 3, 4, 32
+    cfg.training.deterministic = True
+    cfg.eval.every, cfg.eval.sample_tokens = 0, 4
+    cfg.metrics.log_dir, cfg.metrics.run_name = str(tmp_path), "g"
+    seen = {}
+    rungs = [lab.Rung("baseline", {}), lab.Rung("FSDP ×2", {"parallel.dp_shard": 2}, nproc=2),
+             lab.Rung("+bf16", {"training.mixed_precision": "bf16"}, nproc=2)]
+    rows = lab.run_ladder(cfg, rungs, warmup=1, in_process=True,
+                          callbacks_for=lambda n: [seen.setdefault(n, []).append])
+    assert [r["row"] for r in rows] == ["baseline", "FSDP ×2", "+bf16", "baseline (again)"]
+    assert not any("error" in r for r in rows), rows
+    by = lab.by_name(rows)
+    assert [by[n]["overrides"]["training.grad_accum_steps"] for n in ("baseline", "FSDP ×2", "+bf16")] == [2, 1, 1]
+    assert {r["overrides"]["training.batch_size"] for r in rows} == {2}
+    assert len({(r["steps"], r["tokens"]) for r in rows}) == 1      # the same tokens for everyone
+    assert [r["fresh_process"] for r in rows] == [False, True, False, False]
+    assert by["FSDP ×2"]["peak_memory_bytes"] > 0 and by["+bf16"]["peak_memory_bytes"] is None
+    assert by["+bf16"]["compute_dtype"] == "bfloat16" and by["FSDP ×2"]["compute_dtype"] == "float32"
+    for name in ("FSDP ×2", "+bf16"):  # each row its own folder, and its steps reached its callbacks
+        info = json.loads((tmp_path / f"g-{lab._slug(name)}" / "run.json").read_text())
+        assert info["world_size"] == 2 and info["grad_accum_steps"] == 1
+        assert sorted(r["step"] for r in seen[name] if r.get("kind") == "train" and r["rank"] == 0) == [1, 2, 3]
+    # FSDP on 2 ranks computes what one process accumulating 2 micro-batches does
+    assert by["FSDP ×2"]["loss"] == pytest.approx(by["baseline"]["loss"], rel=1e-4)
+
+
+def test_a_row_leaves_no_compile_state_to_the_next_one_in_its_process():
+    """Compiled rowwise FP8 turns Inductor's emulate_precision_casts on; a row trained after it
+    in the same process (this kernel, or a shared job) must compile as a fresh process would."""
+    import torch
+    import torch._inductor.config as inductor_config
+    from titanlite.efficiency.fp8 import set_precision_casts_for
+    before = inductor_config.emulate_precision_casts
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    compiled = torch.compile(lambda x: x + 1, backend=backend)
+    compiled(torch.ones(2))
+    compiled(torch.ones(2))
+    assert len(graphs) == 1
+    with lab.as_a_fresh_process():
+        compiled(torch.ones(2))
+        assert len(graphs) == 2  # no graphs of the row before: it compiles again
+        assert set_precision_casts_for("rowwise", compiled=True)
+    assert inductor_config.emulate_precision_casts == before

@@ -6,8 +6,9 @@
 Like torchtitan's table (FSDP → +compile → +FP8 ...), each row adds one technique to the row
 before it (`Rung.carry`), except siblings that are measured *instead of* the row before
 (FP8 rowwise next to tensorwise). At full scale every row is its own job started by `launch`, so
-its peak memory and compile caches are its own; in smoke scale the one-process rows train in
-this process one after another (`in_process=True`: seconds of start-up saved per row), and a
+its peak memory and compile caches are its own; in smoke scale (`in_process=True`) the
+one-process rows train in this process one after another, and the multi-process rows in one job
+whose ranks train them one after another (`train_rows`): seconds of start-up saved per row. A
 peak-memory figure that is then not the row's own is reported as None. The baseline runs first
 and again last, and the difference between those two is the machine's drift: the noise band for
 every speed ratio.
@@ -19,6 +20,7 @@ at all keeps its one-line error instead of numbers.
 from __future__ import annotations
 
 import statistics
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..errors import TitanliteError
@@ -83,12 +85,13 @@ def row_overrides(rungs: list[Rung]) -> list[tuple[Rung, dict]]:
     return out
 
 
-def memory_is_own(device_type: str, in_process: bool) -> bool:
-    """Whether a row's peak-memory figure is the row's alone. A fresh job's always is. In this
-    process: CUDA's allocator peak is reset every step and counts live tensors only, so it is;
-    a CPU figure is the resident set of the whole process (every row before, the kernel's
-    imports and caches) and MPS keeps a lifetime peak, so they are not comparable."""
-    return not in_process or device_type == "cuda"
+def memory_is_own(device_type: str, fresh_process: bool) -> bool:
+    """Whether a row's peak-memory figure is the row's alone. A row that its process trained
+    first always has it. After other rows (in this kernel, or later in a shared job): CUDA's
+    allocator peak is reset every step and counts live tensors only, so it is; a CPU figure is
+    the resident set of the whole process (every row before, the kernel's imports and caches)
+    and MPS keeps a lifetime peak, so they are not comparable."""
+    return fresh_process or device_type == "cuda"
 
 
 def measure_row(name: str, result, warmup: int, nproc: int, datasheet_peak=None,
@@ -128,6 +131,22 @@ def _run_info(run_dir) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+@contextmanager
+def as_a_fresh_process():
+    """Compile state as a fresh process has it, for a row trained after others in the same
+    process: no Dynamo graphs of the row before, and Inductor's config given back afterwards (a
+    row may set a flag that the rows after it must not inherit: compiled rowwise FP8 turns
+    `emulate_precision_casts` on, which would change the tensorwise rows' kernels)."""
+    import torch
+    import torch._inductor.config as inductor_config
+    saved = inductor_config.get_config_copy()
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        inductor_config.load_config(saved)
+
+
 def train_here(cfg, overrides: dict, callbacks=()):
     """One row in this process: `Trainer(cfg)` under the row's overrides, `fit`, close. Returns
     what `launch` would (run folder, records, wall time) so a row is measured the same way."""
@@ -144,52 +163,138 @@ def train_here(cfg, overrides: dict, callbacks=()):
         set_value(cfg, key, value, source="ladder overrides")
     cfg.metrics.progress = False  # the live plot is the progress
     threads = torch.get_num_threads()  # the Trainer sets the row's; the kernel gets its own back
-    torch._dynamo.reset()  # compile from scratch, as a fresh job would (no graphs of the row before)
     gc.collect()  # the row before's tensors go now, not inside this row's memory peak
     start = time.perf_counter()
-    trainer = Trainer(cfg)
-    try:
-        history = trainer.fit(callbacks=list(callbacks))
-    finally:
-        trainer.close()
-        torch.set_num_threads(threads)
+    with as_a_fresh_process():
+        trainer = Trainer(cfg)
+        try:
+            history = trainer.fit(callbacks=list(callbacks))
+        finally:
+            trainer.close()
+            torch.set_num_threads(threads)
     return LaunchResult(run_dir=history.run_dir, command="in this process: Trainer(cfg).fit()",
                         wall_s=time.perf_counter() - start, job_id="in-process", records=history.train)
+
+
+def train_rows(cfg, rows: list[tuple[str, dict]]) -> list[dict]:
+    """In every rank of one job (`launch_function`): train the rows one after another, each a
+    `Trainer(cfg)` under its overrides in the process group the job already joined, sending
+    each record, tagged with its row, to the launcher's callbacks. Returns, per row, its run
+    folder and wall time, or its one-line error."""
+    import time
+
+    import torch
+
+    from ..config import Config, set_value
+    from ..distributed.run_function import report
+    from ..train import Trainer
+    out = []
+    for name, overrides in rows:
+        row_cfg = Config(**{k: type(v)(**vars(v)) for k, v in vars(cfg).items()})
+        for key, value in overrides.items():
+            set_value(row_cfg, key, value, source="ladder overrides")
+        row_cfg.metrics.progress = False
+        start = time.perf_counter()
+        try:  # no trainer.close(): it would leave the job's process group, which the next row uses
+            with as_a_fresh_process():
+                history = Trainer(row_cfg).fit(callbacks=[lambda r, name=name: report({**r, "row": name})])
+        except TitanliteError as e:  # raised alike on every rank (config, device): the next row runs
+            out.append({"row": name, "error": str(e)})
+            continue
+        out.append({"row": name, "run_dir": str(history.run_dir), "wall_s": time.perf_counter() - start})
+    return out
 
 
 def run_ladder(cfg, rungs: list[Rung], *, warmup: int, callbacks_for=None, timeout_s: float = 900,
                datasheet_peak=None, in_process: bool = False) -> list[dict]:
     """Every row, then the baseline again; return the measured rows. Each row is a fresh job
     (`launch`), or with `in_process` (smoke scale) the one-process rows train here, one after
-    another (`train_here`). Every row trains the same global batch (per-rank batch =
-    batch / nproc), so after the same steps every row has seen the same tokens.
-    `callbacks_for(row_name)` gives a row's callbacks."""
+    another (`train_here`), and each run of multi-process rows in one job (`train_rows`).
+    Every row trains the same global batch in the same micro-batches (batch / the most ranks
+    any row has; a row on fewer ranks accumulates), so after the same steps every row has seen
+    the same tokens. `callbacks_for(row_name)` gives a row's callbacks."""
     from ..distributed.launcher import launch
     batch = cfg.training.batch_size
     plan = row_overrides(rungs)
     plan.append((Rung("baseline (again)", {}, carry=False), {}))
-    uneven = sorted({r.nproc for r, _ in plan if batch % r.nproc})
-    if uneven:  # checked before any job starts: minutes of rows must not end in this error
-        raise TitanliteError(f"training.batch_size={batch} does not split over {uneven[0]} ranks: "
-                             f"use a multiple of {uneven[0]}")
-    rows = []
-    for rung, overrides in plan:
-        overrides = {**overrides, "training.batch_size": batch // rung.nproc,
-                     "metrics.run_name": f"{cfg.metrics.run_name or 'ladder'}-{_slug(rung.name)}"}
-        _fresh(cfg, overrides["metrics.run_name"])
-        callbacks = callbacks_for(rung.name) if callbacks_for else ()
-        here = in_process and rung.nproc == 1
+    ranks = max(r.nproc for r, _ in plan)
+    if batch % ranks or any(ranks % r.nproc for r, _ in plan):  # before any job: minutes of rows
+        raise TitanliteError(f"training.batch_size={batch} does not split over "  # must not end here
+                             f"{sorted({r.nproc for r, _ in plan})} ranks: use a multiple of {ranks}")
+    # The same micro-batches everywhere: one process accumulates `ranks` of them where FSDP's
+    # ranks take one each. Every row then runs the same kernels per micro-batch (and compiles
+    # the same graphs), so what a row changes is its technique, not its shapes.
+    plan = [(rung, {**overrides, "training.batch_size": batch // ranks,
+                    "training.grad_accum_steps": ranks // rung.nproc,
+                    "metrics.run_name": f"{cfg.metrics.run_name or 'ladder'}-{_slug(rung.name)}"})
+            for rung, overrides in plan]
+    device_type = cfg.training.device.split(":")[0]
+    rows, i = [], 0
+    while i < len(plan):
+        rung, overrides = plan[i]
+        group = [plan[i]]
+        if in_process and rung.nproc > 1:  # the run of rows on as many ranks: one job
+            while i + len(group) < len(plan) and plan[i + len(group)][0].nproc == rung.nproc:
+                group.append(plan[i + len(group)])
+        i += len(group)
+        for _, o in group:
+            _fresh(cfg, o["metrics.run_name"])
         try:
-            result = train_here(cfg, overrides, callbacks) if here else \
-                launch(cfg, rung.nproc, overrides=overrides, callbacks=callbacks, timeout_s=timeout_s)
-        except TitanliteError as e:  # a row this device cannot run: its one line, no numbers
-            rows.append({"row": rung.name, "nproc": rung.nproc, "error": str(e), "published": rung.published})
-            continue
-        row = measure_row(rung.name, result, warmup, rung.nproc, datasheet_peak,
-                          memory_own=memory_is_own(cfg.training.device.split(":")[0], here))
-        row.update(published=rung.published, overrides=overrides, in_process=here)
-        rows.append(row)
+            if len(group) > 1:
+                results = _run_group(cfg, group, callbacks_for, timeout_s)
+            else:
+                callbacks = callbacks_for(rung.name) if callbacks_for else ()
+                results = [train_here(cfg, overrides, callbacks) if in_process and rung.nproc == 1 else
+                           launch(cfg, rung.nproc, overrides=overrides, callbacks=callbacks, timeout_s=timeout_s)]
+        except TitanliteError as e:  # rows this device cannot run: their one line, no numbers
+            results = [e] * len(group)
+        for n, ((rung, overrides), result) in enumerate(zip(group, results)):
+            if isinstance(result, Exception):
+                rows.append({"row": rung.name, "nproc": rung.nproc, "error": str(result),
+                             "published": rung.published})
+                continue
+            here = in_process and rung.nproc == 1
+            fresh = not in_process or (rung.nproc > 1 and n == 0)  # the first its process trained
+            row = measure_row(rung.name, result, warmup, rung.nproc, datasheet_peak,
+                              memory_own=memory_is_own(device_type, fresh))
+            row.update(published=rung.published, overrides=overrides, in_process=here, fresh_process=fresh)
+            rows.append(row)
     return rows
+
+
+def _run_group(cfg, group, callbacks_for, timeout_s: float) -> list:
+    """Multi-process rows on the same ranks, one job (`train_rows`): each row's records go to
+    its callbacks as they arrive; returns a LaunchResult per row, or its error."""
+    from pathlib import Path
+
+    from ..distributed.launcher import LaunchResult, launch_function
+    nproc = group[0][0].nproc
+    callbacks = {rung.name: list(callbacks_for(rung.name)) if callbacks_for else [] for rung, _ in group}
+    records = {rung.name: [] for rung, _ in group}
+
+    def dispatch(record):
+        name = record.pop("row", None)
+        if name in records:
+            records[name].append(record)
+            for cb in callbacks[name]:
+                cb(record)
+
+    outs = launch_function("titanlite.labs.nb16_capstone:train_rows", nproc, device=cfg.training.device,
+                           backend=cfg.parallel.backend, timeout_s=timeout_s, callbacks=[dispatch],
+                           log_dir=cfg.metrics.log_dir, cfg=cfg,
+                           rows=[(rung.name, overrides) for rung, overrides in group])
+    results = []
+    for out in outs[0]:  # rank 0's account of each row
+        if "error" in out:
+            results.append(TitanliteError(out["error"]))
+            continue
+        results.append(LaunchResult(run_dir=Path(out["run_dir"]), wall_s=out["wall_s"], job_id="shared job",
+                                    command=f"one job for {len(group)} rows: Trainer(cfg).fit() per row",
+                                    records=records[out["row"]]))
+    for cb in (cb for cbs in callbacks.values() for cb in cbs):
+        if hasattr(cb, "on_train_end"):
+            cb.on_train_end()
+    return results
 
 
 def _slug(name: str) -> str:
