@@ -7,6 +7,7 @@ reuses the same compiled block instead of compiling again. The graph-break tests
 because torch._dynamo.explain resets Dynamo's caches.
 """
 import copy
+import json
 import warnings
 
 import pytest
@@ -167,24 +168,57 @@ def test_the_trial_compiles_a_real_block_so_a_toy_that_compiles_proves_nothing()
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_the_trial_traces_the_graph_training_runs_so_step_one_compiles_nothing_new(data_dir, tmp_path,
-                                                                                  precision):
+                                                                                  precision, monkeypatch):
     # The trial runs block 0 as the model will (its autocast too): Dynamo then reuses the
     # trial's graph for every block at step 1 instead of tracing and compiling a second one,
     # which on a cold cache halves the compile time of a run.
     from torch._dynamo.utils import counters
 
-    from titanlite.efficiency import compile as compile_module
+    from titanlite.efficiency import compile_trial
     extra = {"compile.enable": True, "training.mixed_precision": precision, "training.steps": 1,
              "eval.every": 0, "eval.sample_every": 0, "metrics.run_name": f"trial-{precision}"}
     cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **extra))
     torch._dynamo.reset()
-    compile_module._TRIALS.clear()  # this process's earlier trials would skip this one's
+    compile_trial._TRIALS.clear()  # this process's earlier trials would skip this one's
+    monkeypatch.setattr(compile_trial, "_memo_path", lambda: tmp_path / "trials.json")  # and this machine's
     trainer = Trainer(cfg)
     traced = counters["stats"]["unique_graphs"]
     assert traced > 0, "the trial compiled block 0"
     trainer.fit()
     trainer.close()
     assert counters["stats"]["unique_graphs"] == traced, "step 1 traced no graph the trial had not"
+
+
+def test_a_trial_that_worked_is_remembered_on_disk_and_a_new_process_skips_it(tmp_path, monkeypatch):
+    """Each rank of every torchrun job is a new process: one that finds its exact trial (torch,
+    device, block, shape, dtypes, compile arguments) already worked on this machine skips it.
+    A failure is never remembered, and a damaged memo only costs a trial."""
+    from torch._dynamo.utils import counters
+
+    from titanlite.efficiency import compile_trial
+    memo = tmp_path / "inductor" / "trials.json"
+    monkeypatch.setattr(compile_trial, "_memo_path", lambda: memo)
+    block, shape = build_model(ARGS).layers["0"], (BATCH, SEQ)
+
+    def fresh_process_support(**kwargs):
+        compile_trial._TRIALS.clear()
+        torch._dynamo.reset()
+        before = counters["stats"]["unique_graphs"]
+        support = compile_support("cpu", block=block, args=ARGS, example_shape=shape, **kwargs)
+        return support, counters["stats"]["unique_graphs"] - before
+
+    support, traced = fresh_process_support()
+    assert support.works and traced > 0 and "before" not in support.why
+    assert len(json.loads(memo.read_text())) == 1
+    support, traced = fresh_process_support()  # the next process: nothing traced, and it says so
+    assert support.works and traced == 0 and "on this machine before" in support.why
+    support, traced = fresh_process_support(mode="max-autotune-no-cudagraphs")  # other arguments: tried
+    assert traced > 0 and len(json.loads(memo.read_text())) == 2
+    support, _ = fresh_process_support(backend="fails_on_attention")  # failures are not remembered
+    assert not support.works and len(json.loads(memo.read_text())) == 2
+    memo.write_text("{not json")  # damaged: tried again, and the memo is whole again
+    support, traced = fresh_process_support()
+    assert support.works and traced > 0 and len(json.loads(memo.read_text())) == 1
 
 
 def test_a_model_that_cannot_compile_trains_eagerly_in_the_trainer_and_says_why(data_dir, tmp_path):

@@ -163,3 +163,24 @@ def replace_stage_method(stage, name: str, make_replacement) -> None:
         raise TitanliteError(f"this torch ({torch.__version__}) PipelineStage has no {name}(): the "
                              f"pipeline timeline was written for torch 2.11-2.13; use one of those")
     setattr(stage, name, make_replacement(original))
+
+
+# ----- Inductor's cache folder ---------------------------------------------------------------
+# compile_trial remembers the trials that worked beside Inductor's compiled kernels, so that
+# clearing one clears both. torch computes the folder in a private module (2.11-2.13:
+# TORCHINDUCTOR_CACHE_DIR, else a per-user folder in the temp dir); if it moves, the same rule.
+
+def inductor_cache_dir() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        return cache_dir()
+    except (ImportError, AttributeError, OSError):
+        import getpass
+        import os
+        import tempfile
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = "unknown"
+        return os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                               or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"))
