@@ -143,3 +143,14 @@ def test_tiny_and_odd_but_valid_values_pass():
                              "parallel.dp_shard": -1, "training.device": "cuda:1",
                              "training.threads": "none", "metrics.run_name": "my-run.2"})
     assert cfg.scheduler.min_lr_ratio == 0 and cfg.training.threads is None
+
+
+def test_with_overrides_returns_an_edited_copy_and_leaves_the_original():
+    cfg = Config()
+    copy = cfg.with_overrides({"training.steps": 7, "metrics.run_name": "x"}, source="ladder overrides")
+    assert (copy.training.steps, copy.metrics.run_name) == (7, "x")
+    assert (cfg.training.steps, cfg.metrics.run_name) == (Config().training.steps, Config().metrics.run_name)
+    copy.optimizer.lr = 1.0
+    assert cfg.optimizer.lr != 1.0  # sections are copies too, not shared
+    with pytest.raises(TitanliteError, match="ladder overrides"):
+        cfg.with_overrides({"training.nosuchkey": 1}, source="ladder overrides")

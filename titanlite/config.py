@@ -284,6 +284,14 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def with_overrides(self, overrides: dict, source: str = "override") -> "Config":
+        """A copy with `overrides` ({"section.key": value}) applied by `set_value`; this config
+        is left as it was."""
+        copy = Config(**{k: type(v)(**vars(v)) for k, v in vars(self).items()})
+        for key, value in overrides.items():
+            set_value(copy, key, value, source=source)
+        return copy
+
     def validate(self) -> "Config":
         """Every key against its declared type and range (see `ranged`, `one_of`, `matching`),
         then the few rules that span keys. Raises one line naming the key and the fix."""

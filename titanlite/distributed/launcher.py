@@ -67,7 +67,7 @@ def launch(cfg=None, nproc: int = 2, *, overrides: dict | None = None, callbacks
            timeout_s: float | None = None, port: int | None = None, max_restarts: int = 0,
            echo: bool = False) -> LaunchResult:
     """Train `cfg` (a Config, a TOML path or None for defaults) with `nproc` processes."""
-    from ..config import Config, load_config, set_value
+    from ..config import Config, load_config
     from ..efficiency.accumulation import resolve_batch
     from ..resilience.faults import check_fault
     from .mesh import ParallelDims
@@ -75,9 +75,7 @@ def launch(cfg=None, nproc: int = 2, *, overrides: dict | None = None, callbacks
 
     _check_nproc(nproc)  # before anything else uses it
     cfg = cfg if isinstance(cfg, Config) else load_config(cfg)
-    cfg = Config(**{k: type(v)(**vars(v)) for k, v in vars(cfg).items()})  # a copy we may edit
-    for key, value in (overrides or {}).items():
-        set_value(cfg, key, value, source="launch overrides")
+    cfg = cfg.with_overrides(overrides or {}, source="launch overrides")  # a copy we may edit
     cfg.validate()
     # Everything that can be checked here is, so bad input costs no process start-up.
     p = cfg.parallel

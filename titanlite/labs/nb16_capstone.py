@@ -133,6 +133,12 @@ def _run_info(run_dir) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _row_config(cfg, overrides: dict):
+    row_cfg = cfg.with_overrides(overrides, source="ladder overrides")
+    row_cfg.metrics.progress = False  # the live plot is the progress
+    return row_cfg
+
+
 @contextmanager
 def as_a_fresh_process():
     """Compile state as a fresh process has it, for a row trained after others in the same
@@ -157,13 +163,9 @@ def train_here(cfg, overrides: dict, callbacks=()):
 
     import torch
 
-    from ..config import Config, set_value
     from ..distributed.launcher import LaunchResult
     from ..train import Trainer
-    cfg = Config(**{k: type(v)(**vars(v)) for k, v in vars(cfg).items()})  # a copy we may edit
-    for key, value in overrides.items():
-        set_value(cfg, key, value, source="ladder overrides")
-    cfg.metrics.progress = False  # the live plot is the progress
+    cfg = _row_config(cfg, overrides)
     threads = torch.get_num_threads()  # the Trainer sets the row's; the kernel gets its own back
     gc.collect()  # the row before's tensors go now, not inside this row's memory peak
     start = time.perf_counter()
@@ -187,15 +189,11 @@ def train_rows(cfg, rows: list[tuple[str, dict]]) -> list[dict]:
 
     import torch
 
-    from ..config import Config, set_value
     from ..distributed.run_function import report
     from ..train import Trainer
     out = []
     for name, overrides in rows:
-        row_cfg = Config(**{k: type(v)(**vars(v)) for k, v in vars(cfg).items()})
-        for key, value in overrides.items():
-            set_value(row_cfg, key, value, source="ladder overrides")
-        row_cfg.metrics.progress = False
+        row_cfg = _row_config(cfg, overrides)
         start = time.perf_counter()
         try:  # no trainer.close(): it would leave the job's process group, which the next row uses
             with as_a_fresh_process():
