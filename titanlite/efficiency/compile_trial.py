@@ -69,15 +69,18 @@ def compile_support(device: torch.device | str, block: nn.Module | None = None, 
         # repr: the block's module tree (FP8 Linears, a checkpoint wrapper): each kind is tried
         key += (repr(block), tuple(example_shape), str(next(block.parameters()).dtype),
                 repr(args), str(autocast_dtype))
-    # On disk only for a named backend: a function's repr (its address) differs every process.
-    digest = _digest(key, device) if real_block and isinstance(backend, str) else None
-    before = key not in _TRIALS and digest is not None and _worked_before(digest)
+    before = False
     if key not in _TRIALS:
-        _TRIALS[key] = (None if before else
-                        _trial_compile_block(block, args, example_shape, device, compile_kwargs, autocast_dtype)
-                        if real_block else _trial_compile(device, compile_kwargs))
-        if _TRIALS[key] is None and digest is not None and not before:
-            _remember(digest)
+        # On disk only for a named backend: a function's repr (its address) differs every process.
+        digest = _digest(key, device) if real_block and isinstance(backend, str) else None
+        before = digest is not None and _worked_before(digest)
+        if before:
+            _TRIALS[key] = None
+        else:
+            _TRIALS[key] = (_trial_compile_block(block, args, example_shape, device, compile_kwargs, autocast_dtype)
+                            if real_block else _trial_compile(device, compile_kwargs))
+            if _TRIALS[key] is None and digest is not None:
+                _remember(digest)
     error = _TRIALS[key]
     if error is None:
         when = " on this machine before (remembered beside Inductor's cache)" if before else ""
@@ -213,7 +216,6 @@ def _trial_compile_block(block: nn.Module, args, shape: tuple[int, int], device:
         except Exception as e:  # noqa: BLE001 - any failure means "not here"
             return e
     return None
-
 
 
 def _describe(e: BaseException) -> str:
