@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup lab train test bench doctor student clean-venv
+.PHONY: setup lab train test bench doctor student lab-student clean-venv
 
 setup: $(VENV)/.installed
 
@@ -33,14 +33,31 @@ lab: setup  ## the workbook: JupyterLab on notebooks/
 train: setup  ## the quick training run, headless
 	$(BIN)/titanlite train --config configs/debug.toml
 
-test: setup  ## the whole test suite (notebooks in smoke scale, the browser check included)
+# nbgrader (the `course` extra) for the tests only: tests/test_nbgrader.py generates and autogrades
+# a lab with it. `make lab` stays without it: its menus and server warnings are for instructors.
+$(VENV)/.course: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[dev,course]"
+	touch $@
+
+test: setup $(VENV)/.course  ## the whole test suite (notebooks in smoke scale, the browser check included)
 	$(BIN)/python -m pytest
 
 doctor: setup  ## self-check this machine's device: writes runs/doctor/report.md (attach it to bug reports)
 	$(BIN)/titanlite doctor
 
-student: setup  ## the student edition in student/: solutions stripped by nbgrader (ClearSolutions) if installed, else by titanlite
-	$(BIN)/python -m titanlite.course notebooks student
+# The student edition: solutions stripped (by nbgrader's ClearSolutions when installed, else by
+# titanlite's stripper). Run again after a `git pull`: it adds new notebooks and updates the ones
+# the student has not edited; an edited one is never replaced (it is listed, with how to get a
+# fresh copy). It refuses, in one line, any folder but a new, empty or student-edition one.
+STUDENT ?= student
+
+student: setup  ## the student edition in student/ (your answers there are never overwritten)
+	$(BIN)/python -m titanlite.tools.course notebooks $(STUDENT)
+	@echo "open it: make lab-student   (JupyterLab on $(STUDENT)/, with make lab's settings)"
+
+lab-student: setup  ## the student edition: (re)write student/, then JupyterLab on it, as make lab
+	$(BIN)/python -m titanlite.tools.course notebooks $(STUDENT)
+	$(BIN)/jupyter lab $(ROOT_FLAG) "--LabApp.app_settings_dir=$(CURDIR)/configs/jupyterlab" $(LAB_ARGS) $(STUDENT)/
 
 bench: setup
 	$(BIN)/python bench/bench_vs_hf.py

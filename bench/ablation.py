@@ -46,7 +46,8 @@ def measure(variant: str, args) -> dict:
     """Runs in the child process: warm up, then time `args.steps` optimizer steps."""
     import torch
 
-    from titanlite import hardware, quiet_third_party
+    from titanlite import hardware, memory, peaks
+    from titanlite.tools.notebook import quiet_third_party
     quiet_third_party()  # before torchao is imported: its "Failed to load" lines are noise here
     from titanlite.config import load_config
     from titanlite.train import Trainer
@@ -56,7 +57,7 @@ def measure(variant: str, args) -> dict:
     overrides.update({"model.preset": args.preset, "training.batch_size": micro,
                       "training.seq_len": args.seq_len, "training.steps": args.warmup + args.steps,
                       "eval.every": 0, "metrics.progress": False, "metrics.log_dir": args.log_dir,
-                      "metrics.run_name": f"ablation-{variant}"})
+                      "metrics.run_name": f"ablation-{variant}", "metrics.overwrite": True})
     if args.threads:
         overrides["training.threads"] = args.threads
     trainer = Trainer(load_config(None, overrides))
@@ -65,7 +66,7 @@ def measure(variant: str, args) -> dict:
     first_step_s = time.perf_counter() - t0
     for _ in range(args.warmup - 1):
         trainer.train_step(trainer.next_micro_batches())
-    hardware.reset_peak_memory(trainer.device)
+    memory.reset_peak_memory(trainer.device)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -76,9 +77,9 @@ def measure(variant: str, args) -> dict:
     tps = tokens / step_s
     info = getattr(trainer.model, "fp8_info", None)
     return {"variant": variant, "tokens_per_sec": tps, "step_s": step_s, "first_step_s": first_step_s,
-            "mfu": hardware.mfu(trainer.flops_per_token * tps, trainer.peak),
+            "mfu": peaks.mfu(trainer.flops_per_token * tps, trainer.peak),
             "peak_label": trainer.peak.label, "compute_dtype": str(trainer.compute_dtype),
-            "peak_memory_bytes": hardware.peak_memory_bytes(trainer.device),
+            "peak_memory_bytes": memory.peak_memory_bytes(trainer.device),
             "device": hardware.device_name(trainer.device), "threads": torch.get_num_threads(),
             "fp8_emulated": None if info is None else info.get("emulated")}
 
@@ -116,7 +117,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    from titanlite import is_smoke, quiet_third_party
+    from titanlite import is_smoke
+    from titanlite.tools.notebook import quiet_third_party
     quiet_third_party()
 
     smoke = is_smoke()

@@ -26,12 +26,13 @@ import statistics
 import time
 
 import titanlite
+from titanlite.tools.notebook import quiet_third_party
 
-titanlite.quiet_third_party()  # first: hides torchao's import noise before transformers loads
+quiet_third_party()  # first: hides torchao's import noise before transformers loads
 import torch
 import torch.nn.functional as F
 
-from titanlite.models.hf_interop import to_hf_model
+from titanlite.tools.export import to_hf_model
 from titanlite.models.llama import ModelArgs, build_model
 
 # Batch shapes of configs/debug.toml and configs/small.toml: what the notebooks train with.

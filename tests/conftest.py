@@ -23,8 +23,8 @@ def _isolated_peak_cache(tmp_path_factory):
     old = os.environ.get("TITANLITE_CACHE_DIR")
     os.environ["TITANLITE_CACHE_DIR"] = str(cache)  # inherited by notebook kernels too
     import torch
-    from titanlite import hardware
-    hardware.matmul_peak(torch.device("cpu"), torch.float32)
+    from titanlite import peaks
+    peaks.matmul_peak(torch.device("cpu"), torch.float32)
     yield cache
     if old is None:
         os.environ.pop("TITANLITE_CACHE_DIR", None)
@@ -49,7 +49,7 @@ def run_torchrun(script, *args, nproc: int = 2, timeout: float = 120):
     import subprocess
     import sys
 
-    from titanlite.distributed.launcher import _free_port
+    from titanlite.tools.launcher import _free_port
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script), *map(str, args)]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,

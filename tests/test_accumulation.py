@@ -6,7 +6,7 @@ from conftest import tiny_overrides
 from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.efficiency.accumulation import IGNORE_INDEX, count_targets, loss_sum, resolve_batch
-from titanlite.models import ModelArgs, build_model
+from titanlite.models.llama import ModelArgs, build_model
 from titanlite.train import Trainer
 
 

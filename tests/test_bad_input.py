@@ -3,9 +3,9 @@
 Each case builds a small world in its own folder (config files, data files, a copy of a trained
 run's checkpoints, a log folder), hashes every file in it, runs the bad input, and checks:
 exit status != 0 (or a TitanliteError from the Python API), exactly one non-blank line on
-stderr, no "Traceback", and the same hashes afterwards. Most cases call `titanlite.cli.main`
+stderr, no "Traceback", and the same hashes afterwards. Most cases call `titanlite.tools.cli.main`
 in this process (the CLI's code path, without a second torch import); a few run the real
-`python -m titanlite.cli` to prove the process boundary too.
+`python -m titanlite.tools.cli` to prove the process boundary too.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def snapshot(root: Path) -> dict:
 @pytest.fixture(scope="module")
 def trained(data_dir, tmp_path_factory):
     """A 4-step run saving checkpoints at steps 2 and 4 (tokenizer beside them)."""
-    from titanlite.cli import main
+    from titanlite.tools.cli import main
     home = tmp_path_factory.mktemp("trained")
     o = tiny_overrides(data_dir, home, **{"training.steps": 4, "eval.every": 0,
                                           "checkpoint.enable": True, "checkpoint.every": 2,
@@ -211,7 +211,7 @@ OTHER_MODEL = [("other-dim", ["--model.dim", "32"]), ("other-layers", ["--model.
 
 
 def run_cli(argv: list[str], capfd) -> tuple[int, str]:
-    from titanlite.cli import main
+    from titanlite.tools.cli import main
     capfd.readouterr()
     code = main(argv)
     return code, capfd.readouterr().err
@@ -433,7 +433,7 @@ LAUNCH_CASES = [
                          ids=[c[0] for c in LAUNCH_CASES])
 def test_launcher_refuses_before_starting_processes(nproc, overrides, world, data_dir, capfd):
     from titanlite.config import load_config
-    from titanlite.distributed import launcher
+    from titanlite.tools import launcher
     (world / "a-file").write_text("precious\n")
     o = tiny_overrides(data_dir, world)
     o.update({k: (str(world / v) if k == "metrics.log_dir" else v) for k, v in overrides.items()})
@@ -447,11 +447,11 @@ def test_launcher_refuses_before_starting_processes(nproc, overrides, world, dat
     assert snapshot(world) == before
 
 
-# ----- the real process boundary: a few cases as `python -m titanlite.cli` ---------------------
+# ----- the real process boundary: a few cases as `python -m titanlite.tools.cli` ---------------------
 
 def titanlite(*args, timeout=60):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "titanlite.cli", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "titanlite.tools.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -482,7 +482,7 @@ def test_as_a_real_process(kind, world, data_dir, trained):
 def test_launcher_shows_each_distinct_rank_error_once(tmp_path, capfd):
     """Both ranks refuse the same bad input (only the first prints it) and rank 1 also hits an
     error of its own: the launcher raises the first and prints the other, one line each."""
-    from titanlite.distributed.launcher import _failure
+    from titanlite.tools.launcher import _failure
     blocks = [f"[{i}]:\n  time      : 2026-11-22_07:32:01\n  rank      : {r} (local_rank: {r})\n"
               f"  exitcode  : 2 (pid: 1)\n  error_file: <N/A>\n" for i, r in enumerate((1, 0))]
     (tmp_path / "launcher.log").write_text(f"Failures:\n{blocks[1]}----\nRoot Cause (first "
@@ -504,7 +504,7 @@ def test_ranks_of_one_torchrun_job_print_a_shared_error_once(tmp_path, monkeypat
     """cli._report under torchrun: the first rank to report a message prints it (one write,
     newline included); the same message from another rank of the same job is not repeated,
     a different one is, and another job (or attempt) prints its own."""
-    from titanlite import cli
+    from titanlite.tools import cli
     monkeypatch.setenv("TITANLITE_JOB_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id
     for rank, message in ((0, "bad value"), (1, "bad value"), (1, "rank 1's own")):
@@ -521,7 +521,7 @@ def test_launcher_job_whose_ranks_refuse_the_same_data_file(world, data_dir, cap
     """Both ranks of a real job refuse an empty data file (not checked before start-up: only a
     rank reads the corpus). The notebook sees one line, and the stderr stays empty."""
     from titanlite.config import load_config
-    from titanlite.distributed import launcher
+    from titanlite.tools import launcher
     empty = world / "empty.txt"
     empty.write_text("")
     cfg = load_config(None, tiny_overrides(data_dir, world, **{"data.dataset": f"file:{empty}"}))

@@ -5,6 +5,10 @@ those updates reach the page *while the training cell is still running* (widget 
 travel on IOPub during execution) and that nothing renders as an error. So this test drives
 JupyterLab in headless Chromium exactly as a learner would: Run ▸ Run All Cells.
 
+A second test runs notebooks 15 and 16 the way a new student first does, in a fresh kernel on
+a 1280×800 laptop screen: no error, no figure left as `<Figure size ...>` text, every live plot
+ended as a static image that fits, and (16) a status line that names a long compile while it runs.
+
 Run it:   pytest -m browser tests/test_browser.py
 Another notebook (e.g. while 01 is being written):
           TITANLITE_BROWSER_NOTEBOOK=/path/to/nb.ipynb pytest -m browser tests/test_browser.py
@@ -192,3 +196,91 @@ def test_live_plot_updates_in_jupyterlab(lab_and_browser, tmp_path):
         except Exception as e:  # the page may be gone; the original error matters more
             print(f"\n(no screenshot: {e})")
         raise
+
+
+# What a student's first Run All of a notebook must never show (issue 25): an error, matplotlib's
+# text stand-in for a figure that did not render, a live widget left behind (a saved notebook would
+# show "model not found"), a status line with a message glued onto it.
+FIRST_RUN_NOTEBOOKS = {"15_hyperparameter_search": 240, "16_capstone": 420}  # notebook -> seconds allowed
+# Every text a live plot's status line shows while the notebook runs (a long compile must say so).
+STATUS_JS = """
+window.__tlStatus = [];
+new MutationObserver(() => {
+  for (const e of document.querySelectorAll('.widget-html-content')) {
+    const t = e.textContent;
+    if (t && !window.__tlStatus.includes(t)) window.__tlStatus.push(t);
+  }
+}).observe(document, {subtree: true, childList: true, characterData: true});
+"""
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(FIRST_RUN_NOTEBOOKS))
+def test_first_run_all_in_a_fresh_kernel_on_a_laptop_screen(name, tmp_path):
+    """Run All in a fresh kernel, as a new student does, on a 1280×800 laptop screen: every code
+    cell runs, nothing writes an error, no figure shows as `<Figure size ...>` text, each live
+    plot ends as a static image (its widget gone) that fits the output area without shrinking
+    its text below readability."""
+    _require_browser()
+    notebook = REPO / "notebooks" / f"{name}.ipynb"
+    work = _workspace(tmp_path, notebook)
+    lab = JupyterLabServer(work, env={"TITANLITE_SMOKE": "1"}, scratch=tmp_path / "jupyter")
+    browser = LabBrowser(viewport=(1280, 800))
+    try:
+        lab.start()
+        browser.start()
+        page = browser.new_page()
+        page.add_init_script(STATUS_JS)
+        t0 = time.monotonic()
+        open_notebook(page, lab, f"notebooks/{notebook.name}")
+        run_all_cells(page)
+        page.wait_for_function("""() => [...document.querySelectorAll('.jp-NotebookPanel .jp-InputArea-prompt')]
+                                  .some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))""", timeout=30_000)
+        snap = wait_until_done(page, timeout_s=FIRST_RUN_NOTEBOOKS[name])
+        plots = page.evaluate("""() => [...document.querySelectorAll('img.titanlite-live-plot')].map(i => {
+            const area = i.closest('.jp-OutputArea-output') || i.parentElement;
+            const cell = i.closest('.jp-CodeCell');
+            return {natural: i.naturalWidth, shown: i.getBoundingClientRect().width,
+                    room: area.getBoundingClientRect().width,
+                    widgets: cell ? cell.querySelectorAll('.jupyter-widgets, .widget-image').length : 0};
+        })""")
+        # Each output on its own: a status line and a message printed while training are two outputs.
+        glued = page.evaluate("""() => [...document.querySelectorAll('.jp-OutputArea-output')]
+            .map(e => e.textContent).filter(t => / elapsed/.test(t) && /titanlite:/.test(t))""")
+        page.screenshot(path=str(tmp_path / f"{name}.png"), full_page=True)
+        print(f"\n{name}: Run All done in {time.monotonic() - t0:.0f} s; live plots {plots}; "
+              f"screenshot {tmp_path / f'{name}.png'}")
+        problems = []
+        for i, cell in enumerate(snap["cells"]):
+            if not cell["empty"] and not re.fullmatch(r"\[\d+\]:", cell["prompt"].strip()):
+                problems.append(f"code cell {i} did not run (prompt {cell['prompt']!r})")
+            for text in cell["stderr"]:
+                if "Traceback" in text or "Error" in text:
+                    problems.append(f"code cell {i} wrote an error: {text[-600:]}")
+            if "<Figure size" in cell["text"]:
+                problems.append(f"code cell {i} shows a figure as text: {cell['text'][-200:]}")
+            for bad in WIDGET_ERRORS:
+                if bad.lower() in cell["text"].lower():
+                    problems.append(f"code cell {i} shows {bad!r}")
+        if snap["status"] != "idle":
+            problems.append(f"kernel is {snap['status']}, not idle")
+        problems += [f"a message glued onto a status line: {text[-300:]}" for text in glued]
+        statuses = page.evaluate("() => window.__tlStatus")
+        if name == "16_capstone" and not any(re.search(r"compiling .* elapsed", t) for t in statuses):
+            problems.append(f"the status line never named the compile phase: {statuses[:20]}")
+        if not plots:
+            problems.append("no live plot ended as an img.titanlite-live-plot")
+        for p in plots:
+            if p["widgets"]:
+                problems.append(f"a live widget was left in the plot's cell: {p}")
+            if p["natural"] < 100:
+                problems.append(f"a live plot image did not decode: {p}")
+            elif p["shown"] < 0.75 * p["natural"] or p["shown"] > p["room"] + 1:
+                problems.append(f"a live plot does not fit a laptop's output area at a readable size: {p}")
+        assert not problems, "\n".join(problems + [summarize(snap)])
+    finally:
+        try:
+            browser.stop()
+        finally:
+            lab.stop()

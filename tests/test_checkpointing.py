@@ -6,9 +6,8 @@ import torch.nn.functional as F
 from conftest import tiny_overrides
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.efficiency.checkpointing import (activation_memory_estimate, apply_ac,
-                                                checkpointed_blocks, saved_activation_bytes,
-                                                saved_tensors_hook_bytes, tokens_for)
+from titanlite.tools.activation_memory import activation_memory_estimate, checkpointed_blocks, saved_activation_bytes, saved_tensors_hook_bytes, tokens_for
+from titanlite.efficiency.activation_checkpoint import apply_ac
 from titanlite.models.llama import ModelArgs, build_model
 from titanlite.train import Trainer
 
@@ -135,7 +134,7 @@ def test_trainer_runs_every_mode_with_the_same_losses(data_dir, tmp_path):
 def test_op_mode_saves_fp8_matmuls_and_tensor_parallel_reduce_scatters():
     # torchtitan's _save_list: recomputing these would redo an FP8 matmul or a collective.
     from torch.utils.checkpoint import CheckpointPolicy
-    from titanlite.efficiency.checkpointing import save_matmuls_policy
+    from titanlite.efficiency.activation_checkpoint import save_matmuls_policy
     for op in (torch.ops.aten._scaled_mm.default, torch.ops._c10d_functional.reduce_scatter_tensor.default,
                torch.ops.aten.mm.default):
         assert save_matmuls_policy(None, op) == CheckpointPolicy.MUST_SAVE, op

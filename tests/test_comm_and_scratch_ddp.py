@@ -26,7 +26,7 @@ STEPS = 3            # DDP rebuilds its buckets after the first step: look at tw
 
 # ----------------------------------------------------------------------------- the worker
 def _llama(seed: int, dtype=torch.float32):
-    from titanlite.models import ModelArgs, build_model
+    from titanlite.models.llama import ModelArgs, build_model
     torch.manual_seed(seed)
     return build_model(ModelArgs.preset("debug", vocab_size=VOCAB, max_seq_len=SEQ)).to(dtype)
 
@@ -55,8 +55,8 @@ def _ddp_bucket_sizes(ddp) -> list[int]:
 def _scratch_vs_ddp(rank: int, cap_mb: float) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from titanlite.distributed.comm import CommCounter
-    from titanlite.distributed.scratch_ddp import ScratchDataParallel
+    from titanlite.tools.comm import CommCounter
+    from titanlite.tools.scratch_ddp import ScratchDataParallel
 
     local = _llama(seed=rank)  # replicas start different: only the broadcast equalises them
     ddp = DDP(copy.deepcopy(local), bucket_cap_mb=cap_mb)
@@ -108,8 +108,8 @@ def _accumulation(rank: int, accum: int = 2) -> dict:
     the whole global batch (all ranks' micro-batches) at once. float64, so the only
     difference is the summation order."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from titanlite.distributed.comm import CommCounter
-    from titanlite.distributed.scratch_ddp import ScratchDataParallel
+    from titanlite.tools.comm import CommCounter
+    from titanlite.tools.scratch_ddp import ScratchDataParallel
 
     batches = {(r, k): _batch(100, r, k) for r in range(WORLD) for k in range(accum)}
     reference = _llama(seed=0, dtype=torch.float64)  # what rank 0 broadcasts
@@ -145,7 +145,7 @@ def _fsdp2(rank: int) -> dict:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from titanlite.distributed.comm import CommCounter
+    from titanlite.tools.comm import CommCounter
 
     mesh = init_device_mesh("cpu", (WORLD,))
     out = {}
@@ -177,7 +177,7 @@ def _fsdp2(rank: int) -> dict:
 def _plain_collectives(rank: int) -> dict:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    from titanlite.distributed.comm import CommCounter
+    from titanlite.tools.comm import CommCounter
 
     t = torch.full((1000,), float(rank))
     with CommCounter() as cc:
@@ -186,7 +186,7 @@ def _plain_collectives(rank: int) -> dict:
         dist.all_gather_into_tensor(torch.empty(2000), t)
         dist.reduce_scatter_tensor(torch.empty(500), t)
         funcol.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD))
-    from titanlite.distributed.scratch_ddp import allreduce_mean_
+    from titanlite.tools.scratch_ddp import allreduce_mean_
     tensors = [torch.full((3,), float(rank)), torch.full((5,), 2.0 * rank)]
     with CommCounter() as unbucketed:
         allreduce_mean_(tensors)

@@ -7,8 +7,6 @@ reuses the same compiled block instead of compiling again. The graph-break tests
 because torch._dynamo.explain resets Dynamo's caches.
 """
 import copy
-import json
-import warnings
 
 import pytest
 import torch
@@ -19,8 +17,8 @@ import torch.nn.functional as F
 from conftest import tiny_overrides
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.efficiency.compile import (CompileFallbackWarning, apply_compile, compile_support,
-                                          graph_break_report, is_compiled, time_first_call)
+from titanlite.efficiency.compile import CompileFallbackWarning, apply_compile, compile_support, is_compiled
+from titanlite.tools.compile_report import graph_break_report, time_first_call
 from titanlite.models.llama import ModelArgs, build_model
 from titanlite.train import Trainer
 
@@ -180,7 +178,6 @@ def test_the_trial_traces_the_graph_training_runs_so_step_one_compiles_nothing_n
     cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **extra))
     torch._dynamo.reset()
     compile_trial._TRIALS.clear()  # this process's earlier trials would skip this one's
-    monkeypatch.setattr(compile_trial, "_memo_path", lambda: tmp_path / "trials.json")  # and this machine's
     trainer = Trainer(cfg)
     traced = counters["stats"]["unique_graphs"]
     assert traced > 0, "the trial compiled block 0"
@@ -189,36 +186,26 @@ def test_the_trial_traces_the_graph_training_runs_so_step_one_compiles_nothing_n
     assert counters["stats"]["unique_graphs"] == traced, "step 1 traced no graph the trial had not"
 
 
-def test_a_trial_that_worked_is_remembered_on_disk_and_a_new_process_skips_it(tmp_path, monkeypatch):
-    """Each rank of every torchrun job is a new process: one that finds its exact trial (torch,
-    device, block, shape, dtypes, compile arguments) already worked on this machine skips it.
-    A failure is never remembered, and a damaged memo only costs a trial."""
+def test_a_trial_is_remembered_for_the_process_and_failures_too(tmp_path):
+    """One trial per process and key: a second call traces nothing; other arguments are tried."""
     from torch._dynamo.utils import counters
 
     from titanlite.efficiency import compile_trial
-    memo = tmp_path / "inductor" / "trials.json"
-    monkeypatch.setattr(compile_trial, "_memo_path", lambda: memo)
     block, shape = build_model(ARGS).layers["0"], (BATCH, SEQ)
+    compile_trial._TRIALS.clear()
+    torch._dynamo.reset()
 
-    def fresh_process_support(**kwargs):
-        compile_trial._TRIALS.clear()
-        torch._dynamo.reset()
+    def support_and_traced(**kwargs):
         before = counters["stats"]["unique_graphs"]
         support = compile_support("cpu", block=block, args=ARGS, example_shape=shape, **kwargs)
         return support, counters["stats"]["unique_graphs"] - before
 
-    support, traced = fresh_process_support()
-    assert support.works and traced > 0 and "before" not in support.why
-    assert len(json.loads(memo.read_text())) == 1
-    support, traced = fresh_process_support()  # the next process: nothing traced, and it says so
-    assert support.works and traced == 0 and "on this machine before" in support.why
-    support, traced = fresh_process_support(mode="max-autotune-no-cudagraphs")  # other arguments: tried
-    assert traced > 0 and len(json.loads(memo.read_text())) == 2
-    support, _ = fresh_process_support(backend="fails_on_attention")  # failures are not remembered
-    assert not support.works and len(json.loads(memo.read_text())) == 2
-    memo.write_text("{not json")  # damaged: tried again, and the memo is whole again
-    support, traced = fresh_process_support()
-    assert support.works and traced > 0 and len(json.loads(memo.read_text())) == 1
+    support, traced = support_and_traced()
+    assert support.works and traced > 0
+    support, traced = support_and_traced()
+    assert support.works and traced == 0
+    support, _ = support_and_traced(backend="fails_on_attention")
+    assert not support.works and "fails_on_attention" in support.why
 
 
 def test_a_model_that_cannot_compile_trains_eagerly_in_the_trainer_and_says_why(data_dir, tmp_path):

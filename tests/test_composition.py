@@ -9,7 +9,7 @@ import pytest
 
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.distributed import launch
+from titanlite.tools.launcher import launch
 from titanlite.distributed.mesh import ParallelDims
 from titanlite.train import Trainer
 

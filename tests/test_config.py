@@ -132,7 +132,7 @@ def test_python_api_values_are_checked_too():
 
 def test_declared_choices_match_the_code_they_guard():
     from titanlite.data.tokenizer import MIN_VOCAB_SIZE
-    from titanlite.models import PRESETS
+    from titanlite.models.llama import PRESETS
     fields = dict(_all_fields())
     assert set(fields["model.preset"].metadata["choices"]) == set(PRESETS)
     assert fields["data.vocab_size"].metadata["range"].lo == MIN_VOCAB_SIZE

@@ -1,10 +1,10 @@
-"""titanlite.cpu, titanlite.mps and titanlite.data.loading: facts about the host, measured."""
+"""titanlite.tools.cpu, titanlite.tools.mps and titanlite.tools.data_loading: facts about the host, measured."""
 import pytest
 import torch
 
 import titanlite
-from titanlite import cpu, mps
-from titanlite.data.loading import TokenizingDataset, host_to_device_gbps, loader_rate
+from titanlite.tools import cpu, mps
+from titanlite.tools.data_loading import TokenizingDataset, host_to_device_gbps, loader_rate
 
 
 def _features(flags, cores=8):

@@ -16,7 +16,8 @@ from titanlite.data import (
     DataBundle, StatefulBatchSampler, TokenBatches, build_data, corpus_id, default_data_dir,
     get_tokenizer, load_corpus, pydoc_corpus, split_train_val,
 )
-from titanlite.data import corpus, remote, tokenizer as tokenizer_module
+from titanlite.data import corpus, tokenizer as tokenizer_module
+from titanlite.tools import corpora as remote
 from titanlite.data.tokenizer import EOS, tokenizer_hash, train_bpe, wrap
 
 TRICKY_TEXT = "héllo wörld 🚀\r\n\tdef f(x):\n    return 4242  # ok  \n\n<b>tag</b> 'quoted'"
@@ -316,20 +317,42 @@ def test_hf_loader_reads_local_files(tmp_path):
     pytest.importorskip("datasets", reason="`datasets` is not installed (pip install datasets)")
     text = tmp_path / "lines.txt"
     text.write_text("first line\nsecond line\n\nthird line\n", encoding="utf-8")
+    with pytest.raises(TitanliteError) as excinfo:  # the core never touches the network
+        load_corpus(f"hf:{text}")
+    one_line_error(excinfo, "fetched once before training", "titanlite.tools.corpora.fetch")
+    remote.fetch(f"hf:{text}")
     assert load_corpus(f"hf:{text}") == ["first line", "second line", "third line"]
+    remote.fetch("hf", path=str(text), max_docs=2)
     assert load_corpus("hf", path=str(text), max_docs=2) == ["first line", "second line"]
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"id": 1, "content": "alpha beta"}\n{"id": 2, "content": "gamma"}\n')
+    remote.fetch(f"hf:{rows}")
     assert load_corpus(f"hf:{rows}") == ["alpha beta", "gamma"]  # first string column
     with pytest.raises(TitanliteError) as excinfo:
-        load_corpus(f"hf:{rows}", text_column="contnet")
+        remote.fetch(f"hf:{rows}", text_column="contnet")
     one_line_error(excinfo, "no column 'contnet'", "did you mean: content")
+
+
+def test_a_fetched_tinyshakespeare_trains_offline(tmp_path, data_dir, monkeypatch):
+    source = tmp_path / "input.txt"
+    source.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40)
+    monkeypatch.setattr(remote, "TINYSHAKESPEARE_URL", source.as_uri())
+    monkeypatch.setattr(remote, "TINYSHAKESPEARE_SHA256", hashlib.sha256(source.read_bytes()).hexdigest())
+    monkeypatch.setattr(remote.tinyshakespeare, "__defaults__", (None, source.as_uri(),
+                                                                remote.TINYSHAKESPEARE_SHA256))
+    with pytest.raises(TitanliteError) as excinfo:
+        load_corpus("tinyshakespeare", data_dir=data_dir)
+    one_line_error(excinfo, "'tinyshakespeare' is fetched once before training", "`titanlite train`")
+    remote.fetch("tinyshakespeare", data_dir=data_dir)
+    source.unlink()  # no "network" from here on
+    assert load_corpus("tinyshakespeare", data_dir=data_dir) == [
+        "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40]
 
 
 def test_hf_loader_without_datasets_says_how_to_install(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # import fails
     with pytest.raises(TitanliteError) as excinfo:
-        load_corpus("hf:roneneldan/TinyStories")
+        remote.fetch("hf:roneneldan/TinyStories")
     one_line_error(excinfo, "pip install datasets")
 
 
@@ -346,7 +369,7 @@ def test_hf_loader_without_datasets_says_how_to_install(monkeypatch):
     (dict(val_fraction=0.0), ["val_fraction must be in (0, 0.5]"]),
     (dict(tokenizer="/no/such/tokenizer"), ["no tokenizer at /no/such/tokenizer"]),
     (dict(vocab_size=100), ["vocab_size must be an integer >= 259"]),
-    (dict(dataset="pydoc", path="x.txt"), ["path= is not used"]),
+    (dict(dataset="pydoc", path="x.txt"), ["--data.path is not used by --data.dataset pydoc", "--data.dataset file"]),
 ])
 def test_bad_settings_give_one_clear_line(kwargs, needles, tmp_path):
     if "tokenizer" in kwargs or "vocab_size" in kwargs:

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from titanlite import TitanliteError
-from titanlite.device_policy import (backend_and_device_for, cuda_index_for, default_mixed_precision,
-                                     expand_kv_for_sdpa, flash_takes, matmul_dtype,
-                                     resolve_mixed_precision, sdpa_kernel_for, tf32_default)
+from titanlite.device_policy import backend_and_device_for, cuda_index_for, default_mixed_precision, expand_kv_for_sdpa, flash_takes, matmul_dtype, resolve_mixed_precision, tf32_default
+from titanlite.tools.sdpa_kernels import sdpa_kernel_for
 
 T4, V100, A100, H100 = (7, 5), (7, 0), (8, 0), (9, 0)
 
@@ -46,7 +45,8 @@ def test_flash_takes_16_bit_on_ampere_only():
 
 
 @pytest.mark.parametrize("device_type, dtype, capability, expand, kernel", [
-    ("cuda", torch.bfloat16, H100, False, "flash"),      # flash takes enable_gqa itself
+    ("cuda", torch.bfloat16, H100, False, "cudnn"),      # first in titanlite's order, takes GQA
+    ("cuda", torch.float16, A100, False, "cudnn"),
     ("cuda", torch.float32, H100, True, "efficient"),    # fp32 GQA: repeat k/v to reach cutlass
     ("cuda", torch.float16, T4, True, "efficient"),      # pre-Ampere fp16: no flash either
     ("cuda", torch.bfloat16, T4, True, "math"),          # bf16 on SM 7.5: only math computes it
@@ -56,6 +56,14 @@ def test_flash_takes_16_bit_on_ampere_only():
 def test_sdpa_kernel_and_kv_expansion(device_type, dtype, capability, expand, kernel):
     assert expand_kv_for_sdpa(device_type, dtype, 64, capability) is expand
     assert sdpa_kernel_for(device_type, dtype, 64, gqa=True, capability=capability) == kernel
+
+
+def test_cudnn_steps_aside_where_it_cannot_run():
+    # flash takes what cuDNN does not: deterministic runs, head_dim 256 (flash's limit)
+    assert sdpa_kernel_for("cuda", torch.bfloat16, 64, gqa=True, capability=H100, deterministic=True) == "flash"
+    assert sdpa_kernel_for("cuda", torch.bfloat16, 256, gqa=True, capability=H100) == "flash"
+    assert sdpa_kernel_for("cuda", torch.bfloat16, 64, gqa=True, capability=(12, 1)) == "cudnn"
+    assert sdpa_kernel_for("cuda", torch.bfloat16, 64, gqa=True, capability=(13, 0)) == "flash"
 
 
 def test_without_expansion_gqa_on_cuda_falls_to_math():
@@ -82,7 +90,10 @@ def test_matmul_dtype_follows_what_the_matmuls_compute_in():
     assert matmul_dtype(f32, fsdp_param_dtype="bfloat16") == bf16       # FSDP casts the weights
     assert matmul_dtype(f32, autocast_dtype=f16, fsdp_param_dtype="bfloat16") == f16  # autocast wins
     assert matmul_dtype(f32, fsdp_param_dtype="float32") == f32
-    assert matmul_dtype(f32, bf16, fp8={"emulated": False}) == torch.float8_e4m3fn
+    # Real FP8 still divides by the bf16 peak: attention and the output layer never run in FP8,
+    # and torchtitan's MFU does the same (before: the FP8 peak, twice as high).
+    assert matmul_dtype(f32, bf16, fp8={"emulated": False}) == bf16
+    assert matmul_dtype(f32, fp8=True) == bf16
     assert matmul_dtype(f32, bf16, fp8={"emulated": True}) == bf16       # emulation multiplies in bf16
     assert matmul_dtype(f32, fp8={"emulated": True}) == f32
     assert matmul_dtype(bf16, fp8=None) == bf16

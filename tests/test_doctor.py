@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from titanlite.cli import main
-from titanlite.doctor import DeviceFacts, plan
+from titanlite.tools.cli import main
+from titanlite.tools.doctor import DeviceFacts, plan
 
 H100_PAIR = DeviceFacts("cuda", gpus=2, capability=(9, 0), name="NVIDIA H100 80GB HBM3")
 A100 = DeviceFacts("cuda", gpus=1, capability=(8, 0), name="NVIDIA A100-SXM4-40GB")
@@ -78,3 +78,32 @@ def test_doctor_refuses_unknown_arguments(argv):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
+
+
+def test_throughput_leaves_out_the_warm_up_and_says_the_spread():
+    from titanlite.tools.doctor import throughput, timing_plan
+    records = [{"step": s, "tokens_per_sec": r} for s, r in enumerate([100, 9000, 15000, 14000, 16000, 15500], 1)]
+    t = throughput(records, warmup=2, log_every=1)
+    assert t["tokens_per_sec"] == 15250 and t["tokens_per_sec_range"] == [14000, 16000] and t["timed_records"] == 4
+    # On CUDA a record covers log_every steps: the first interval holds warm-up steps and is left out.
+    cuda = timing_plan("cuda", smoke=True)
+    steps = cuda["warmup"] + cuda["timed"]
+    assert steps % cuda["log_every"] == 0 and cuda["log_every"] == 10
+    logged = [{"step": s, "tokens_per_sec": 1.0 if s == 10 else 5.0} for s in range(10, steps + 1, 10)]
+    assert throughput(logged, cuda["warmup"], cuda["log_every"])["tokens_per_sec_range"] == [5.0, 5.0]
+    assert timing_plan("cpu", smoke=True)["warmup"] >= 2
+
+
+def test_on_a_gpu_unlogged_steps_run_under_torchs_sync_detector(data_dir, tmp_path, monkeypatch):
+    """Mocked on the CPU: the detector is set to "error" for each unlogged step and off after it."""
+    from conftest import tiny_overrides
+    from titanlite.config import load_config
+    from titanlite.tools.host_syncs import CudaSyncDebug
+    from titanlite.train import Trainer
+    modes, made = [], []
+    monkeypatch.setattr("torch.cuda.set_sync_debug_mode", modes.append)
+    trainer = Trainer(load_config(None, tiny_overrides(data_dir, tmp_path, **{
+        "training.steps": 6, "metrics.log_every": 3, "eval.every": 0})))
+    trainer.fit(watchers=[lambda run: made.append(CudaSyncDebug(run)) or made[-1]])
+    assert made[0].checked == 4  # steps 1, 2, 4, 5
+    assert modes[:6] == ["error", 0, "error", 0, 0, "error"] and modes[-1] == 0

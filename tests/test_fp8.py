@@ -19,7 +19,8 @@ from conftest import tiny_overrides
 from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.efficiency import fp8
-from titanlite.efficiency.fp8 import apply_fp8, fp8_roundtrip, fp8_support
+from titanlite.efficiency.fp8 import apply_fp8, fp8_support
+from titanlite.tools.fp8_numerics import fp8_roundtrip
 from titanlite.models.llama import ModelArgs, build_model
 from titanlite.train import Trainer
 

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanlite import TitanliteError, hardware, roofline
-from titanlite.hardware import Peak
+from titanlite import TitanliteError, hardware, memory, peaks
+from titanlite.tools import datasheet, roofline
+from titanlite.tools.roofline import measure_memory_bandwidth
+from titanlite.peaks import Peak
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_MPS = torch.backends.mps.is_available()
@@ -90,20 +92,23 @@ def test_bf16_on_a_pre_ampere_gpu_is_refused(monkeypatch):
 # ---- timing and peaks ----------------------------------------------------------------------
 def test_time_fn_warms_up_and_returns_a_positive_time():
     calls = []
-    seconds = hardware.time_fn(lambda: calls.append(1), "cpu", budget_s=0.01)
+    seconds = peaks.time_fn(lambda: calls.append(1), "cpu", budget_s=0.01)
     assert seconds > 0 and len(calls) >= 2  # warm-up call + at least one timed call
 
 
 def test_measured_peak_is_positive_and_labelled():
-    peak = hardware.measure_matmul_peak("cpu", torch.float32, budget_s=0.2)
+    peak = peaks.measure_matmul_peak("cpu", torch.float32, budget_s=0.2)
     assert peak.flops > 1e6 and peak.source == "measured"
     assert peak.label.startswith("measured float32 matmul peak") and "CPU" in peak.label
 
 
 def test_measure_rejects_a_format_without_a_matmul():
     # e5m2 is FP8's gradient format: real FP8 matmuls take e4m3 inputs, so there is no e5m2 peak.
-    with pytest.raises(TitanliteError, match="float16 or float8_e4m3fn"):
-        hardware.measure_matmul_peak("cpu", torch.float8_e5m2, budget_s=0.1)
+    for measure in (peaks.measure_matmul_peak, datasheet.measure_matmul_peak):
+        with pytest.raises(TitanliteError, match="or float16 .float8_e4m3fn: tools.datasheet"):
+            measure("cpu", torch.float8_e5m2, budget_s=0.1)
+    with pytest.raises(TitanliteError, match="cannot measure a matmul peak in torch.float8_e4m3fn"):
+        peaks.measure_matmul_peak("cpu", torch.float8_e4m3fn, budget_s=0.1)  # the core has no FP8
 
 
 @pytest.fixture
@@ -115,29 +120,29 @@ def counted_measure(monkeypatch, tmp_path):
         calls.append(dtype)
         return Peak(123e9 + len(calls), "measured", f"fake measured {dtype}")
 
-    monkeypatch.setattr(hardware, "measure_matmul_peak", fake)
+    monkeypatch.setattr(peaks, "measure_matmul_peak", fake)
     return calls
 
 
 def test_matmul_peak_is_cached_on_disk(counted_measure, tmp_path):
-    first = hardware.matmul_peak("cpu", torch.float32)
-    second = hardware.matmul_peak("cpu", torch.float32)
+    first = peaks.matmul_peak("cpu", torch.float32)
+    second = peaks.matmul_peak("cpu", torch.float32)
     assert len(counted_measure) == 1, "second call must read the cache, not measure"
     assert second.flops == first.flops and "[cached" in second.label
     stored = json.loads((tmp_path / "matmul_peaks.json").read_text())
     assert len(stored) == 1 and torch.__version__ in next(iter(stored))
     assert [p.name for p in tmp_path.iterdir()] == ["matmul_peaks.json"]  # no temp file left over
-    hardware.matmul_peak("cpu", torch.bfloat16)  # another dtype is another key
-    refreshed = hardware.matmul_peak("cpu", torch.float32, refresh=True)
+    peaks.matmul_peak("cpu", torch.bfloat16)  # another dtype is another key
+    refreshed = peaks.matmul_peak("cpu", torch.float32, refresh=True)
     assert len(counted_measure) == 3 and refreshed.flops != first.flops
 
 
 def test_cache_key_includes_threads(counted_measure):
-    hardware.matmul_peak("cpu", torch.float32)
+    peaks.matmul_peak("cpu", torch.float32)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        hardware.matmul_peak("cpu", torch.float32)
+        peaks.matmul_peak("cpu", torch.float32)
     finally:
         torch.set_num_threads(threads)
     assert len(counted_measure) == 2
@@ -145,7 +150,7 @@ def test_cache_key_includes_threads(counted_measure):
 
 def test_corrupt_cache_is_remeasured_not_fatal(counted_measure, tmp_path):
     (tmp_path / "matmul_peaks.json").write_text("{not json")
-    assert hardware.matmul_peak("cpu", torch.float32).flops > 0
+    assert peaks.matmul_peak("cpu", torch.float32).flops > 0
     assert len(counted_measure) == 1
 
 
@@ -154,12 +159,12 @@ def test_unwritable_cache_warns_but_returns_the_peak(counted_measure, monkeypatc
     blocker.write_text("")
     monkeypatch.setenv("TITANLITE_CACHE_DIR", str(blocker / "cache"))  # a folder inside a file
     with pytest.warns(RuntimeWarning, match="TITANLITE_CACHE_DIR"):
-        assert hardware.matmul_peak("cpu", torch.float32).flops > 0
+        assert peaks.matmul_peak("cpu", torch.float32).flops > 0
 
 
 def test_cache_dir_defaults_to_home(monkeypatch):
     monkeypatch.delenv("TITANLITE_CACHE_DIR", raising=False)
-    assert hardware.cache_dir() == Path.home() / ".cache" / "titanlite"
+    assert peaks.cache_dir() == Path.home() / ".cache" / "titanlite"
 
 
 FRESH = {"flops": 1e11, "label": "measured", "measured_at": 1_000_000.0, "threads": 4,
@@ -168,12 +173,12 @@ FRESH = {"flops": 1e11, "label": "measured", "measured_at": 1_000_000.0, "thread
 
 def _stale(entry=FRESH, now=1_000_000.0 + 3600, threads=4, torch_version="2.13.0",
            device_name="Some CPU (CPU, 4 threads)"):
-    return hardware.peak_is_stale(entry, now, threads, torch_version, device_name)
+    return peaks.peak_is_stale(entry, now, threads, torch_version, device_name)
 
 
 def test_a_fresh_peak_of_the_same_machine_is_not_stale():
     assert _stale() is None
-    assert _stale(now=FRESH["measured_at"] + hardware.PEAK_MAX_AGE_S) is None
+    assert _stale(now=FRESH["measured_at"] + peaks.PEAK_MAX_AGE_S) is None
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -190,10 +195,10 @@ def test_a_peak_is_stale_when_old_or_measured_elsewhere(change, reason):
 
 
 def test_an_expired_cache_entry_is_measured_again(counted_measure, tmp_path, monkeypatch):
-    hardware.matmul_peak("cpu", torch.float32)
+    peaks.matmul_peak("cpu", torch.float32)
     real_time = time.time
-    monkeypatch.setattr(hardware.time, "time", lambda: real_time() + hardware.PEAK_MAX_AGE_S + 60)
-    again = hardware.matmul_peak("cpu", torch.float32)
+    monkeypatch.setattr(peaks.time, "time", lambda: real_time() + peaks.PEAK_MAX_AGE_S + 60)
+    again = peaks.matmul_peak("cpu", torch.float32)
     assert len(counted_measure) == 2 and "[cached" not in again.label
     entry = next(iter(json.loads((tmp_path / "matmul_peaks.json").read_text()).values()))
     assert entry["threads"] == torch.get_num_threads() and entry["torch"] == torch.__version__
@@ -201,17 +206,17 @@ def test_an_expired_cache_entry_is_measured_again(counted_measure, tmp_path, mon
 
 
 def test_a_run_beating_its_peak_re_measures_it_once(counted_measure, monkeypatch):
-    monkeypatch.setattr(hardware, "_RECHECKED", set())
-    cached = hardware.matmul_peak("cpu", torch.float32)
+    monkeypatch.setattr(peaks, "_RECHECKED", set())
+    cached = peaks.matmul_peak("cpu", torch.float32)
     said = []
-    assert hardware.recheck_peak(cached.flops / 2, cached, "cpu", torch.float32, say=said.append) is cached
-    fresh = hardware.recheck_peak(cached.flops * 2, cached, "cpu", torch.float32, say=said.append)
+    assert peaks.recheck_peak(cached.flops / 2, cached, "cpu", torch.float32, say=said.append) is cached
+    fresh = peaks.recheck_peak(cached.flops * 2, cached, "cpu", torch.float32, say=said.append)
     assert len(counted_measure) == 2 and fresh.flops != cached.flops and "[cached" not in fresh.label
     assert len(said) == 1 and "above the peak" in said[0] and "re-measured" in said[0]
     # Still beaten: no third measurement (mfu() warns instead), and datasheet peaks are left alone.
-    assert hardware.recheck_peak(fresh.flops * 2, fresh, "cpu", torch.float32, say=said.append) is fresh
+    assert peaks.recheck_peak(fresh.flops * 2, fresh, "cpu", torch.float32, say=said.append) is fresh
     sheet = Peak(1.0, "datasheet", "datasheet: test")
-    assert hardware.recheck_peak(10.0, sheet, "cpu", torch.float16, say=said.append) is sheet
+    assert peaks.recheck_peak(10.0, sheet, "cpu", torch.float16, say=said.append) is sheet
     assert len(counted_measure) == 2 and len(said) == 1
 
 
@@ -247,7 +252,7 @@ def test_a_run_beating_its_peak_re_measures_it_once(counted_measure, monkeypatch
     ("NVIDIA RTX A6000", torch.float32, True, 77.4, "RTX A6000"),
 ])
 def test_datasheet_lookup_by_name(gpu, dtype, tf32, tflops, product):
-    peak = hardware.lookup_datasheet(gpu, dtype, tf32=tf32)
+    peak = datasheet.lookup_datasheet(gpu, dtype, tf32=tf32)
     assert peak is not None and peak.flops == pytest.approx(tflops * 1e12)
     assert peak.source == "datasheet" and peak.label.startswith("datasheet: ")
     assert f"NVIDIA {product} dense" in peak.label
@@ -257,7 +262,7 @@ def test_datasheet_lookup_by_name(gpu, dtype, tf32, tflops, product):
                                         ("NVIDIA A100-SXM4-80GB", torch.float8_e4m3fn),
                                         ("Some Future GPU", torch.bfloat16)])
 def test_datasheet_lookup_misses_return_none(gpu, dtype):
-    assert hardware.lookup_datasheet(gpu, dtype) is None
+    assert datasheet.lookup_datasheet(gpu, dtype) is None
 
 
 @pytest.mark.parametrize("gpu", ["NVIDIA GeForce RTX 4090 Laptop GPU", "NVIDIA GeForce RTX 4090 D",
@@ -265,104 +270,109 @@ def test_datasheet_lookup_misses_return_none(gpu, dtype):
                                  "NVIDIA GB200"])
 def test_variants_with_other_peaks_are_not_matched_to_the_desktop_part(gpu):
     # "RTX 4090" inside "RTX 4090 Laptop GPU" must not quote the desktop card's 165 TFLOP/s.
-    assert hardware.lookup_datasheet(gpu, torch.bfloat16) is None
+    assert datasheet.lookup_datasheet(gpu, torch.bfloat16) is None
 
 
 def test_amd_rows_and_their_fp8_format():
-    from titanlite.datasheet import fp8_dtypes_for
+    from titanlite.tools.datasheet import fp8_dtypes_for
     for gpu in ("AMD Instinct MI300X", "AMD Instinct MI325X"):
-        assert hardware.lookup_datasheet(gpu, torch.bfloat16).flops == pytest.approx(1307.4e12)
+        assert datasheet.lookup_datasheet(gpu, torch.bfloat16).flops == pytest.approx(1307.4e12)
         assert fp8_dtypes_for(gpu) == (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-        fp8 = hardware.lookup_datasheet(gpu, torch.float8_e4m3fnuz)
+        fp8 = datasheet.lookup_datasheet(gpu, torch.float8_e4m3fnuz)
         assert fp8 is not None and fp8.flops == pytest.approx(2614.9e12)
     assert fp8_dtypes_for("NVIDIA H100 80GB HBM3") == (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def test_datasheet_mfu_beside_the_measured_one(monkeypatch):
-    assert hardware.datasheet_mfu(1e12, "cpu", torch.float32) is None   # no CPU datasheet
+    assert datasheet.datasheet_mfu(1e12, "cpu", torch.float32) is None   # no CPU datasheet
     monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    assert hardware.datasheet_mfu(494.75e12, torch.device("cuda"), torch.bfloat16) == pytest.approx(0.5)
-    assert hardware.datasheet_mfu(989.5e12, torch.device("cuda"), torch.float8_e4m3fn) == pytest.approx(0.5)
+    assert datasheet.datasheet_mfu(494.75e12, torch.device("cuda"), torch.bfloat16) == pytest.approx(0.5)
+    assert datasheet.datasheet_mfu(989.5e12, torch.device("cuda"), torch.float8_e4m3fn) == pytest.approx(0.5)
 
 
 def test_fp8_matmul_peak_is_measured_through_scaled_mm():
-    peak = hardware.measure_matmul_peak("cpu", torch.float8_e4m3fn, budget_s=0.3)
+    peak = datasheet.measure_matmul_peak("cpu", torch.float8_e4m3fn, budget_s=0.3)
     assert peak.flops > 0 and "float8_e4m3fn" in peak.label
 
 
 def test_datasheet_peak_for_a_faked_cuda_device(monkeypatch):
     monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(hardware, "_tf32_enabled", lambda: False)
-    peak = hardware.datasheet_peak(torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setattr(peaks, "_tf32_enabled", lambda: False)
+    peak = datasheet.datasheet_peak(torch.device("cuda"), torch.bfloat16)
     assert peak.label == "datasheet: NVIDIA H100 SXM dense bf16 989.5 TFLOP/s"
-    assert hardware.datasheet_peak("cpu", torch.float32) is None
+    assert datasheet.datasheet_peak("cpu", torch.float32) is None
 
 
 def test_get_peak_sources(counted_measure, monkeypatch):
     with pytest.raises(TitanliteError, match="no datasheet peak.*source='measured'"):
-        hardware.get_peak("cpu", torch.float32, source="datasheet")
+        peaks.get_peak("cpu", torch.float32, source="datasheet")
     with pytest.raises(TitanliteError, match="did you mean: measured"):
-        hardware.get_peak("cpu", torch.float32, source="measure")
-    assert hardware.get_peak("cpu", torch.float32, "measured").source == "measured"
+        peaks.get_peak("cpu", torch.float32, source="measure")
+    assert peaks.get_peak("cpu", torch.float32, "measured").source == "measured"
     monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA A100-SXM4-80GB")
-    auto = hardware.get_peak(torch.device("cuda"), torch.bfloat16)
+    auto = peaks.get_peak(torch.device("cuda"), torch.bfloat16, datasheet=datasheet.datasheet_peak)
     assert auto.source == "measured" and "datasheet: NVIDIA A100 dense bf16 312" in auto.label
+    # Without the tool handed in, the core knows no datasheet: measured only, and one line for
+    # source="datasheet" that says how to hand it in.
+    assert "datasheet" not in peaks.get_peak(torch.device("cuda"), torch.bfloat16).label
+    with pytest.raises(TitanliteError, match="hand in tools.datasheet.datasheet_peak"):
+        peaks.get_peak(torch.device("cuda"), torch.bfloat16, source="datasheet")
 
 
 # ---- MFU -----------------------------------------------------------------------------------
 def test_mfu_is_a_plain_ratio_below_one():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert hardware.mfu(25.0, Peak(100.0, "measured", "test peak below")) == 0.25
+        assert peaks.mfu(25.0, Peak(100.0, "measured", "test peak below")) == 0.25
 
 
 def test_mfu_above_one_warns_once_and_is_not_clamped():
     peak = Peak(100.0, "measured", "test peak too low")
     with pytest.warns(RuntimeWarning, match="test peak too low.*refresh=True"):
-        assert hardware.mfu(150.0, peak) == 1.5
+        assert peaks.mfu(150.0, peak) == 1.5
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert hardware.mfu(160.0, peak) == 1.6
+        assert peaks.mfu(160.0, peak) == 1.6
     assert not caught
 
 
 def test_mfu_rejects_a_zero_peak():
     with pytest.raises(TitanliteError, match="refresh=True"):
-        hardware.mfu(1.0, Peak(0.0, "measured", "broken"))
+        peaks.mfu(1.0, Peak(0.0, "measured", "broken"))
 
 
 # ---- bandwidth and memory ------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["copy", "read", "best"])
 def test_memory_bandwidth_is_positive(kind):
-    assert hardware.measure_memory_bandwidth("cpu", nbytes=4 * 2**20, budget_s=0.05, kind=kind) > 1e6
+    assert measure_memory_bandwidth("cpu", nbytes=4 * 2**20, budget_s=0.05, kind=kind) > 1e6
 
 
 def test_memory_bandwidth_in_another_dtype():
-    assert hardware.measure_memory_bandwidth("cpu", 2 * 2**20, 0.05, kind="read", dtype=torch.bfloat16) > 1e6
+    assert measure_memory_bandwidth("cpu", 2 * 2**20, 0.05, kind="read", dtype=torch.bfloat16) > 1e6
 
 
 def test_memory_bandwidth_kind_typo():
     with pytest.raises(TitanliteError, match="did you mean: copy"):
-        hardware.measure_memory_bandwidth("cpu", nbytes=2**20, kind="cpoy")
+        measure_memory_bandwidth("cpu", nbytes=2**20, kind="cpoy")
 
 
 def test_cpu_peak_memory_is_positive_and_never_falls_without_reset():
-    before = hardware.peak_memory_bytes("cpu")
-    assert before > 0 and set(hardware.MEMORY_METRIC_DOC) == {"cuda", "mps", "cpu"}
+    before = memory.peak_memory_bytes("cpu")
+    assert before > 0 and set(memory.MEMORY_METRIC_DOC) == {"cuda", "mps", "cpu"}
     big = torch.ones(16 * 2**20)
     del big
-    assert hardware.peak_memory_bytes("cpu") >= before  # a high-water mark, not current use
+    assert memory.peak_memory_bytes("cpu") >= before  # a high-water mark, not current use
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak-RSS reset needs Linux clear_refs")
 def test_cpu_peak_memory_sees_a_big_tensor_and_resets_on_linux():
-    hardware.reset_peak_memory("cpu")
-    start = hardware.peak_memory_bytes("cpu")
+    memory.reset_peak_memory("cpu")
+    start = memory.peak_memory_bytes("cpu")
     big = torch.ones(64 * 2**20)  # 256 MiB, written so every page is resident
-    high = hardware.peak_memory_bytes("cpu")
+    high = memory.peak_memory_bytes("cpu")
     del big
-    hardware.reset_peak_memory("cpu")
-    after = hardware.peak_memory_bytes("cpu")
+    memory.reset_peak_memory("cpu")
+    after = memory.peak_memory_bytes("cpu")
     if after == high:
         pytest.skip("/proc/self/clear_refs is not writable here; the peak is lifetime-only")
     assert high >= start + 250 * 2**20
@@ -410,25 +420,25 @@ def test_cuda_device_index_out_of_range():
 @needs_cuda
 def test_cuda_peak_bandwidth_and_memory():
     dev = torch.device("cuda")
-    assert hardware.measure_matmul_peak(dev, torch.float32, budget_s=0.3).flops > 1e9
-    assert hardware.measure_memory_bandwidth(dev, nbytes=64 * 2**20, budget_s=0.1) > 1e9
-    hardware.reset_peak_memory(dev)
+    assert peaks.measure_matmul_peak(dev, torch.float32, budget_s=0.3).flops > 1e9
+    assert measure_memory_bandwidth(dev, nbytes=64 * 2**20, budget_s=0.1) > 1e9
+    memory.reset_peak_memory(dev)
     x = torch.empty(2**20, device=dev)
-    assert hardware.peak_memory_bytes(dev) >= x.numel() * 4
+    assert memory.peak_memory_bytes(dev) >= x.numel() * 4
 
 
 @needs_mps
 def test_mps_peak_and_memory():
     dev = torch.device("mps")
     assert hardware.device_name(dev).startswith("Apple MPS")
-    assert hardware.measure_matmul_peak(dev, torch.float32, budget_s=0.3).flops > 1e9
+    assert peaks.measure_matmul_peak(dev, torch.float32, budget_s=0.3).flops > 1e9
     x = torch.ones(2**20, device=dev)
-    assert hardware.peak_memory_bytes(dev) >= x.numel() * 4
+    assert memory.peak_memory_bytes(dev) >= x.numel() * 4
 
 
 # ---- memory readings beside the peak --------------------------------------------------------
 def test_allocator_readings_are_none_off_cuda():
-    assert hardware.allocator_readings("cpu") == {"reserved_memory_bytes": None, "alloc_retries": None}
+    assert memory.allocator_readings("cpu") == {"reserved_memory_bytes": None, "alloc_retries": None}
 
 
 def test_allocator_readings_from_cuda_memory_stats():

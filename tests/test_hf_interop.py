@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from titanlite import TitanliteError
-from titanlite.models.hf_interop import from_hf, from_hf_config, hf_name, to_hf, to_hf_config, to_hf_model
+from titanlite.tools.export import from_hf, to_hf, to_hf_config, to_hf_model
+from titanlite.tools.hf_start import from_hf_config, hf_name
 from titanlite.models.llama import ModelArgs, build_model
 
 transformers = pytest.importorskip("transformers")

@@ -1,9 +1,9 @@
-"""titanlite.hpo: the Optuna objective over the trainer, pruning, SQLite storage, processes."""
+"""titanlite.tools.hpo: the Optuna objective over the trainer, pruning, SQLite storage, processes."""
 import optuna
 import pytest
 
 import titanlite
-from titanlite import hpo
+from titanlite.tools import hpo
 from titanlite.config import Config
 
 

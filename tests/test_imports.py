@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from titanlite.errors import TitanliteError, chain_lines
+from titanlite.errors import TitanliteError
+from titanlite.tools.notebook import chain_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "titanlite"
@@ -49,7 +50,7 @@ def test_importing_every_titanlite_module_changes_no_setting():
         import torch.utils.checkpoint, torch.multiprocessing.reductions, torch._dynamo
         import matplotlib.pyplot, transformers, torchao.float8, optuna
         before = snapshot()
-        import titanlite
+        import titanlite, titanlite.tools.notebook
         names = [m.name for m in pkgutil.walk_packages(titanlite.__path__, "titanlite.")
                  if not m.name.endswith("__main__")]  # __main__ runs the CLI
         for name in names:
@@ -70,11 +71,11 @@ def test_importing_every_titanlite_module_changes_no_setting():
 
 def test_notebook_setup_quiets_and_installs_the_handler_once():
     r = run_python("""
-        import titanlite
+        import titanlite, titanlite.tools.notebook
         before = snapshot()
-        titanlite.notebook_setup()
+        titanlite.tools.notebook.notebook_setup()
         once = snapshot()
-        titanlite.notebook_setup()
+        titanlite.tools.notebook.notebook_setup()
         print(json.dumps({"before": before, "once": once, "twice": snapshot()}))
     """)
     out = last_json(r)
@@ -92,8 +93,8 @@ def test_quiet_third_party_hides_torchao_import_noise_and_keeps_user_settings():
     r = run_python("""
         import os
         os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "0"   # the user's choice wins
-        import titanlite
-        titanlite.quiet_third_party()
+        import titanlite, titanlite.tools.notebook
+        titanlite.tools.notebook.quiet_third_party()
         import torchao.float8
         print(json.dumps(snapshot()["env"]["TRANSFORMERS_NO_ADVISORY_WARNINGS"]))
     """)
@@ -114,8 +115,8 @@ except KeyError as e:
 
 def test_notebook_handler_shows_every_link_of_the_chain_and_no_traceback():
     r = run_python(prelude=f"CELL = {CELL!r}\n", code="""
-        import titanlite
-        titanlite.notebook_setup()
+        import titanlite, titanlite.tools.notebook
+        titanlite.tools.notebook.notebook_setup()
         shell.run_cell(CELL)
         shell.run_cell("raise ValueError('plain error')")
     """)
@@ -229,7 +230,7 @@ def test_no_module_outside_compat_touches_torch_or_torchao_internals():
 
 
 def test_compat_fallbacks_and_messages():
-    from titanlite._compat import torch_internals, torchao_internals
+    from titanlite._compat import torch_internals, torch_tools, torchao_internals
     from torch import nn
     block = nn.Linear(2, 2)
     assert not torch_internals.is_compiled_in_place(block)
@@ -238,7 +239,19 @@ def test_compat_fallbacks_and_messages():
     torch_internals.set_compiled_call(block, None)
     assert not torch_internals.is_compiled_in_place(block)
     with pytest.raises(TitanliteError, match="PipelineStage has no forward_one_chunk"):
-        torch_internals.replace_stage_method(object(), "forward_one_chunk", lambda f: f)
+        torch_tools.replace_stage_method(object(), "forward_one_chunk", lambda f: f)
     torch_internals.stop_dcp_writer_process()  # none running: nothing to do, no error
     assert isinstance(torch_internals.has_triton(), bool)
     assert torchao_internals.float8_linear_class().__name__ == "Float8Linear"
+
+
+def test_notebook_setup_shows_a_warning_as_one_line_without_its_source():
+    """Issue 25: `RuntimeWarning: MFU 1.08 > 1 ...` came with the file, line number and the
+    Python source line that raised it; in a notebook that is one clean line."""
+    r = run_python("""
+        import titanlite, titanlite.tools.notebook
+        titanlite.tools.notebook.notebook_setup()
+        shell.run_cell("import warnings\\nwarnings.warn('MFU 1.08 > 1 against a peak', RuntimeWarning)")
+    """)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == ["RuntimeWarning: MFU 1.08 > 1 against a peak"], r.stderr

@@ -1,4 +1,5 @@
-"""--checkpoint.initial_load_path: continue pretraining a Llama written by transformers itself.
+"""--checkpoint.initial_load_path: continue pretraining a Llama written by transformers itself
+(a tool, tools/hf_start.py, handed to the trainer; `titanlite train` and `launch` hand it in).
 
 A small random `LlamaForCausalLM` (GQA, Llama 3 RoPE scaling, tied or untied) is saved with
 `save_pretrained`, beside a tokenizer.json trained here. The trainer's first logged loss is the
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.data import build_data
+from titanlite.tools.hf_start import HuggingFaceStart
 from titanlite.train import Trainer
 
 from conftest import tiny_overrides
@@ -54,6 +56,10 @@ def write_checkpoint(folder, tie: bool, seed: int = 0, **changes):
     return model
 
 
+def trainer_for(cfg) -> Trainer:
+    return Trainer(cfg, start_from=HuggingFaceStart.from_config(cfg))
+
+
 def overrides(data_dir, tmp_path, folder, **extra):
     return tiny_overrides(data_dir, tmp_path, **{
         "checkpoint.initial_load_path": str(folder), "training.steps": 1,
@@ -84,7 +90,10 @@ def hf_loss(hf, cfg, dp: int) -> float:
 def test_first_loss_equals_transformers_in_one_process(data_dir, tmp_path, tie):
     hf = write_checkpoint(tmp_path / "hf", tie)
     cfg = load_config(None, overrides(data_dir, tmp_path, tmp_path / "hf"))
-    trainer = Trainer(cfg)
+    with pytest.raises(TitanliteError, match="^checkpoint.initial_load_path starts from a Hugging Face "
+                                             r"model, which a tool reads: pass Trainer\(cfg, start_from="):
+        Trainer(cfg)  # not handed in: one line naming how
+    trainer = trainer_for(cfg)
     # The shape and the vocabulary are the checkpoint's, not the debug preset's.
     args = trainer.model_args
     assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.vocab_size,
@@ -109,7 +118,7 @@ def test_first_loss_equals_transformers_in_one_process(data_dir, tmp_path, tie):
     ({"parallel.dp_shard": 2, "parallel.tp": 2}, True, 4),
 ], ids=["fsdp", "tp", "pp", "fsdp+tp"])
 def test_first_loss_equals_transformers_on_several_ranks(data_dir, tmp_path, layout, tie, nproc):
-    from titanlite.distributed.launcher import launch
+    from titanlite.tools.launcher import launch
 
     hf = write_checkpoint(tmp_path / "hf", tie)
     cfg = load_config(None, overrides(data_dir, tmp_path, tmp_path / "hf", **layout))
@@ -124,11 +133,11 @@ def test_own_checkpoint_takes_precedence(data_dir, tmp_path):
     write_checkpoint(tmp_path / "hf", tie=False)
     o = overrides(data_dir, tmp_path, tmp_path / "hf", **{"checkpoint.enable": True,
                                                           "training.steps": 2})
-    first = Trainer(load_config(None, o))
+    first = trainer_for(load_config(None, o))
     first.fit()
     first.close()
     # Restarted with more steps: it continues from its own step 2, not the published weights.
-    again = Trainer(load_config(None, {**o, "training.steps": 3}))
+    again = trainer_for(load_config(None, {**o, "training.steps": 3}))
     history = again.fit()
     again.close()
     assert history.resumed_from is not None and [r["step"] for r in history.train] == [3]
@@ -141,14 +150,14 @@ def test_mismatched_model_settings_are_refused_in_one_line(data_dir, tmp_path, k
     write_checkpoint(tmp_path / "hf", tie=False)
     cfg = load_config(None, overrides(data_dir, tmp_path, tmp_path / "hf", **{key: value}))
     with pytest.raises(TitanliteError, match=rf"^model\.{field}={value} but the checkpoint") as err:
-        Trainer(cfg)
+        trainer_for(cfg)
     assert "\n" not in str(err.value)
 
 
 def test_missing_directory_is_refused_in_one_line(data_dir, tmp_path):
     cfg = load_config(None, overrides(data_dir, tmp_path, tmp_path / "nowhere"))
     with pytest.raises(TitanliteError, match="no Hugging Face checkpoint directory") as err:
-        Trainer(cfg)
+        trainer_for(cfg)
     assert "\n" not in str(err.value) and "huggingface-cli download" in str(err.value)
 
 
@@ -156,7 +165,7 @@ def test_checkpoint_of_another_shape_is_refused_at_load(tmp_path):
     # Weights that disagree with the model they are loaded into (e.g. the files were replaced
     # by another download after start-up): one line, not DCP's traceback.
     from titanlite.models.llama import ModelArgs, build_model
-    from titanlite.resilience.initial_load import load_initial_weights
+    from titanlite.tools.hf_start import load_initial_weights
 
     write_checkpoint(tmp_path / "hf", tie=False)
     model = build_model(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=999,

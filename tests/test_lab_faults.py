@@ -6,7 +6,7 @@ import pytest
 
 from titanlite.errors import TitanliteError
 from titanlite.labs import nb13_fault_tolerance as lab
-from titanlite.resilience import goodput
+from titanlite.tools import goodput
 
 
 def test_final_losses_keep_the_last_attempt_of_each_step_in_step_order():
@@ -131,7 +131,7 @@ def test_missing_log_or_no_steps_is_one_clear_line(tmp_path):
 def test_launch_expecting_failure_returns_the_error_and_captures_the_traceback(monkeypatch):
     import sys
 
-    from titanlite.distributed import launcher
+    from titanlite.tools import launcher
 
     def failing(*args, **kwargs):
         print("--- rank 1 failed; its traceback: ---\nTraceback (most recent call last): ...", file=sys.stderr)

@@ -15,8 +15,8 @@ import pytest
 
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.distributed import launch
-from titanlite.distributed.launcher import STOP_GRACE_S, _check_machine, job_processes
+from titanlite.tools.launcher import launch
+from titanlite.tools.launcher import STOP_GRACE_S, _check_machine, job_processes
 from titanlite.train import Trainer
 
 from conftest import tiny_overrides
@@ -99,7 +99,7 @@ def test_a_killed_rank_is_named_even_when_its_peer_is_stamped_first(tmp_path):
     """torchrun's clock has one-second resolution: the peer's 'connection closed' can be the
     'first observed failure' although the killed rank caused it (seen once on CI)."""
     import json
-    from titanlite.distributed.launcher import _failure
+    from titanlite.tools.launcher import _failure
     peer = tmp_path / "error.json"
     peer.write_text(json.dumps({"message": {"message": "RuntimeError: Connection closed by peer",
                                             "extraInfo": {"py_callstack": "..."}}}))
@@ -143,7 +143,7 @@ def _start_driver(data_dir, tmp_path) -> subprocess.Popen:
         from conftest import tiny_overrides
         from pathlib import Path
         from titanlite.config import load_config
-        from titanlite.distributed import launch
+        from titanlite.tools.launcher import launch
         o = tiny_overrides(Path({str(data_dir)!r}), Path({str(tmp_path)!r}),
                            **{{"training.steps": 10000, "eval.every": 0, "parallel.dp_shard": 2}})
         def announce(record, said=[]):
@@ -260,3 +260,65 @@ def _alive(pid: int) -> bool:
 
 def _assert_no_job_processes():
     assert not _our_processes(), "processes of this test's job were left behind"
+
+
+REPORT_RACE_WORKER = '''
+import json, os, signal, sys, time
+from pathlib import Path
+from titanlite.tools.worker_errors import record
+
+out = Path(sys.argv[1])
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+
+
+def slow_dump(obj, fp, **kw):  # the report takes ~3 s to write: the agent's SIGTERM lands mid-way
+    text = json.dumps(obj, **kw)
+    step = max(1, len(text) // 30)
+    for i in range(0, len(text), step):
+        fp.write(text[i:i + step])
+        fp.flush()
+        time.sleep(0.1)
+
+
+json.dump = slow_dump
+
+
+def main():
+    if attempt == 0:
+        if rank == 1:
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)  # killed while its peer writes its report
+        raise RuntimeError("Connection closed by peer")  # rank 0 reports the death it saw
+    (out / f"attempt{attempt}.rank{rank}").write_text("resumed")
+
+
+record(main)()
+'''
+
+
+@pytest.mark.slow
+def test_a_kill_while_a_peer_writes_its_report_always_restarts(tmp_path):
+    """torch's `record` writes error.json in place: the agent, tearing rank 0 down mid-report after
+    rank 1 died, parsed half a file and exited instead of restarting (JSONDecodeError). Each try
+    here kills rank 1 while rank 0 is writing; every one must restart and finish."""
+    from titanlite.tools.launcher import _free_port
+    script = tmp_path / "worker.py"
+    script.write_text(REPORT_RACE_WORKER)
+    for attempt in range(3):
+        out = tmp_path / f"try{attempt}"
+        out.mkdir()
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port",
+                               str(_free_port()), str(script), str(out)], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0 and "JSONDecodeError" not in proc.stderr, proc.stderr[-2000:]
+        assert sorted(p.name for p in out.iterdir()) == ["attempt1.rank0", "attempt1.rank1"]
+
+
+def test_every_worker_entry_reports_through_the_atomic_handler():
+    from pathlib import Path
+
+    import titanlite
+    package = Path(titanlite.__file__).parent
+    assert "from .tools.worker_errors import record" in (package / "__main__.py").read_text()
+    assert "from .worker_errors import record" in (package / "tools" / "run_function.py").read_text()

@@ -18,8 +18,8 @@ import torch
 from matplotlib.figure import Figure
 
 from titanlite import TitanliteError
-from titanlite import live_plot
-from titanlite.live_plot import LivePlot, resolve_mode
+from titanlite.tools import live_plot
+from titanlite.tools.live_plot import LivePlot, resolve_mode
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -87,8 +87,9 @@ def test_from_jsonl_overlays_finished_runs(tmp_path):
     assert set(loss) == {"fp32", "bf16", "fp32 val", "bf16 val"}
     assert loss["fp32"].get_color() != loss["bf16"].get_color()
     assert list(loss["bf16"].get_ydata())[:2] == pytest.approx([3.1, 3.09])
-    legend = [t.get_text() for t in plot._axes[0].get_legend().get_texts()]
-    assert "fp32" in legend and "bf16" in legend
+    legend = plot.legend_labels()  # one legend for the figure, outside every panel
+    assert "fp32" in legend and "bf16" in legend and "validation (dashed)" in legend
+    assert all(ax.get_legend() is None for ax in plot._axes)
     # every panel gets both runs, not only the loss
     assert {"fp32", "bf16"} <= set(lines_by_label(plot._axes[2]))
 
@@ -150,7 +151,8 @@ def test_mfu_in_percent_labelled_with_its_peak(tmp_path):
     plot.savefig(tmp_path / "mfu.png")
     assert list(plot._axes[0].get_lines()[0].get_ydata()) == [25.0]
     assert "%" in plot._axes[0].get_ylabel()
-    assert "fp32 matmul peak" in plot._axes[0].get_title()
+    assert plot._axes[0].get_title() == "% of fp32 peak"
+    assert [n.get_text() for n in plot._notes] == ["MFU: % of fp32 matmul peak"]  # the full name, below
 
 
 def test_missing_keys_and_nan_do_not_break_the_plot(tmp_path):
@@ -304,7 +306,7 @@ def test_nbclient_run_gets_one_static_figure(tmp_path, monkeypatch):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(
         "import os\n"
-        "from titanlite.live_plot import LivePlot\n"
+        "from titanlite.tools.live_plot import LivePlot\n"
         "plot = LivePlot()\n"
         "for step in range(30):\n"
         "    plot({'kind': 'train', 'step': step, 'loss': 3 - step / 30, 'mfu': 0.01})\n"
@@ -352,10 +354,67 @@ def test_short_runs_get_integer_steps_and_smoothed_throughput(tmp_path):
     smooth = next(l for label, l in lines.items() if label.startswith("EMA"))
     raw = np.array(lines["train"].get_ydata())
     assert np.std(np.diff(smooth.get_ydata())) < 0.5 * np.std(np.diff(raw))  # it does smooth
-    assert [t.get_text() for t in plot._axes[1].get_legend().get_texts()] == ["per step", smooth.get_label()]
+    assert plot.legend_labels()[-2:] == ["per step", smooth.get_label()]  # the styles, once, in the legend
     title = plot._axes[2].get_title()
-    assert "Some CPU (CPU, 2 threads)" in title and "…" not in title and "cached" not in title
-    assert max(map(len, title.splitlines())) <= 40
+    assert title == "% of measured float32 peak"  # short: the device and threads go to the footnote
+    notes = [n.get_text() for n in plot._notes]
+    assert notes == ["MFU: % of measured float32 matmul peak, Some CPU (CPU, 2 threads)"]
+
+
+PEAKS = {"float32": "measured float32 matmul peak, Intel(R) Xeon(R) Processor (CPU, 1 thread) (best at n=2048) "
+                    "[cached 2026-11-25 04:44]",
+         "bfloat16": "measured bfloat16 matmul peak, Intel(R) Xeon(R) Processor (CPU, 1 thread) (best at n=1024) "
+                     "[cached 2026-11-25 04:44]"}
+
+
+def test_ten_runs_fit_a_laptop_screen_with_the_legend_outside_every_panel(tmp_path):
+    """Notebook 16's ladder: ten runs on three panels. At most two panels side by side, in ~950 px
+    (a 1280-px laptop with JupyterLab's side bar open), each big enough to read; one short MFU title
+    naming each peak kind once, however many rows used it; MFU above 100% flagged, not shown as fact."""
+    plot = LivePlot(metrics=("loss", "tokens_per_sec", "mfu"), mode="off",
+                    title="16 · the ladder, one-process rows in this kernel, FSDP rows in one job")
+    for i in range(10):
+        for step in range(1, 5):
+            plot(train(step, run=f"row {i}", mfu=0.4 + 0.2 * i, peak_label=PEAKS["float32" if i in (0, 9) else "bfloat16"]))
+    plot.savefig(tmp_path / "ladder.png")
+    from PIL import Image
+    width, height = Image.open(tmp_path / "ladder.png").size
+    assert 800 <= width <= 1000, width
+    for ax in plot._axes:  # every panel at least ~330 × 200 px
+        box = ax.get_window_extent()
+        assert box.width >= 330 and box.height >= 200, (ax.get_ylabel(), box)
+        assert ax.get_legend() is None
+        assert len(ax.get_xticklabels()) <= 6
+    assert plot.legend_labels()[:10] == [f"row {i}" for i in range(10)]
+    legend_box = plot._legend.get_window_extent()
+    assert not any(legend_box.overlaps(ax.get_window_extent()) for ax in plot._axes)
+    title = plot._axes[2].get_title()
+    assert title == "% of measured float32, bfloat16 peak" and title.count("measured") == 1
+    notes = [n.get_text() for n in plot._notes]
+    assert sum("bfloat16 matmul peak" in n for n in notes) == 1 and any("above 100%" in n for n in notes)
+    assert any(line.get_label() == "_peak" for line in plot._axes[2].get_lines())  # the 100% line
+
+
+def test_many_trials_list_a_dozen_and_count_the_rest(tmp_path):
+    plot = LivePlot(metrics=("loss",), x="tokens", mode="off")
+    for trial in range(30):
+        plot({"kind": "val", "step": 1, "tokens": 3 * 12_288, "val_loss": 7.0, "run": f"trial {trial}"})
+        plot({"kind": "val", "step": 2, "tokens": 6 * 12_288, "val_loss": 6.0, "run": f"trial {trial}"})
+    plot.savefig(tmp_path / "trials.png")
+    labels = plot.legend_labels()
+    assert labels[:12] == [f"trial {i}" for i in range(12)] and "… 18 more runs" in labels
+    ticks = [t.get_text() for t in plot._axes[0].get_xticklabels() if t.get_text()]
+    assert ticks and all(len(t) <= 5 for t in ticks), ticks  # "37k", not "36,864"
+    assert plot._legend.get_window_extent().y1 < plot._axes[0].get_window_extent().y0  # below the panel
+
+
+def test_the_status_names_the_phase_until_a_record_arrives(clock):
+    plot = LivePlot(mode="off")
+    plot.phase("compiling +compile")
+    clock.t = 35.0
+    assert plot._status_text() == "compiling +compile · 35 s elapsed"
+    plot(train(1, run="+compile"))
+    assert plot._status_text().startswith("+compile · step 1")
 
 
 def test_saved_notebook_keeps_the_final_curves(tmp_path, data_dir):
@@ -372,7 +431,7 @@ def test_saved_notebook_keeps_the_final_curves(tmp_path, data_dir):
         "import os\n"
         "os.environ['TITANLITE_LIVE_PLOT'] = 'widget'  # as in a JupyterLab kernel\n"
         "from titanlite.config import load_config\n"
-        "from titanlite.live_plot import LivePlot\n"
+        "from titanlite.tools.live_plot import LivePlot\n"
         "from titanlite.train import Trainer\n"
         f"trainer = Trainer(load_config(None, {overrides!r}))\n"
         "plot = LivePlot(steps=8, min_interval_s=0)\n"

@@ -14,7 +14,9 @@ from conftest import tiny_overrides
 from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.efficiency import mixed_precision as mp
-from titanlite.efficiency.mixed_precision import MODES, Precision, support, support_matrix
+from titanlite.tools import precision_support as ps
+from titanlite.efficiency.mixed_precision import MODES, Precision
+from titanlite.tools.precision_support import support, support_matrix
 from titanlite.models.llama import ModelArgs, build_model
 from titanlite.train import Trainer
 
@@ -24,9 +26,11 @@ CPU = torch.device("cpu")
 @pytest.fixture(autouse=True)
 def _fresh_probes():
     """Each test sees probes run afresh (a test may break GradScaler on purpose)."""
-    mp._probed.cache_clear()
+    mp.probe.cache_clear()
+    ps._probed.cache_clear()
     yield
-    mp._probed.cache_clear()
+    mp.probe.cache_clear()
+    ps._probed.cache_clear()
 
 
 def tiny_model(seed=0):
@@ -51,14 +55,14 @@ def forward_backward(model, precision, x, y):
 
 def test_support_matrix_has_a_row_per_mode_for_this_device_with_reasons():
     rows = support_matrix(CPU)
-    assert [(r.device, r.mode) for r in rows] == [(d, m) for d in mp.DEVICE_TYPES for m in MODES]
+    assert [(r.device, r.mode) for r in rows] == [(d, m) for d in ps.DEVICE_TYPES for m in MODES]
     here = [r for r in rows if r.device == "cpu"]
     assert all(r.here and r.works and r.source == "probed on this machine" for r in here)
     assert all(len(r.why) > 20 for r in rows), "every row says why"
-    flags = mp.cpu_flags()
+    flags = ps.cpu_flags()
     if flags is not None:  # x86: "fast" must follow the CPU's bf16/fp16 units, not a guess
         for r in here[1:]:
-            assert r.fast == bool(set(mp.FAST_CPU_FLAGS[r.mode]) & flags), r
+            assert r.fast == bool(set(ps.FAST_CPU_FLAGS[r.mode]) & flags), r
             assert ("slower than fp32" in r.why) == (not r.fast), r.why
     for kind in ("cuda", "mps"):
         absent = [r for r in rows if r.device == kind and not mp._present(kind)]
@@ -294,7 +298,7 @@ def test_auto_on_a_faked_t4_is_fp16_with_the_scaler(monkeypatch):
     # What torch reports on a T4 (SM 7.5); the probe itself is cached as if it had run there.
     monkeypatch.setattr(mp, "_present", lambda kind: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    monkeypatch.setattr(mp, "support", lambda mode, device: mp.Support("cuda", mode, True, "faked"))
+    monkeypatch.setattr(mp, "probe", lambda mode, device: None)  # as if it had run there
     monkeypatch.setattr(torch.amp, "GradScaler", lambda *a, **k: None)  # no CUDA to build one on
     assert Precision("auto", torch.device("cuda")).mode == "fp16"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

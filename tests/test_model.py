@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from titanlite import TitanliteError
-from titanlite.flops import count_training_flops
-from titanlite.models import PRESETS, ModelArgs, Transformer, build_model
+from titanlite.tools.flops import count_training_flops
+from titanlite.models.llama import PRESETS, ModelArgs, Transformer, build_model
 
 
 def manual_param_count(a: ModelArgs) -> int:

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from titanlite.distributed.launcher import LaunchResult
+from titanlite.tools.launcher import LaunchResult
 from titanlite.errors import TitanliteError
 from titanlite.labs import nb16_capstone as lab
 from titanlite.models.llama import ModelArgs
@@ -29,7 +29,43 @@ def test_ladder_order_and_ranks():
     # FP8 all-gathers are FSDP's: they come after the sharding, never on one process
     assert names.index("+FP8 all-gather") > names.index("FSDP ×4")
     assert all(r.nproc == (4 if i >= names.index("FSDP ×4") else 1) for i, r in enumerate(rungs))
-    assert "5,762" in rungs[2].published and "10.67%" in rungs[2].published  # labelled figures
+    assert "5,762 → 6,667 (1.16×)" in rungs[2].published and "6,475 → 7,166 (1.11×)" in rungs[2].published
+
+
+def test_published_steps_are_each_row_over_the_row_before():
+    """Issue 25: both published tables are cumulative. FP8's own step is 8,532 / 6,667 (1.28×) in
+    torchtitan's and 8,624 / 7,166 (+20.3%) in SageMaker's, not +33% (that is over the baseline)."""
+    tt, sm = lab.step_gains(lab.TORCHTITAN_8B_H100), lab.step_gains(lab.SAGEMAKER_8B_H100)
+    assert tt == {"+compile": 6667 / 5762, "+FP8": 8532 / 6667}
+    assert sm == {"+compile": 7166 / 6475, "+FP8": 8624 / 7166, "+FP8 all-gather": 8950 / 8624}
+    assert round(sm["+FP8"] - 1, 3) == 0.203 and round(8624 / 6475 - 1, 4) == 0.3319  # the study's +33.19%
+    assert round(8950 / 6475 - 1, 3) == 0.382 and round(7166 / 6475 - 1, 4) == 0.1067
+    rungs = {r.name: r for r in lab.ladder(2, 2)}
+    assert "6,667 → 8,532 (1.28×)" in rungs["+FP8 tensorwise"].published
+    assert "7,166 → 8,624 (1.20×)" in rungs["+FP8 tensorwise"].published
+    assert rungs["+FP8 all-gather"].published == "SageMaker 32×H100: +FP8 8,624 → 8,950 (1.04×)"
+    rows = [_row("baseline", 100), _row("+bf16", 50, reference="baseline"), _row("+compile", 60, reference="+bf16"),
+            _row("+FP8 tensorwise", 90, reference="+compile"), _row("FSDP ×2", 80, reference="+FP8 tensorwise"),
+            _row("+FP8 all-gather", 80, reference="FSDP ×2"), _row("baseline (again)", 100, reference="baseline")]
+    tables = {"torchtitan": lab.TORCHTITAN_8B_H100, "SageMaker": lab.SAGEMAKER_8B_H100}
+    bars = {b["step"]: b for b in lab.published_bars(rows, lab.PUBLISHED_ROWS, tables)}
+    for name, table in tables.items():  # each published bar is its row ÷ the row before in that table
+        names = list(table)
+        for before, step in zip(names, names[1:]):
+            assert bars[step][name] == pytest.approx(table[step] / table[before])
+    assert bars["+FP8 all-gather"]["torchtitan"] is None
+    assert bars["+FP8"]["ours"] == pytest.approx(1.5) and bars["+FP8"]["reference"] == "+compile"
+    assert "+FP8 tensorwise ÷ +compile" in lab.published_table(list(bars.values()))
+
+
+def test_each_rung_has_one_reference_the_row_it_builds_on():
+    refs = lab.references(lab.ladder(2, 2))
+    assert refs["+compile"] == "+bf16" and refs["+FP8 rowwise"] == refs["+FP8 tensorwise"] == "+compile"
+    assert refs["+AC (full)"] == "+FP8 tensorwise" and refs["+FP8 all-gather"] == "FSDP ×2"
+    smoke = lab.references(lab.ladder(2, 2, carry_compile=False))  # compile on its own row only
+    assert smoke["+FP8 tensorwise"] == "+bf16" and "compile.enable" not in dict(
+        (r.name, o) for r, o in lab.row_overrides(lab.ladder(2, 2, carry_compile=False)))["FSDP ×2"]
+    assert "baseline" not in refs
 
 
 @pytest.mark.parametrize("gpus, cores, smoke, expected", [
@@ -77,18 +113,114 @@ def test_measure_row_reads_medians_after_warmup_and_the_largest_rank(tmp_path):
         pytest.approx(0.045 / 4)
 
 
-def test_table_has_every_row_and_labels_failures():
-    ok = {"tokens_per_sec": 1000.0, "mfu": 0.1, "mfu_datasheet": None, "peak_memory_bytes": 2**30, "loss": 7.0,
-          "first_step_s": 1.0, "compute_dtype": "float32", "fp8": "", "nproc": 1}
-    rows = [{**ok, "row": "baseline"}, {"row": "+compile", "nproc": 1, "error": "no C++ compiler"},
-            {**ok, "row": "+FP8 tensorwise", "fp8": "FP8 tensorwise, emulated", "published": "torchtitan 1.48×",
-             "tokens_per_sec": 500.0},
-            {**ok, "row": "baseline (again)", "tokens_per_sec": 1100.0}]
+def _row(name, tps, reference=None, **extra):
+    return {"row": name, "tokens_per_sec": float(tps), "mfu": 0.1, "mfu_datasheet": None,
+            "peak_memory_bytes": 2**30, "loss": 7.0, "first_step_s": 0.05, "setup_s": 2.0, "spread": 0.0,
+            "compute_dtype": "float32", "fp8": "", "nproc": 1, "reference": reference,
+            "peak_label": "measured float32 matmul peak, CPU [cached 2026-01-01 00:00]", **extra}
+
+
+def test_table_has_every_row_against_its_reference_and_labels_failures():
+    rows = [_row("baseline", 1000), {"row": "+compile", "nproc": 1, "error": "no C++ compiler"},
+            _row("+FP8 tensorwise", 500, reference="baseline", fp8="FP8 tensorwise, emulated"),
+            _row("baseline (again)", 1100, reference="baseline")]
     text = lab.table(rows)
     for r in rows:
         assert r["row"] in text
-    assert "failed: no C++ compiler" in text and "torchtitan 1.48×" in text and "emulated" in text
-    assert "slower (beyond drift)" in text and "drift of the baseline" in text
+    assert "failed: no C++ compiler" in text and "emulated" in text
+    fp8 = next(line for line in text.splitlines() if line.startswith("+FP8 tensorwise"))
+    assert "0.50×" in fp8 and "baseline" in fp8 and "slower" in fp8
+    assert "torchtitan" not in text  # the published figures have a table of their own
+
+
+def test_significant_only_beyond_the_noise_measured_in_the_same_run():
+    """A 1.63× row is "faster" against a quiet pair, "noise" when the rows' own steps spread that much."""
+    quiet = [_row("baseline", 1000), _row("FSDP ×2", 1000, reference="baseline", spread=0.02),
+             _row("+FP8 all-gather", 1630, reference="FSDP ×2", spread=0.02), _row("baseline (again)", 1060)]
+    noisy = [dict(r, spread=1.3) if r["row"] == "+FP8 all-gather" else r for r in quiet]
+    for rows, word in ((quiet, "faster"), (noisy, "noise")):
+        line = next(ln for ln in lab.table(rows).splitlines() if ln.startswith("+FP8 all-gather"))
+        assert line.endswith(f"  {word}"), line
+    (r, ref, ratio, band), = [x for x in lab.against_reference(noisy) if x[0]["row"] == "+FP8 all-gather"]
+    assert band == pytest.approx(lab.drift(noisy) + (1.3 + 0.02) / 2)
+    assert "faster" not in lab.why_cpu_differs(noisy, "a CPU", False).split("+FP8 all-gather ran")[1].split(")")[0]
+
+
+def test_an_mfu_above_100_percent_is_flagged_with_its_peak_not_shown_as_fact():
+    rows = [_row("baseline", 1000), _row("+bf16", 900, reference="baseline", mfu=1.26,
+                                         peak_label="measured bfloat16 matmul peak, CPU (1 thread) [cached x]"),
+            _row("baseline (again)", 1000)]
+    text = lab.table(rows)
+    assert any(ln.startswith("+bf16") and "126%⚑" in ln for ln in text.splitlines()) and "126.0%" not in text
+    flat = " ".join(text.split())  # the notes under the table are wrapped to a notebook's width
+    assert "⚑ above 100%: not a real MFU" in flat and "measured bfloat16 matmul peak, CPU (1 thread)" in flat
+    assert max(map(len, text.splitlines())) <= 96
+    assert "⚑" not in lab.table([dict(r, mfu=0.5) for r in rows])
+
+
+def _ladder_rows(bf16=0.05, compile_=1.1, fp8=1.76, setup=(2.0, 45.0), first=(0.05, 0.2)):
+    """Rows like the smoke ladder's, speeds relative to each row's reference."""
+    spec = [("baseline", None, 1.0, "float32", ""), ("+bf16", "baseline", bf16, "bfloat16", ""),
+            ("+compile", "+bf16", compile_, "bfloat16", ""), ("+FP8 tensorwise", "+compile", fp8, "bfloat16",
+                                                                "FP8 tensorwise, emulated"),
+            ("FSDP ×2", "+FP8 tensorwise", 0.9, "bfloat16", "FP8 tensorwise, emulated"),
+            ("+FP8 all-gather", "FSDP ×2", 1.0, "bfloat16", "FP8 tensorwise, emulated"),
+            ("baseline (again)", "baseline", 1.0, "float32", "")]
+    rows, speed = [], {}
+    for name, ref, ratio, dtype, fp8_note in spec:
+        speed[name] = 1000.0 * ratio * (speed[ref] / 1000.0 if ref and ref != "baseline" else 1.0) if ref else 1000.0
+        if name == "baseline (again)":
+            speed[name] = 1010.0
+        r = _row(name, speed[name], reference=ref, compute_dtype=dtype, fp8=fp8_note, spread=0.02, in_process=True,
+                 nproc=2 if "FSDP" in name or "gather" in name else 1,
+                 overrides={"compile.enable": True} if name == "+compile" else {})
+        rows.append(r)
+    named = lab.by_name(rows)
+    named["+compile"]["setup_s"], named["+bf16"]["setup_s"] = setup[1], setup[0]
+    named["+compile"]["first_step_s"], named["+bf16"]["first_step_s"] = first[1], first[0]
+    return rows
+
+
+PEAKS = {"float32": 60e9, "bfloat16": 2e9}
+
+
+def test_every_sentence_follows_the_table_whichever_way_the_facts_go():
+    """Issue 25: the paragraph said emulated FP8 "can only cost time" next to a chart where it was
+    1.76× faster, and that compile pays in the first step when it paid before step 1."""
+    faster = lab.why_cpu_differs(_ladder_rows(fp8=1.76), "a CPU", False, PEAKS, cores=2)
+    assert "+FP8 tensorwise ran at 1.76× +compile (faster (beyond noise))" in faster
+    assert "multiplied in float32" in faster and "30× faster on this processor: the speed-up is the dtype" in faster
+    assert "can only cost" not in faster and "costs time" not in faster
+    slower = lab.why_cpu_differs(_ladder_rows(fp8=0.6), "a CPU", False, PEAKS, cores=2)
+    assert "ran at 0.60× +compile (slower (beyond noise))" in slower and "costs time" in slower
+    same = lab.why_cpu_differs(_ladder_rows(fp8=1.0), "a CPU", False, PEAKS, cores=2)
+    assert "+FP8 tensorwise ran at 1.00× +compile (within noise)" in same and "no difference beyond noise" in same
+
+    cold = lab.why_cpu_differs(_ladder_rows(setup=(2.0, 45.0), first=(0.05, 0.2)), "a CPU", False, PEAKS)
+    assert "compiling cost 43 s before step 1" in cold and "its first step took 0.20 s against 0.05 s" in cold
+    warm = lab.why_cpu_differs(_ladder_rows(setup=(2.0, 2.3), first=(0.05, 0.06)), "a CPU", False, PEAKS)
+    assert "its set-up (2.3 s against 2.0 s) stayed within that of rows that compile nothing" in warm
+    assert "its first step (0.06 s against 0.05 s) stayed within the first steps of rows" in warm
+    assert "compiling cost" not in warm and "more graphs" not in warm
+    assert "+bf16 ran at 0.05× baseline (slower (beyond noise)): this processor has no bf16 units" in cold
+    assert "its measured matmul peaks: float32 at 30× bfloat16" in cold
+    fast_bf16 = lab.why_cpu_differs(_ladder_rows(bf16=1.5), "a CPU", True, {"float32": 3e11, "bfloat16": 1.3e12})
+    assert "+bf16 ran at 1.50× baseline (faster (beyond noise)): this processor has bf16 units" in fast_bf16
+    assert "bfloat16 at 4.3× float32" in fast_bf16 and "went elsewhere" not in fast_bf16
+    slow_bf16 = lab.why_cpu_differs(_ladder_rows(bf16=0.7), "a CPU", True, {"float32": 3e11, "bfloat16": 1.3e12})
+    assert "(slower (beyond noise)): this processor has bf16 units; its measured matmul peaks: bfloat16 at " \
+           "4.3× float32, so the time went elsewhere than into the matmuls' arithmetic" in slow_bf16
+    assert "FSDP ×2 ran at 0.90× +FP8 tensorwise" in lab.why_cpu_differs(_ladder_rows(), "a CPU", False, PEAKS, cores=2)
+    slow = lab.why_cpu_differs(_ladder_rows(), "a CPU", False, PEAKS, cores=2)
+    assert "so sharding buys memory per rank here, not speed" in slow
+    rows = _ladder_rows()
+    for r in rows:  # smoke scale: one thread per process; FSDP's two ranks use both cores
+        r["threads"] = 1
+    fsdp = lab.by_name(rows)["FSDP ×2"]
+    fsdp["tokens_per_sec"] = 1.55 * lab.by_name(rows)["+FP8 tensorwise"]["tokens_per_sec"]
+    fast = lab.why_cpu_differs(rows, "a CPU", False, PEAKS, cores=2)
+    assert "FSDP ×2 ran at 1.55× +FP8 tensorwise (faster (beyond noise)): its 2 ranks ran 2 threads in all" in fast
+    assert "not speed" not in fast.split("FSDP ×2 ran")[1].split("+FP8 all-gather ran")[0]
 
 
 def test_uneven_batch_is_refused_before_any_job_starts():
@@ -116,17 +248,38 @@ def test_memory_is_own_from_device_facts(device, fresh_process, own):
     assert lab.memory_is_own(device, fresh_process) is own
 
 
-def test_table_and_recipe_show_memory_that_is_not_a_rows_own_as_not_comparable():
-    ok = {"tokens_per_sec": 1000.0, "mfu": 0.1, "mfu_datasheet": None, "peak_memory_bytes": None, "loss": 7.0,
-          "first_step_s": 1.0, "compute_dtype": "float32", "fp8": "", "nproc": 1}
-    rows = [{**ok, "row": "baseline"}, {**ok, "row": "FSDP ×2", "nproc": 2, "peak_memory_bytes": 2**30},
-            {**ok, "row": "baseline (again)"}]
+def test_memory_that_is_not_a_rows_own_is_never_compared_and_said_once():
+    rows = [_row("baseline", 1000, peak_memory_bytes=None), _row("+bf16", 1000, reference="baseline",
+                                                                 peak_memory_bytes=None),
+            _row("FSDP ×2", 1000, reference="+bf16", nproc=2), _row("baseline (again)", 1000, reference="baseline",
+                                                                    peak_memory_bytes=None)]
     text = lab.table(rows)
-    assert "—*" in text and "not the row's own" in text
+    assert "—*" in text and text.count("not the row's own") == 1
     assert "—*" not in lab.table([{**r, "peak_memory_bytes": 2**30} for r in rows])  # no footnote needed
-    lines = [ln for ln in lab.choose_recipe(ModelArgs.preset("small", vocab_size=4096), 2, 80e9, rows, seq_len=64)
-             .splitlines() if "FSDP ×2" in ln and "speed" in ln]
-    assert lines and "memory per rank not comparable" in lines[0]
+    recipe = lab.choose_recipe(ModelArgs.preset("small", vocab_size=4096), 2, 80e9, rows, seq_len=64)
+    assert "not comparable" not in recipe and recipe.count("memory only where both rows' figures") == 1
+    fsdp = next(ln for ln in recipe.splitlines() if ln.strip().startswith("FSDP ×2"))
+    assert "1.00× +bf16" in fsdp and "memory" not in fsdp  # +bf16 has no figure of its own to divide by
+    assert lab.choose_recipe(ModelArgs.preset("small", vocab_size=4096), 2, 80e9,
+                             [{**r, "peak_memory_bytes": 2**30} for r in rows], seq_len=64).count("memory per rank 1.00×") == 2
+
+
+def test_the_status_phase_names_what_runs_before_the_first_step():
+    rungs = dict((r.name, (r, o)) for r, o in lab.row_overrides(lab.ladder(2, 2)))
+    assert lab.phase([rungs["+compile"]], in_process=True) == \
+        "building +compile and compiling its graphs (slowest with an empty compile cache)"
+    assert lab.phase([rungs["+bf16"]], in_process=False) == "starting 1 process for +bf16"
+    assert lab.phase([rungs["FSDP ×2"], rungs["+FP8 all-gather"]], in_process=True).startswith(
+        "starting 2 processes for FSDP ×2, +FP8 all-gather and compiling")
+
+
+def test_the_full_labs_floor_counts_every_row_at_its_dtypes_measured_peak():
+    rungs = [lab.Rung("baseline", {}), lab.Rung("+bf16", {"training.mixed_precision": "bf16"}),
+             lab.Rung("+FP8", {"float8.enable": True})]
+    floor = lab.full_scale_floor_s(rungs, steps=10, tokens_per_step=100, flops_per_token=1e6,
+                                   peaks={"float32": 1e9, "bfloat16": 1e8})
+    # baseline twice at the fp32 peak, bf16 at its own, FP8 (emulated in fp32) at the faster of the two
+    assert floor == pytest.approx(10 * 100 * 1e6 * (2 / 1e9 + 1 / 1e8 + 1 / 1e9))
 
 
 def test_in_process_rows_train_here_and_are_measured_like_jobs(tmp_path):

@@ -3,7 +3,6 @@
 Each notebook asserts its own claims on the numbers it measures, so executing it is the test.
 """
 import json
-import os
 import shutil
 import time
 from pathlib import Path

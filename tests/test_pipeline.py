@@ -7,14 +7,11 @@ import pytest
 import torch
 
 from titanlite import TitanliteError
-from titanlite.distributed import launch_function
+from titanlite.tools.launcher import launch_function
 from titanlite.distributed import pipeline as pp_mod
 from titanlite.distributed.pipeline import available_schedules, check_pipeline, split_layers
 from titanlite.labs.nb10_pipeline_parallel import lab_args, lab_batches, train_single
-from titanlite.distributed.pipeline_timeline import (Event, afab_order, bubble, bubble_budget,
-                                                     causality_margin, formula_bubble, one_f_one_b_order,
-                                                     order, peak_live_bytes, peak_live_microbatches,
-                                                     simulate)
+from titanlite.tools.pipeline_timeline import Event, afab_order, bubble, bubble_budget, causality_margin, formula_bubble, one_f_one_b_order, order, peak_live_bytes, peak_live_microbatches, simulate
 from titanlite.models.llama import ModelArgs, build_model
 
 LAB = "titanlite.labs.nb10_pipeline_parallel:schedule_lab"

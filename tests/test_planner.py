@@ -13,10 +13,10 @@ import torch
 from conftest import tiny_overrides
 from titanlite.config import load_config
 from titanlite.distributed.mesh import ParallelDims
-from titanlite.distributed.planner import activation_bytes_per_layer, plan, stage_params
-from titanlite.distributed.zero import zero_bytes_per_rank
+from titanlite.tools.planner import activation_bytes_per_layer, plan, stage_params
+from titanlite.tools.zero import zero_bytes_per_rank
 from titanlite.errors import TitanliteError
-from titanlite.efficiency.checkpointing import saved_activation_bytes, tokens_for
+from titanlite.tools.activation_memory import saved_activation_bytes, tokens_for
 from titanlite.models.llama import ModelArgs, Transformer, build_model
 
 # Llama 3 70B's published shape (Meta's params.json): built by hand, there is no preset.
@@ -164,7 +164,7 @@ def test_torch_builds_the_groups_and_shards_the_planner_assumes(data_dir, tmp_pa
     """4 processes, pp=2 × tp=2, through the trainer (`layout_lab`): every rank's process
     groups are ParallelDims.groups, every group answers an all-gather, each rank holds exactly
     stage_params of its stage, and the losses are one process's with the same batch."""
-    from titanlite.distributed import launch_function
+    from titanlite.tools.launcher import launch_function
     from titanlite.train import Trainer
     model = {"model.n_layers": 4, "model.tie_embeddings": False, "training.steps": 2, "eval.every": 0}
     layout = {"parallel.pp": 2, "parallel.tp": 2}

@@ -7,14 +7,15 @@ from conftest import tiny_overrides
 
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.profiling import memory_record_kind, memory_timeline, phase_seconds, trace_phases
+from titanlite.tools.profiling import (StepProfiler, memory_record_kind, memory_timeline, phase_seconds,
+                                      trace_phases)
 from titanlite.train import Trainer
 
 
 def test_a_profiled_run_writes_a_trace_with_its_phases_and_a_memory_timeline(data_dir, tmp_path):
     cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{
         "training.steps": 4, "eval.every": 0, "profile.steps": "2-3"}))
-    Trainer(cfg).fit()
+    Trainer(cfg).fit(watchers=[StepProfiler])  # a tool, handed to the loop
     trace_dir = tmp_path / "runs" / "t" / "trace"
     assert sorted(p.name for p in trace_dir.iterdir()) == ["rank0.memory.json", "rank0.pt.trace.json"]
     trace = json.loads((trace_dir / "rank0.pt.trace.json").read_text())  # valid Chrome trace JSON
@@ -38,22 +39,30 @@ def test_a_profiled_run_writes_a_trace_with_its_phases_and_a_memory_timeline(dat
     assert allocated[-1] < max(allocated)
 
 
-def test_profiling_off_writes_nothing(data_dir, tmp_path):
+def test_profiling_off_writes_nothing(data_dir, tmp_path, capsys):
     cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{"training.steps": 2, "eval.every": 0}))
-    Trainer(cfg).fit()
+    Trainer(cfg).fit(watchers=[StepProfiler])  # handed in, but [profile] steps is empty
     assert not (tmp_path / "runs" / "t" / "trace").exists()
+    # Asked for in the config but not handed in: nothing is traced, and one line says why.
+    cfg = load_config(None, tiny_overrides(data_dir, tmp_path / "b", **{
+        "training.steps": 2, "eval.every": 0, "profile.steps": "2"}))
+    Trainer(cfg).fit()
+    assert not (tmp_path / "b" / "runs" / "t" / "trace").exists()
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if "profile.steps" in ln]
+    assert notes == ["profile.steps is set, but profiling is a tool: hand it to the loop with "
+                     "fit(watchers=[StepProfiler]) (titanlite.tools.profiling); `titanlite train` does"]
 
 
 def test_memory_off_writes_only_the_trace(data_dir, tmp_path):
     cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{
         "training.steps": 2, "eval.every": 0, "profile.steps": "2", "profile.memory": False,
         "profile.trace_dir": str(tmp_path / "elsewhere")}))
-    Trainer(cfg).fit()
+    Trainer(cfg).fit(watchers=[StepProfiler])
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["rank0.pt.trace.json"]
 
 
 def test_two_ranks_write_two_traces_with_their_collectives(data_dir, tmp_path):
-    from titanlite.distributed import launch
+    from titanlite.tools.launcher import launch
     cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{
         "training.steps": 3, "eval.every": 0, "profile.steps": "2-3"}))
     result = launch(cfg, nproc=2, overrides={"parallel.dp_shard": 2}, timeout_s=240)

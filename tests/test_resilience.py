@@ -12,13 +12,13 @@ import torch
 from conftest import run_torchrun, tiny_overrides
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.distributed import launch
-from titanlite.resilience.checkpoint import Checkpointer, committed, verify
-from titanlite.resilience.export import export_hf, export_torch, load_model
+from titanlite.tools.launcher import launch
+from titanlite.resilience.checkpoint import Checkpointer
+from titanlite.resilience.checkpoint_files import committed, verify
+from titanlite.tools.export import export_hf, export_torch, load_model
 from titanlite.resilience.faults import InjectedFailure
-from titanlite.resilience.goodput import summarize
-from titanlite.resilience.stragglers import StragglerDetector, detect_stragglers
-from titanlite.resilience.train_state import TrainState
+from titanlite.tools.goodput import Goodput, summarize
+from titanlite.tools.stragglers import StragglerDetector, detect_stragglers
 from titanlite.train import Trainer
 
 STEPS = 8
@@ -44,9 +44,9 @@ def test_resume_after_a_failure_is_bit_identical(data_dir, tmp_path, monkeypatch
     o = _overrides(data_dir, tmp_path, "ft", **{"checkpoint.enable": True, "checkpoint.every": every,
                                                 "fault.kind": "exception", "fault.step": fail_at})
     with pytest.raises(InjectedFailure):
-        Trainer(load_config(None, o)).fit()
+        Trainer(load_config(None, o)).fit(watchers=[Goodput])  # goodput: a tool, handed in
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # what torchrun sets on a restart
-    history = Trainer(load_config(None, o)).fit()
+    history = Trainer(load_config(None, o)).fit(watchers=[Goodput])
     saved = (fail_at - 1) // every * every  # the newest checkpoint before the failure
     assert [r["step"] for r in history.train] == list(range(saved + 1, STEPS + 1))
     assert history.losses == reference[saved:]  # ==, not approximately
@@ -84,7 +84,7 @@ def saved(data_dir, tmp_path):
 
 def _load_into_fresh(o, path):
     trainer = Trainer(load_config(None, {**o, "checkpoint.enable": False}))
-    return Checkpointer(path.parent).load(TrainState(trainer), path)
+    return Checkpointer(path.parent).load(trainer.train_state(), path)
 
 
 def test_damaged_checkpoints_are_refused(saved):
@@ -178,7 +178,7 @@ RESHARD_WORKER = textwrap.dedent("""
     from titanlite.distributed.env import exit_worker
     overrides, path, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
     trainer = Trainer(load_config(None, overrides))
-    step = Checkpointer(path).load(TrainState(trainer), path + "/step-00000003")
+    step = Checkpointer(path).load(trainer.train_state(), path + "/step-00000003")
     state = full_state_dict(trainer.model)
     exp_avg = {n: trainer.optimizer.state[p]["exp_avg"].full_tensor()  # a collective: all ranks
                for n, p in trainer.model.named_parameters()}
@@ -208,7 +208,7 @@ def test_save_on_two_fsdp_ranks_load_on_one_and_on_tensor_parallel(data_dir, tmp
     # The global batch stays 8 (the data position must mean the same samples): 1 rank x 8.
     trainer = Trainer(load_config(None, {**o, "parallel.dp_shard": -1, "training.batch_size": 8,
                                          "checkpoint.enable": False}))
-    assert Checkpointer(folder).load(TrainState(trainer), path) == 3
+    assert Checkpointer(folder).load(trainer.train_state(), path) == 3
     assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in whole.items())
     for p_name, p in trainer.model.named_parameters():
         moments = trainer.optimizer.state[p]
@@ -233,7 +233,7 @@ def test_save_on_two_fsdp_ranks_load_on_one_and_on_tensor_parallel(data_dir, tmp
                                              ({"cpu", "cuda"}, True), ({"mps"}, False), (set(), False)])
 def test_staging_is_decided_by_where_the_tensors_are(devices, pinned):
     # Not by torch.cuda.is_available(): a CPU rank on a GPU host must not create a CUDA context.
-    from titanlite.resilience.checkpoint import staging_options
+    from titanlite.resilience.staging import staging_options
     assert staging_options(devices) == {"use_pinned_memory": pinned, "use_non_blocking_copy": pinned,
                                         "use_staging_stream": pinned}
 
@@ -241,8 +241,7 @@ def test_staging_is_decided_by_where_the_tensors_are(devices, pinned):
 def test_host_staging_copies_in_the_background_and_the_save_closes_its_stager(tmp_path):
     import threading
 
-    from titanlite.resilience.checkpoint import (HostStager, make_stager, staging_options,
-                                                 tensor_device_types)
+    from titanlite.resilience.staging import HostStager, make_stager, staging_options, tensor_device_types
     state = {"model": {"w": torch.randn(64, 64)}, "optim": [{"m": torch.zeros(3)}], "step": 3}
     assert tensor_device_types(state) == {"cpu"}
     stager = make_stager(staging_options(tensor_device_types(state)))
@@ -322,11 +321,32 @@ def _damage(run_dir):
 def test_a_refused_start_changes_nothing_in_the_run_folder(data_dir, tmp_path, change, damage, message):
     """Issue 13: a refused resume used to rewrite run.json with the refused settings."""
     o = _overrides(data_dir, tmp_path, "r", **{"training.steps": 2, "checkpoint.enable": True})
-    run_dir = Trainer(load_config(None, o)).fit().run_dir
+    run_dir = Trainer(load_config(None, o)).fit(watchers=[Goodput]).run_dir
     if damage:
         damage(run_dir)
     before = _tree(run_dir)
     assert {"run.json", "metrics.jsonl", "goodput.jsonl"} <= set(before)
     with pytest.raises(TitanliteError, match=message):
-        Trainer(load_config(None, {**o, **change, "training.steps": 4})).fit()
+        Trainer(load_config(None, {**o, **change, "training.steps": 4})).fit(watchers=[Goodput])
     assert _tree(run_dir) == before
+
+
+def test_one_stager_serves_every_async_save_and_its_buffers_carry_each_new_state(tmp_path, monkeypatch):
+    """torch's stager keeps its (pinned) copy of the state and refreshes it in place: one per run,
+    not a fresh full-size copy per save; each checkpoint still holds its own step's values."""
+    from titanlite.resilience import checkpoint
+    made, make_stager = [], checkpoint.make_stager
+    monkeypatch.setattr(checkpoint, "make_stager", lambda *a, **kw: made.append(make_stager(*a, **kw)) or made[-1])
+    ckpt = Checkpointer(tmp_path / "ck", mode="async", keep_latest_k=0)
+    state = {"w": torch.zeros(256)}
+    for step in (1, 2, 3):
+        state["w"].fill_(step)
+        ckpt.save(state, step)
+        ckpt.wait_for_staging()
+        state["w"].fill_(-1)  # the next "optimizer step": must not reach the checkpoint just staged
+    ckpt.close()
+    assert len(made) == 1
+    for step in (1, 2, 3):
+        loaded = {"w": torch.empty(256)}
+        assert ckpt.load(loaded, tmp_path / "ck" / f"step-{step:08d}") == step
+        assert torch.equal(loaded["w"], torch.full((256,), float(step))), step

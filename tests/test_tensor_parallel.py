@@ -15,11 +15,11 @@ import warnings
 import pytest
 import torch
 
-from titanlite.distributed import launch_function
+from titanlite.tools.launcher import launch_function
 from titanlite.distributed.tensor_parallel import apply_tp, check_tp
 from titanlite.labs.nb09_tensor_parallel import tp_comm_formula
 from titanlite.errors import TitanliteError
-from titanlite.models import ModelArgs, build_model
+from titanlite.models.llama import ModelArgs, build_model
 
 LAB = "titanlite.labs.nb09_tensor_parallel:tp_lab"
 CONFIGS = [(True, True), (True, False), (False, True), (False, False)]  # (SP, loss parallel)
@@ -187,7 +187,7 @@ def test_good_degrees_and_sequence_length():
 
 
 def test_apply_tp_refuses_a_wrapped_model():
-    from titanlite.efficiency.checkpointing import apply_ac
+    from titanlite.efficiency.activation_checkpoint import apply_ac
     model = apply_ac(build_model(ModelArgs.preset("debug", vocab_size=256)), "full")
     with pytest.raises(TitanliteError, match="apply tensor parallelism first"):
         apply_tp(model, tp_mesh=None)

@@ -9,7 +9,9 @@ import torch
 from conftest import tiny_overrides
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.train import Trainer, load_weights, lr_lambda
+from titanlite.train import Trainer
+from titanlite.weights import load_weights, save_weights
+from titanlite.optimizer import lr_lambda
 
 REQUIRED = {"step", "loss", "tokens_per_sec", "mfu", "peak_memory_bytes", "lr", "elapsed_s"}
 
@@ -21,8 +23,8 @@ def run(data_dir, tmp_path, **extra):
 
 
 def test_loss_falls_and_metrics_are_logged(data_dir, tmp_path, monkeypatch):
-    from titanlite import hardware
-    monkeypatch.setattr(hardware, "_WARNED", set())  # an earlier test's warning must not hide ours
+    from titanlite import peaks
+    monkeypatch.setattr(peaks, "_WARNED", set())  # an earlier test's warning must not hide ours
     seen = []
     cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{"training.steps": 40}))
     trainer = Trainer(cfg)
@@ -69,7 +71,8 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 
 def test_weights_round_trip_and_tensorboard(data_dir, tmp_path):
     trainer, history = run(data_dir, tmp_path, **{"metrics.tensorboard": True, "training.steps": 3})
-    trainer.save_weights(history.run_dir)
+    save_weights(trainer.model_parts, trainer.model_args, trainer.dtype, trainer.tokenizer,
+                 history.run_dir, pp=trainer.dims.pp, is_main=trainer.dist.is_main)
     model, tok = load_weights(history.run_dir)
     for (k, v), (k2, v2) in zip(trainer.model.state_dict().items(), model.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
@@ -112,7 +115,7 @@ def test_only_cuda_copies_batches_non_blocking():
 def test_unlogged_steps_leave_the_loss_unread_and_logged_losses_do_not_change(data_dir, tmp_path):
     """Issue 10.11: the target count comes from the labels' host copy and the loss is read
     only on logged steps; what is logged is exactly what logging every step gives."""
-    from titanlite.efficiency.accumulation import IGNORE_INDEX, count_targets
+    from titanlite.efficiency.accumulation import IGNORE_INDEX, count_targets, global_tokens_per_rank
     extra = {"training.deterministic": True, "training.steps": 9, "eval.every": 0}
     trainer, every = run(data_dir, tmp_path / "every", **extra)
     batches = trainer.next_micro_batches()
@@ -125,7 +128,7 @@ def test_unlogged_steps_leave_the_loss_unread_and_logged_losses_do_not_change(da
     x, y = batches[0]
     y = y.clone()
     y[:, ::2] = IGNORE_INDEX
-    assert trainer.global_tokens_per_rank([(x, y)]) == count_targets(y) < y.numel()
+    assert global_tokens_per_rank([(x, y)], trainer.dims, trainer.device, False) == count_targets(y) < y.numel()
 
     _, sparse = run(data_dir, tmp_path / "sparse", **extra, **{"metrics.log_every": 4})
     assert [r["step"] for r in sparse.train] == [4, 8, 9]  # every 4th, and the last

@@ -14,8 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from titanlite.distributed.zero import (fsdp_shard_numel, measure_state_bytes, zero1_partition,
-                                        zero_bytes_per_rank)
+from titanlite.tools.zero import fsdp_shard_numel, measure_state_bytes, zero1_partition, zero_bytes_per_rank
 from titanlite.errors import TitanliteError
 
 from conftest import run_torchrun
@@ -81,7 +80,7 @@ def test_zero1_partition_is_greedy_over_whole_tensors():
 
 def test_measure_state_bytes_single_process():
     """A plain model: weights, grads, AdamW's two moments; the tied output counted once."""
-    from titanlite.models import ModelArgs, build_model
+    from titanlite.models.llama import ModelArgs, build_model
     torch.manual_seed(0)
     model = build_model(ModelArgs.preset("debug", vocab_size=256, max_seq_len=16))
     opt = torch.optim.AdamW(model.parameters())

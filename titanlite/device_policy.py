@@ -1,49 +1,45 @@
-"""Device-dependent choices, each a small function of the device's *facts* (type, compute
-capability, dtype, torch version) - so every branch can be called, and tested, on a laptop CPU
-with another machine's facts: `default_mixed_precision("cuda", capability=(7, 5))` is what a T4
-would get.
+"""Device-dependent choices, each a small function of the device's *facts* (type, compute capability,
+dtype, torch version), so every branch can be tested on a laptop CPU with another machine's facts:
+`default_mixed_precision("cuda", capability=(7, 5))` is a T4's. CUDA's `device_defaults` are torchtitan's:
 
-    mixed precision    cuda: bf16 on SM 8.0+, else fp16 + GradScaler; cpu/mps: fp32 (unchanged)
-    TF32               on for fp32 CUDA matmuls on SM 8.0+ (several times the fp32 rate)
-    attention kernel   which SDPA kernel runs, and whether GQA must expand k/v to reach it
-    matmul dtype       what the matmuls really compute in: the MFU denominator's dtype
-    backend + device   nccl for CUDA, gloo for CPU; MPS under torchrun falls back to CPU
-    CUDA index         cuda:N honoured alone; under torchrun each local rank takes its own
+    mixed precision    bf16 autocast on SM 8.0+ (fp16 + GradScaler before); under FSDP no autocast:
+                       FSDP gathers bf16 weights and reduces gradients in fp32
+    compile            on (the trial falls back to eager where it cannot run); FP8 only compiled
+    optimizer          fused AdamW          logging   every 10 steps: an unlogged step never syncs
+    attention          SDPA tries cuDNN, flash, memory-efficient, math, in that order
+    allocator          expandable segments, unless PYTORCH_CUDA_ALLOC_CONF says otherwise
+CPU and MPS keep fp32, eager, per-step logs. Also: TF32, whether GQA repeats k/v, the dtype MFU
+divides by, the process-group backend and which GPU a rank takes.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+from torch.nn.attention import SDPBackend
 
 from .errors import TitanliteError
 
 AMPERE = (8, 0)  # bf16 + TF32 tensor cores, FlashAttention-2
+ADA = (8, 9)  # FP8 tensor cores
 
 
 def _version(text: str | None = None) -> tuple[int, int]:
-    major, minor = (text or torch.__version__).split("+")[0].split(".")[:2]
-    return int(major), int(minor)
+    return tuple(int(part) for part in (text or torch.__version__).split("+")[0].split(".")[:2])
 
 
 # ---- mixed precision ------------------------------------------------------------------------
 def default_mixed_precision(device_type: str, capability: tuple[int, int] | None = None,
                             scaler_ok: bool = True) -> str:
-    """What training.mixed_precision="auto" means on this device.
-
-    A CUDA GPU left in fp32 runs its matmuls on CUDA cores (or TF32) and its attention on the
-    slowest SDPA kernel; bf16 autocast reaches the tensor cores with no loss scaling. Before
-    Ampere there is no bf16 hardware, so fp16 + GradScaler. CPU and MPS keep fp32: a CPU
-    without AVX512-BF16/AMX emulates 16-bit matmuls (slower), and MPS's 16-bit support
-    depends on the macOS and torch versions - notebook 03 measures both instead.
-    scaler_ok=False (FSDP, TP or PP: the ranks would each see only their shard's overflow)
-    keeps a pre-Ampere GPU in fp32 rather than choosing fp16 + GradScaler for the user."""
+    """What training.mixed_precision="auto" means here. CUDA: bf16 autocast (tensor cores, no loss
+    scaling); before Ampere fp16 + GradScaler, unless each rank sees only its shard's overflow
+    (`scaler_ok=False`: FSDP, TP, PP), then fp32. CPU, MPS: fp32 (16-bit is emulated on most CPUs)."""
     if device_type != "cuda":
         return "fp32"
     if capability is None:
         raise TitanliteError("default_mixed_precision('cuda') needs the GPU's compute capability, "
                              "e.g. torch.cuda.get_device_capability()")
-    if tuple(capability) >= AMPERE:
-        return "bf16"
-    return "fp16" if scaler_ok else "fp32"
+    return "bf16" if tuple(capability) >= AMPERE else ("fp16" if scaler_ok else "fp32")
 
 
 def resolve_mixed_precision(mode: str, device, scaler_ok: bool = True) -> str:
@@ -56,24 +52,17 @@ def resolve_mixed_precision(mode: str, device, scaler_ok: bool = True) -> str:
 
 
 def tf32_default(device_type: str, capability: tuple[int, int] | None = None) -> bool:
-    """Allow TF32 for fp32 matmuls? On CUDA SM 8.0+ yes: 10-bit mantissa products with fp32
-    accumulation, what torchtitan and nanoGPT turn on; before Ampere there are no TF32 units.
-    Never on CPU: the switch would also change oneDNN's fp32 matmuls there."""
+    """TF32 for fp32 matmuls (10-bit mantissa products, fp32 sums) on CUDA SM 8.0+, as torchtitan and
+    nanoGPT do; never on CPU, where the switch would change oneDNN's fp32 matmuls."""
     return device_type == "cuda" and capability is not None and tuple(capability) >= AMPERE
 
 
 def enable_tf32() -> None:
-    """Let fp32 CUDA matmuls and cuDNN convolutions use TF32 tensor cores. Only the CUDA
-    switches, not torch.set_float32_matmul_precision, which would also flip oneDNN's CPU
-    matmuls. torch >= 2.9 has a per-backend `fp32_precision`; mixing it with the legacy
-    `allow_tf32` flags raises, so use the new one where it exists."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    if hasattr(matmul, "fp32_precision"):
-        matmul.fp32_precision = "tf32"
-        cudnn.fp32_precision = "tf32"
-    else:  # pragma: no cover - torch < 2.9
-        matmul.allow_tf32 = True
-        cudnn.allow_tf32 = True
+    """TF32 for fp32 CUDA matmuls and cuDNN convolutions: only the CUDA switches (set_float32_matmul_precision
+    flips oneDNN's CPU matmuls too), and the legacy `allow_tf32` ones: once torch 2.9's `fp32_precision`
+    is set, the legacy getters Inductor still calls raise, while the new getters read these fine."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
 
 
 # ---- attention ------------------------------------------------------------------------------
@@ -87,78 +76,90 @@ def flash_takes(device_type: str, dtype: torch.dtype, head_dim: int,
 
 
 def expand_kv_for_sdpa(device_type: str, dtype: torch.dtype, head_dim: int,
-                       capability: tuple[int, int] | None = None,
-                       torch_version: str | None = None) -> bool:
-    """Should grouped-query attention repeat its k/v heads itself before SDPA?
-
-    On CUDA only FlashAttention takes `enable_gqa`: the memory-efficient (cutlass) kernel
-    refuses different head counts (native GQA for it is pytorch#191085, newer than our torch
-    floor), so fp32 or a pre-Ampere GPU with `enable_gqa` falls to the *math* kernel, which
-    stores B·H·T² scores. Repeating k/v (B·H·T·d, what `enable_gqa` does inside math anyway)
-    reaches the efficient kernel instead. CPU and MPS keep `enable_gqa`: CPU's flash kernel
-    takes GQA, and MPS trains through math either way."""
-    return device_type == "cuda" and not flash_takes(device_type, dtype, head_dim, capability,
-                                                     torch_version)
-
-
-def sdpa_kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, gqa: bool,
-                    capability: tuple[int, int] | None = None, torch_version: str | None = None,
-                    expand_kv: bool | None = None) -> str:
-    """Which SDPA kernel trains a causal, unmasked attention: "flash", "efficient" or "math".
-
-    expand_kv: did the caller repeat k/v heads (None: what `expand_kv_for_sdpa` decides, i.e.
-    what titanlite's attention does). What the kernel keeps for backward differs: flash and
-    efficient keep a log-sum-exp per query and head; math keeps the B·H·T² probabilities.
-    CPU: torch's CPU flash kernel (GQA included). MPS: the fused Metal kernel is forward-only,
-    so training runs math. CUDA: flash if it takes the inputs, else efficient (cuDNN attention,
-    preferred on some Hopper/Blackwell builds, keeps a log-sum-exp too)."""
-    if device_type == "cpu":
-        return "flash"
-    if device_type == "mps":
-        return "math"
-    if device_type != "cuda":
-        raise TitanliteError(f"no SDPA kernel rule for device type {device_type!r}: use cuda, mps or cpu")
-    if flash_takes(device_type, dtype, head_dim, capability, torch_version):
-        return "flash"
-    if expand_kv is None:
-        expand_kv = expand_kv_for_sdpa(device_type, dtype, head_dim, capability, torch_version)
-    # efficient: fp16/fp32 on any SM 5.0+, bf16 from SM 8.0; head_dim a multiple of 8.
-    efficient_dtypes = (torch.float16, torch.float32) + \
-        ((torch.bfloat16,) if capability and tuple(capability) >= AMPERE else ())
-    if (gqa and not expand_kv) or dtype not in efficient_dtypes or head_dim % 8:
-        return "math"
-    return "efficient"
+                       capability: tuple[int, int] | None = None, torch_version: str | None = None) -> bool:
+    """Should grouped-query attention repeat its k/v heads before SDPA? On CUDA only flash takes
+    `enable_gqa`: elsewhere GQA falls to the *math* kernel, which stores B·H·T² scores, while
+    repeated k/v (B·H·T·d) reach the efficient kernel. CPU's flash kernel takes GQA; MPS trains
+    through math either way."""
+    return device_type == "cuda" and not flash_takes(device_type, dtype, head_dim, capability, torch_version)
 
 
 # ---- what the matmuls compute in (the MFU denominator) -------------------------------------
 def matmul_dtype(param_dtype: torch.dtype, autocast_dtype: torch.dtype | None = None,
                  fsdp_param_dtype: torch.dtype | str | None = None,
                  fp8: dict | bool | None = None) -> torch.dtype:
-    """The dtype the model's matmuls really run in, so MFU divides by that dtype's peak.
-
-    Real FP8 Linear layers multiply in FP8 (e4m3). Otherwise autocast casts matmul inputs to
-    its dtype; without autocast FSDP's `param_dtype` is what the weights are all-gathered and
-    computed in; else the parameters' own dtype. Emulated FP8 quantises and then multiplies in
-    the high-precision dtype, so it counts as that dtype.
-    fp8: a model's `fp8_info` dict ({"emulated": bool, ...}), True (real), or None/False (off)."""
-    if isinstance(fsdp_param_dtype, str):
-        fsdp_param_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                            "float16": torch.float16}[fsdp_param_dtype]
+    """The dtype whose peak MFU divides by: autocast's, else FSDP's `param_dtype`, else bf16 under real FP8
+    (its Linears multiply in e4m3, attention and the output layer do not; torchtitan divides by bf16 too),
+    else the parameters'. fp8: a model's `fp8_info` dict (emulated: not real), True (real) or None (off)."""
+    if isinstance(fsdp_param_dtype, str):  # "float32", "bfloat16", as parallel.param_dtype says
+        fsdp_param_dtype = getattr(torch, fsdp_param_dtype)
     real_fp8 = fp8 is True or (isinstance(fp8, dict) and not fp8.get("emulated", True))
-    if real_fp8:
-        return torch.float8_e4m3fn
-    return autocast_dtype or fsdp_param_dtype or param_dtype
+    return autocast_dtype or fsdp_param_dtype or (torch.bfloat16 if real_fp8 else param_dtype)
+
+
+# ---- CUDA's defaults (torchtitan's floor) --------------------------------------------------
+def device_defaults(cfg, device_type: str, capability: tuple[int, int] | None, fsdp: bool) -> dict:
+    """The config values "auto" (or None) resolve to on this device, as overrides. Under FSDP with
+    bf16 weights, autocast would also cast the gathered weights and keep those casts for backward,
+    which FSDP cannot free: a whole extra bf16 copy of the model per GPU."""
+    cuda = device_type == "cuda"
+    bf16_fsdp = fsdp and cuda and capability is not None and tuple(capability) >= AMPERE
+    out = {}
+    if cfg.parallel.param_dtype == "auto":
+        out["parallel.param_dtype"] = "bfloat16" if bf16_fsdp else "float32"
+    if cfg.training.mixed_precision == "auto" and out.get("parallel.param_dtype") == "bfloat16":
+        out["training.mixed_precision"] = "fp32"  # FSDP's bf16 all-gather is the mixed precision
+    if cfg.compile.enable is None:
+        out["compile.enable"] = cuda
+    if cfg.metrics.log_every is None:
+        out["metrics.log_every"] = 10 if cuda else 1  # a logged step waits for the GPU to read the loss
+    return out
+
+
+def resolve_for_device(cfg, device: torch.device, fsdp: bool):
+    """A copy of `cfg` with its "auto"s decided for `device` (`device_defaults`), checked."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    cfg = cfg.with_overrides(device_defaults(cfg, device.type, capability, fsdp), "device defaults")
+    check_fp8_compiled(device.type, capability, cfg.float8.enable, cfg.float8.emulate, cfg.compile.enable)
+    return cfg
+
+
+def check_fp8_compiled(device_type: str, capability: tuple[int, int] | None, fp8: bool,
+                       emulate: str, compiled: bool) -> None:
+    """Real FP8 without torch.compile casts every operand in separate, unfused kernels: slower and
+    larger than bf16 on the GPUs that have FP8 units. torchtitan requires compile; so do we."""
+    real = device_type == "cuda" and capability is not None and tuple(capability) >= ADA
+    if fp8 and real and emulate != "true" and not compiled:
+        raise TitanliteError("float8.enable on a GPU with FP8 tensor cores needs torch.compile (eager FP8 "
+                             "casts every operand unfused: slower and larger than bf16): set "
+                             "--compile.enable true, or train in bf16")
+
+
+def use_fused_adamw(device_type: str) -> bool:
+    """AdamW's step as one fused kernel over all parameters: CUDA only (torchtitan's default)."""
+    return device_type == "cuda"
+
+
+def sdpa_priority(device_type: str) -> list | None:
+    """The order SDPA tries its CUDA kernels in: cuDNN (fastest on Hopper/Blackwell training
+    shapes), flash, memory-efficient, math. torch's own default puts math before cuDNN, so cuDNN
+    would never run; each kernel skips inputs it does not take. None: torch's choice (CPU, MPS)."""
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH] if device_type == "cuda" else None
+
+
+def allocator_settings(device_type: str, env=os.environ) -> str | None:
+    """The CUDA caching allocator's settings to use: expandable segments (fewer fragmented,
+    unusable blocks as activation sizes vary), unless the user set PYTORCH_CUDA_ALLOC_CONF."""
+    return None if device_type != "cuda" or "PYTORCH_CUDA_ALLOC_CONF" in env else "expandable_segments:True"
 
 
 # ---- processes, backends, devices -----------------------------------------------------------
 def backend_and_device_for(device_type: str, world_size: int, backend: str = "auto",
                            explicit: bool = False) -> tuple[str | None, str, str | None]:
-    """(process-group backend or None, device type each rank trains on, note or None).
-
-    nccl moves CUDA tensors, gloo CPU tensors; nothing moves MPS tensors between processes
-    (gloo has no MPS backend), so a job of several ranks on a Mac would fail at its first
-    all-reduce. Instead each rank trains on the CPU - said in the note - or, if the user
-    asked for mps by name (`explicit`), the job is refused before it starts."""
+    """(process-group backend or None, device type each rank trains on, note or None). nccl moves
+    CUDA tensors, gloo CPU ones; nothing moves MPS tensors between processes, so ranks on a Mac
+    train on the CPU (said in the note), or the job is refused if mps was named (`explicit`)."""
     if world_size <= 1:
         return None, device_type, None
     if device_type == "mps":
@@ -178,17 +179,16 @@ def backend_and_device_for(device_type: str, world_size: int, backend: str = "au
 
 def cuda_index_for(requested_index: int | None, local_rank: int, local_world_size: int,
                    device_count: int) -> int:
-    """Which GPU this process takes.
-
-    Alone (one process on this machine): `cuda:N` is honoured, bare `cuda` means cuda:0.
-    Under torchrun with several local ranks each takes cuda:local_rank; naming one index
-    there would put every rank on the same GPU, so it is refused (CUDA_VISIBLE_DEVICES is the
-    way to choose which GPUs a multi-process job uses)."""
+    """Which GPU this process takes: alone, `cuda:N` as named (bare `cuda`: 0); under torchrun with
+    several local ranks, cuda:local_rank (one named index would put every rank on one GPU: refused;
+    CUDA_VISIBLE_DEVICES chooses which GPUs a job uses)."""
     if requested_index is not None and local_world_size > 1:
         raise TitanliteError(f"--training.device cuda:{requested_index} names one GPU, but torchrun "
                              f"started {local_world_size} processes on this machine and each needs "
                              f"its own: use --training.device cuda (rank r takes cuda:r), and "
                              f"CUDA_VISIBLE_DEVICES to choose which GPUs")
+    if requested_index is None and local_world_size > 1 and device_count == 1:
+        return 0  # one GPU visible per process (SLURM --gpus-per-task=1, Kubernetes): it is ours
     index = local_rank if requested_index is None and local_world_size > 1 else (requested_index or 0)
     if index >= device_count:
         if local_world_size > 1:

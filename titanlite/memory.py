@@ -1,23 +1,11 @@
-"""Peak memory per device, and what the number means - each backend exposes a different counter.
-
-- CUDA: `torch.cuda.max_memory_allocated` - the high-water mark of bytes held by live tensors
-  in PyTorch's caching allocator since the last reset. Excludes the allocator's cached-but-free
-  blocks, the CUDA context (hundreds of MiB) and other processes, so it is below `nvidia-smi`.
-- MPS: the running maximum of `torch.mps.driver_allocated_memory` - what Metal has handed the
-  process, *including* the allocator's cache of freed blocks. MPS has no resettable peak
-  counter. Emptying the cache to start a window would make every step re-allocate from Metal
-  (slow, and not how a run behaves), so we do not: the cache keeps the largest step's blocks,
-  and the reading is a high-water mark since the process started, like `ru_maxrss` on macOS.
-- CPU: the process's peak resident set size (RSS): every byte of the process, Python and the
-  torch libraries included (hundreds of MiB before any tensor), so compare *differences*. On Linux the
-  peak can be reset (write "5" to /proc/self/clear_refs) and is read from VmHWM; elsewhere it is
-  `getrusage().ru_maxrss`, a lifetime high-water mark that never goes down.
-
-On CUDA `allocator_readings` adds what the allocated peak hides: memory *reserved* from the
-driver (cache and fragmentation included) and the allocator's retries after a failed allocation.
+"""Peak memory of a step, per device: each backend exposes a different counter, so the numbers
+are not comparable across devices (MEMORY_METRIC_DOC says what each one counts). On CUDA
+`allocator_readings` adds what the allocated peak hides: memory *reserved* from the driver (cache
+and fragmentation included) and the allocator's retries after a failed allocation.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -37,8 +25,7 @@ MEMORY_METRIC_DOC = {
 
 
 class RunningPeak:
-    """The largest value sampled so far. Metal's allocation can *fall* (the allocator returns
-    blocks under memory pressure), and a peak must not: keep the maximum of every reading."""
+    """The largest value sampled so far: Metal's allocation can fall, a peak must not."""
 
     def __init__(self):
         self.value = 0
@@ -52,46 +39,36 @@ _MPS_PEAK = RunningPeak()
 
 
 def reset_peak_memory(device) -> None:
-    """Start a new peak-memory window (see MEMORY_METRIC_DOC for what each device can do)."""
+    """Start a new peak-memory window where the device has one (CUDA; CPU on Linux)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     elif device.type == "mps":
-        _MPS_PEAK.sample(torch.mps.driver_allocated_memory())  # no window to open: see above
-    else:
-        try:  # "5" resets the kernel's RSS high-water mark for this process (Linux >= 4.0)
+        _MPS_PEAK.sample(torch.mps.driver_allocated_memory())  # no window to open
+    else:  # macOS / a locked-down container cannot: the peak stays a lifetime peak
+        with contextlib.suppress(OSError):  # "5" resets this process's RSS high-water mark (Linux >= 4.0)
             Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass  # macOS / locked-down container: the peak stays a lifetime peak
 
 
 def peak_memory_bytes(device) -> int:
-    """Peak memory in bytes for this device type; MEMORY_METRIC_DOC says exactly what it counts."""
+    """Peak memory in bytes for this device type (MEMORY_METRIC_DOC: what it counts)."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     if device.type == "mps":
         return _MPS_PEAK.sample(torch.mps.driver_allocated_memory())
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource  # POSIX only, hence imported here
-
+    import resource  # POSIX only (not on Windows), hence imported here
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # macOS: bytes; Linux: KiB
 
 
 def allocator_readings(device) -> dict:
-    """CUDA allocator facts beside the allocated peak, as train-record fields (None elsewhere):
-    reserved_memory_bytes - peak bytes the caching allocator held from the driver since the
-      last reset (live tensors + cached free blocks + fragmentation: what nvidia-smi sees,
-      less the CUDA context); allocated far below reserved means fragmentation.
-    alloc_retries - times since process start an allocation failed, so the allocator freed its
-      whole cache and tried again (a synchronising, slow path): above zero, the run is at the
-      edge of memory; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True often helps."""
+    """CUDA's reserved_memory_bytes (peak held from the driver: live + cached + fragmented) and alloc_retries
+    (failed allocations retried after emptying the cache: slow, synchronising, near full); None elsewhere."""
     device = torch.device(device)
     if device.type != "cuda":
         return {"reserved_memory_bytes": None, "alloc_retries": None}
@@ -99,7 +76,6 @@ def allocator_readings(device) -> dict:
 
 
 def readings_from_stats(stats: dict) -> dict:
-    """The record fields from a `torch.cuda.memory_stats()` dict (an empty one before any
-    allocation counts as zero)."""
+    """The record fields from a `torch.cuda.memory_stats()` dict (empty before any allocation)."""
     return {"reserved_memory_bytes": int(stats.get("reserved_bytes.all.peak", 0)),
             "alloc_retries": int(stats.get("num_alloc_retries", 0))}

@@ -6,24 +6,51 @@ is their point), so the losses are the same with any of them on or off:
     on_step_start(step)       before step `step` (counting from 1) runs
     on_step_end(end)          after it: a StepEnd with its time and train_step's result
     on_train_end()            once, after the last step; in reverse order, the way nested `with`
-                              blocks unwind: the last save commits before the final sample,
-                              and goodput's "end" is written last
+                              blocks unwind: the last save commits before the final sample
     close()                   always, failure or not
 
-    watchers = build_watchers(trainer, history, callbacks, restore_s)
+Each watcher is told what it needs - the run's facts (`Run`) and the few things it calls - and
+never holds the trainer, so what it can touch is written in its constructor.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from . import hardware
+import torch
+
+from . import peaks
 from ._ui import progress_bar, say
-from .metrics import MetricsLogger
+from .config import Config
+from .memory import reset_peak_memory
+from .metrics import History, MetricsLogger, train_record
 from .resilience.faults import attempt, inject_fault
-from .resilience.goodput import GoodputLog
-from .resilience.stragglers import StragglerDetector, gather_ready_times
-from .resilience.train_state import TrainState
+
+
+@dataclass(frozen=True)
+class Run:
+    """The facts of one run that watchers read (all of them, and nothing they could change)."""
+    cfg: Config
+    run_dir: Path
+    rank: int
+    world_size: int
+    device: torch.device
+    tokens_per_step: int        # the global batch's tokens
+    flops_per_token: float
+    compute_dtype: torch.dtype  # what the matmuls run in: the MFU peak's dtype
+    peak: peaks.Peak            # the MFU denominator at the start
+    datasheet: peaks.Peak | None  # the vendor's figure, if a tool looked it up
+    start_step: int = 0         # a resumed run starts at its checkpoint's step
+    restore_s: float | None = None  # and took this long to load it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
 
 
 @dataclass
@@ -73,59 +100,39 @@ class Watchers(Watcher):
 class Faults(Watcher):
     """Fails this rank on purpose as a step begins, when [fault] asks (resilience/faults.py)."""
 
-    def __init__(self, trainer):
-        self.fault, self.rank = trainer.cfg.fault, trainer.dist.rank
+    def __init__(self, run: Run):
+        self.fault, self.rank = run.cfg.fault, run.rank
 
     def on_step_start(self, step: int) -> None:
         inject_fault(self.fault, step, self.rank)
 
 
-class Goodput(Watcher):
-    """The job's timeline in goodput.jsonl (rank 0): what share of wall time became training."""
-
-    def __init__(self, trainer, history, restore_s: float | None):
-        self.log = GoodputLog(history.run_dir, enabled=trainer.dist.is_main)  # writes "start"
-        self.trainer = trainer
-        if restore_s is not None:
-            self.log.restore(trainer.step, restore_s)
-
-    def on_step_end(self, end: StepEnd) -> None:
-        staging = end.out["staging_wait_s"]  # an async save's copy the step waited for
-        self.log.step(end.step, end.seconds - staging)
-        if staging:
-            self.log.checkpoint(end.step, staging)
-
-    def on_train_end(self) -> None:
-        self.log.end()
-
-
 class TrainLog(Watcher):
-    """Where records go: metrics.jsonl (rank 0; metrics.rank<r>.jsonl elsewhere, since step
-    times and memory differ per rank; a restarted attempt appends), the History, the callbacks,
-    and the progress bar. Builds the train record of every logged step."""
+    """Where records go: metrics.jsonl (metrics.rank<r>.jsonl off rank 0: step times and memory
+    differ per rank; a restarted attempt appends), the History, the callbacks, the progress bar.
+    `lr()`: the learning rate of the step about to run; `precision`: the run's Precision (loss scale)."""
 
-    def __init__(self, trainer, history, callbacks):
-        self.trainer, self.history, self.callbacks = trainer, history, callbacks
-        metrics, main = trainer.cfg.metrics, trainer.dist.is_main
-        self.logger = MetricsLogger(history.run_dir, tensorboard=metrics.tensorboard and main,
-                                    filename="metrics.jsonl" if main else f"metrics.rank{trainer.dist.rank}.jsonl")
-        self.bar = progress_bar(trainer.cfg.training.steps, enabled=metrics.progress and main,
-                                initial=trainer.step)
-        self.tokens_per_step = trainer.global_batch * trainer.cfg.training.seq_len
+    def __init__(self, run: Run, history: History, callbacks, lr, precision):
+        self.run, self.history, self.callbacks = run, history, callbacks
+        self.lr_now, self.precision, self.lr = lr, precision, 0.0
+        self.logger = MetricsLogger(run.run_dir, run.cfg.metrics.tensorboard and run.is_main,
+                                    "metrics.jsonl" if run.is_main else f"metrics.rank{run.rank}.jsonl")
+        self.bar = progress_bar(run.cfg.training.steps, enabled=run.cfg.metrics.progress and run.is_main,
+                                initial=run.start_step)
+        self.peak = run.peak  # re-measured if a step beats it (peaks.recheck_peak)
         self.start = None  # when the first step began
-        self.lr = 0.0
         self.interval_s, self.interval_steps = 0.0, 0  # since the last train record
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
     def say(self, text: str) -> None:
-        if self.trainer.dist.is_main:
+        if self.run.is_main:
             say(text, self.bar)
 
     def emit(self, record: dict) -> None:
-        if self.trainer.dist.distributed:
-            record["rank"] = self.trainer.dist.rank
+        if self.run.distributed:
+            record["rank"] = self.run.rank
         if attempt():
             record["attempt"] = attempt()
         self.logger.log(record)
@@ -137,47 +144,33 @@ class TrainLog(Watcher):
     def on_step_start(self, step: int) -> None:
         if self.start is None:
             self.start = time.perf_counter()
-        hardware.reset_peak_memory(self.trainer.device)  # the peak of this step alone
-        self.lr = self.trainer.scheduler.get_last_lr()[0]
+        reset_peak_memory(self.run.device)  # the peak of this step alone
+        self.lr = self.lr_now()
 
     def on_step_end(self, end: StepEnd) -> None:
         # Steps between records do not wait for the device, so one step's time means little on
         # a GPU; the interval's average, ended by the logged step's wait, is honest.
-        self.interval_s += end.seconds
-        self.interval_steps += 1
+        self.interval_s, self.interval_steps = self.interval_s + end.seconds, self.interval_steps + 1
         if end.logged:
             self.emit(self.train_record(end))
             self.interval_s, self.interval_steps = 0.0, 0
         if self.bar is not None:
             self.bar.update(1)
             if end.logged:
-                self.bar.set_postfix(loss=f"{end.out['loss']:.3f}", tok_s=f"{self.history.train[-1]['tokens_per_sec']:,.0f}")
+                self.bar.set_postfix(loss=f"{end.out['loss']:.3f}",
+                                     tok_s=f"{self.history.train[-1]['tokens_per_sec']:,.0f}")
 
     def train_record(self, end: StepEnd) -> dict:
-        trainer, out = self.trainer, end.out
+        run = self.run
         step_time = self.interval_s / self.interval_steps
-        tps = self.tokens_per_step / step_time
-        achieved = trainer.flops_per_token * tps / trainer.dist.world_size  # per device, as the peak is
-        if not trainer.dist.distributed:  # ranks sharing a machine would disturb a re-measurement
-            trainer.peak = hardware.recheck_peak(achieved, trainer.peak, trainer.device,
-                                                 trainer.compute_dtype, say=self.say)
-        record = {"kind": "train", "step": end.step, "loss": out["loss"], "lr": self.lr,
-                  "grad_norm": out["grad_norm"], "tokens_per_sec": tps,
-                  "mfu": hardware.mfu(achieved, trainer.peak),
-                  # the figure published MFUs (torchtitan, nanoGPT, PaLM) use; None off the table
-                  "mfu_datasheet": hardware.datasheet_mfu(achieved, trainer.device, trainer.compute_dtype),
-                  "peak_memory_bytes": hardware.peak_memory_bytes(trainer.device),
-                  **hardware.allocator_readings(trainer.device),  # reserved, retries (CUDA)
-                  "step_time_s": step_time, "elapsed_s": self.elapsed(),
-                  "tokens": end.step * self.tokens_per_step, "peak_label": trainer.peak.label,
-                  "ready_s": out["ready_s"]}
-        if trainer.dist.distributed:  # MFU is per device: the job's FLOPs over all peaks
-            record.update(world_size=trainer.dist.world_size)
-        record.update(end.extra)
-        if trainer.precision.scaler.is_enabled():
-            record.update(loss_scale=trainer.precision.scale, skipped=out["skipped"],
-                          skipped_steps=trainer.precision.skipped_steps)
-        return record
+        achieved = run.flops_per_token * run.tokens_per_step / step_time / run.world_size  # per device
+        if not run.distributed:  # ranks sharing a machine would disturb a re-measurement
+            self.peak = peaks.recheck_peak(achieved, self.peak, run.device, run.compute_dtype, self.say,
+                                           run.datasheet)
+        return train_record(end.step, end.out, lr=self.lr, step_time=step_time, elapsed=self.elapsed(),
+                            tokens_per_step=run.tokens_per_step, achieved_flops=achieved, peak=self.peak,
+                            datasheet=run.datasheet, device=run.device, world_size=run.world_size,
+                            precision=self.precision, extra=end.extra)
 
     def on_train_end(self) -> None:
         for callback in self.callbacks:
@@ -190,40 +183,22 @@ class TrainLog(Watcher):
         self.logger.close()
 
 
-class Stragglers(Watcher):
-    """Gathers every rank's time-to-first-collective and names the ranks that lag
-    (resilience/stragglers.py); the names go into rank 0's train records."""
-
-    def __init__(self, trainer, log: TrainLog):
-        self.trainer, self.log = trainer, log
-        self.detector = StragglerDetector()
-
-    def on_step_end(self, end: StepEnd) -> None:
-        ready = gather_ready_times(end.out["ready_s"], self.trainer.device)  # every rank takes part
-        slow = self.detector.update(ready)
-        if slow:
-            self.log.say(f"[step {end.step}] straggler rank(s) {slow}: ready after "
-                         f"{', '.join(f'{ready[r]:.2f}s' for r in slow)} vs median "
-                         f"{sorted(ready)[len(ready) // 2]:.2f}s")
-        if self.trainer.dist.is_main:
-            end.extra.update(ready_s_by_rank=ready, stragglers=slow)
-
-
 class Samples(Watcher):
-    """Text the model writes: before training, every `eval.sample_every` steps, and at the end."""
+    """Text the model writes (`sample()`): before training, every `eval.sample_every` steps, at the end."""
 
-    def __init__(self, trainer, history, log: TrainLog):
-        self.trainer, self.history, self.log = trainer, history, log
-        self.every = trainer.cfg.eval.sample_every
+    def __init__(self, run: Run, history: History, log: TrainLog, sample):
+        self.history, self.log, self.sample = history, log, sample
+        self.every, self.step = run.cfg.eval.sample_every, run.start_step
 
     def take(self) -> str:
-        text = self.history.samples[self.trainer.step] = self.trainer.sample()
+        text = self.history.samples[self.step] = self.sample()
         return text
 
     def on_train_start(self) -> None:
         self.take()
 
     def on_step_end(self, end: StepEnd) -> None:
+        self.step = end.step
         if self.every and end.step % self.every == 0:
             self.log.say(f"[step {end.step}] {self.take()!r}")
 
@@ -232,63 +207,60 @@ class Samples(Watcher):
 
 
 class Checkpoints(Watcher):
-    """Saves the TrainState every `checkpoint.every` steps and at the last; the run is only
-    done once its last (async) save has committed."""
+    """Saves `train_state()` every `checkpoint.every` steps and at the last; the run is only
+    done once its last (async) save has committed and the checkpointer is closed."""
 
-    def __init__(self, trainer, goodput: Goodput, log: TrainLog):
-        self.trainer, self.goodput, self.log = trainer, goodput.log, log
+    def __init__(self, run: Run, log: TrainLog, checkpointer, train_state):
+        self.run, self.log, self.last = run, log, None
+        self.checkpointer, self.train_state = checkpointer, train_state
 
     def due(self, step: int) -> bool:
-        every = self.trainer.cfg.checkpoint.every
-        return step == self.trainer.cfg.training.steps or (every > 0 and step % every == 0)
+        every = self.run.cfg.checkpoint.every
+        return step == self.run.cfg.training.steps or (every > 0 and step % every == 0)
 
     def on_step_end(self, end: StepEnd) -> None:
+        self.last = end
         if not self.due(end.step):
             return
-        trainer = self.trainer
-        saved = trainer.checkpointer.save(  # [fault] during="save" strikes before the commit
-            TrainState(trainer), end.step,
-            before_commit=lambda: inject_fault(trainer.cfg.fault, end.step, trainer.dist.rank, phase="save"))
-        self.goodput.checkpoint(end.step, saved.blocked_s)
+        # [fault] during="save" strikes before the commit
+        saved = self.checkpointer.save(self.train_state(), end.step, before_commit=lambda: inject_fault(
+            self.run.cfg.fault, end.step, self.run.rank, phase="save"))
+        # What training stood still for, for watchers that account for it (tools.goodput).
+        end.extra["checkpoint_blocked_s"] = saved.blocked_s
         self.log.emit({"kind": "checkpoint", "step": end.step, "blocked_s": saved.blocked_s,
                        "mode": saved.mode})
 
     def on_train_end(self) -> None:
-        blocked = self.trainer.checkpointer.wait()
-        self.trainer.checkpointer.close()
-        self.trainer.checkpointer = None
-        self.goodput.checkpoint(self.trainer.step, blocked)
+        blocked = self.checkpointer.wait()
+        self.checkpointer.close()
+        if self.last is not None:
+            self.last.extra["checkpoint_final_wait_s"] = blocked
 
 
 class Evaluation(Watcher):
-    """Validation loss every `eval.every` steps and at the last (Trainer.evaluate)."""
+    """Validation loss (`evaluate()`) every `eval.every` steps and at the last."""
 
-    def __init__(self, trainer, log: TrainLog):
-        self.trainer, self.log = trainer, log
+    def __init__(self, run: Run, log: TrainLog, evaluate):
+        self.run, self.log, self.evaluate = run, log, evaluate
 
     def on_step_end(self, end: StepEnd) -> None:
-        every, steps = self.trainer.cfg.eval.every, self.trainer.cfg.training.steps
-        if end.step % every == 0 or end.step == steps:
-            self.log.emit({"kind": "val", "step": end.step, "val_loss": self.trainer.evaluate(),
+        if end.step % self.run.cfg.eval.every == 0 or end.step == self.run.cfg.training.steps:
+            self.log.emit({"kind": "val", "step": end.step, "val_loss": self.evaluate(),
                            "elapsed_s": self.log.elapsed()})
 
 
-def build_watchers(trainer, history, callbacks=(), restore_s: float | None = None) -> Watchers:
-    """The watchers a run's config asks for. Call it only once the run is accepted: creating
-    them writes into the run directory (metrics.jsonl, goodput.jsonl)."""
-    log = TrainLog(trainer, history, callbacks)
-    goodput = Goodput(trainer, history, restore_s)
-    chain: list[Watcher] = [Faults(trainer)] if trainer.cfg.fault.kind != "none" else []
-    chain += [goodput]
-    if trainer.dist.distributed:  # one process cannot straggle behind itself
-        chain.append(Stragglers(trainer, log))
-    chain += [log, Samples(trainer, history, log)]
-    if trainer.checkpointer is not None:
-        chain.append(Checkpoints(trainer, goodput, log))
-    if trainer.cfg.eval.every:
-        chain.append(Evaluation(trainer, log))
-    if trainer.cfg.profile.steps:  # first: its step ends with train_step, before evals and saves
-        from .profiling.watcher import StepProfiler  # (it imports this module)
-        chain.insert(0, StepProfiler(trainer, history.run_dir))
+def build_watchers(run: Run, history: History, *, callbacks=(), extra=(), lr, precision, sample,
+                   evaluate, checkpointer=None, train_state=None) -> Watchers:
+    """The watchers a run's config asks for, after those `extra` makes from the run (tools handed in
+    by the caller, such as the profiler, whose step must end with train_step, before evaluations
+    and saves). Call it only once the run is accepted: creating them writes into the run directory."""
+    log = TrainLog(run, history, callbacks, lr, precision)  # first: it creates the run directory
+    extra = [make(run) for make in extra]
+    chain: list[Watcher] = extra + ([Faults(run)] if run.cfg.fault.kind != "none" else [])
+    chain += [log, Samples(run, history, log, sample)]
+    chain += [Checkpoints(run, log, checkpointer, train_state)] if checkpointer is not None else []
+    chain += [Evaluation(run, log, evaluate)] if run.cfg.eval.every else []
+    if run.cfg.profile.steps and not any(getattr(w, "profiles", False) for w in extra) and run.is_main:
+        say("profile.steps is set, but profiling is a tool: hand it to the loop with "
+            "fit(watchers=[StepProfiler]) (titanlite.tools.profiling); `titanlite train` does", None)
     return Watchers(chain)
-

@@ -6,51 +6,58 @@ are the weights a finished run hands to `titanlite export-hf` or to transformers
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from .distributed.ddp import unwrap
 from .errors import TitanliteError
 from .models.llama import ModelArgs, build_model
 
 
-def full_state_dict(model: torch.nn.Module) -> dict:
-    """The whole model's weights on CPU, by their plain names. When the weights are sharded
-    DTensors (FSDP, TP) every rank must call this (the shards are gathered)."""
+def full_state_dict(model: torch.nn.Module, rank0_only: bool = False) -> dict:
+    """The whole model's weights on CPU, by their plain names. When the weights are sharded DTensors
+    (FSDP, TP) every rank must call this: the shards are gathered one tensor at a time. rank0_only:
+    only global rank 0 keeps them (in CPU memory); the others get {} and never hold the model whole."""
     if any(hasattr(p, "full_tensor") for p in model.parameters()):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        # (Not cpu_offload=True: that leaves every rank but global rank 0 empty-handed, and a
-        # pipeline stage on another rank would lose its layers.)
-        import warnings
+        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
         with warnings.catch_warnings():  # FSDP × TP gathers twice (one per mesh dim) and says so
             warnings.filterwarnings("ignore", message=".*sequential all_gather")
-            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            full = get_model_state_dict(model, options=options)
         return {k: v.detach().cpu() for k, v in full.items()}
     return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
 
 
-def save_weights(trainer, run_dir: str | Path) -> Path:
-    from safetensors.torch import save_model
+def save_weights(parts: list[torch.nn.Module], args: ModelArgs, dtype: torch.dtype, tokenizer,
+                 run_dir: str | Path, *, pp: int = 1, is_main: bool = True) -> Path:
+    """Final weights (model.safetensors) and tokenizer beside run.json, for `titanlite export-hf`
+    and transformers. Collective when the weights are sharded or staged: every rank calls it, only
+    rank 0 ever holds the whole model (in CPU memory), and writes it once every rank is done talking
+    (a peer waiting in a barrier while rank 0 writes gigabytes would hit the group's timeout)."""
+    from safetensors.torch import save_model  # the run's last act, in `titanlite train` only
     run_dir = Path(run_dir)
     state = {}
-    for part in trainer.model_parts:
-        state.update(full_state_dict(part))
-    if trainer.dims.pp > 1:  # each pipeline stage holds different layers: collect them all
-        import torch.distributed as dist
-        pieces = [None] * dist.get_world_size()
-        dist.all_gather_object(pieces, state)
-        state = {k: v for piece in pieces for k, v in piece.items()}
-    if trainer.dist.is_main:
-        plain = build_model(trainer.model_args, "cpu").to(trainer.dtype)
+    for part in parts:  # a pipeline's stages live on other ranks: those cannot be rank 0's alone
+        state.update(full_state_dict(part, rank0_only=pp == 1))
+    if pp > 1:  # each pipeline stage holds different layers: rank 0 collects them
+        pieces = [None] * dist.get_world_size() if is_main else None
+        dist.gather_object(state, pieces, dst=0)
+        state = {k: v for piece in pieces or [] for k, v in piece.items()}
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # the last collective: from here on rank 0 writes alone
+    if is_main:
+        plain = build_model(args, "cpu").to(dtype)
         plain.load_state_dict(state)
         save_model(plain, str(run_dir / "model.safetensors"))  # dedupes tied weights
-        trainer.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+        tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     return run_dir
 
 
 def load_weights(run_dir: str | Path):
-    """(model, tokenizer) saved by `Trainer.save_weights`."""
+    """(model, tokenizer) saved by `save_weights`."""
     from safetensors.torch import load_model
     from transformers import PreTrainedTokenizerFast
 

@@ -1,18 +1,13 @@
 """Corpora: where the training text comes from, as a list of documents in a fixed order.
 
-`load_corpus(name)` is the one entry point. Names:
-
-- ``"pydoc"`` (default, offline): the English reference documentation that ships inside
-  CPython (`pydoc_data.topics`, the text behind ``help("for")``), followed by the
-  docstrings of the public standard-library modules rendered like ``pydoc`` pages. No
-  network, and identical on every run with the same Python.
-- ``"tinyshakespeare"``: Karpathy's 1 MB Shakespeare file, downloaded once and checked.
-- ``"file:<path>"`` (or just a path): a .txt file, or a folder of .txt/.md files.
-- ``"hf:<name>"`` / ``"hf:<name>:<config>"``: any Hugging Face `datasets` text dataset.
-"""
+`load_corpus(name)` is the one entry point. ``"pydoc"`` (default, offline): CPython's reference docs
+(the text behind ``help("for")``), then the public stdlib modules' docstrings as ``pydoc`` pages, the same
+on every run with the same Python. ``"file:<path>"`` (or a path): a .txt file, or a folder of .txt/.md
+files. ``"tinyshakespeare"``, ``"hf:<name>[:<config>]"``: fetched before (tools/corpora.py): no network."""
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import os
 import re
@@ -21,16 +16,12 @@ import sysconfig
 from pathlib import Path
 
 from ..errors import TitanliteError, closest
-from . import remote
 from ._cache import atomic_file, cache_subdir, fingerprint
 
 DATASETS = ("pydoc", "tinyshakespeare", "file:<path>", "hf:<name>[:<config>]")
 TEXT_SUFFIXES = (".txt", ".md")
-
-# Stdlib folders whose docstrings are not prose worth learning from (test suites, demos,
-# generated codec tables), plus pydoc_data itself, which we already include whole.
-_SKIP_STDLIB = {"test", "tests", "idlelib", "turtledemo", "encodings", "lib2to3",
-                "pydoc_data", "site-packages", "dist-packages", "__pycache__"}
+# Stdlib folders whose docstrings are not prose (tests, demos, codec tables), and pydoc_data, included whole.
+_SKIP_STDLIB = {"test", "tests", "idlelib", "turtledemo", "encodings", "lib2to3", "pydoc_data"}
 
 
 def load_corpus(dataset: str = "pydoc", path: str | None = None, *, data_dir=None,
@@ -44,13 +35,15 @@ def load_corpus(dataset: str = "pydoc", path: str | None = None, *, data_dir=Non
     kind, target = parse_dataset(dataset, path)
     if kind == "pydoc":
         docs = pydoc_corpus(data_dir=data_dir)
-    elif kind == "tinyshakespeare":
-        docs = remote.tinyshakespeare(data_dir=data_dir)
     elif kind == "file":
         docs = file_corpus(target)
-    else:
-        docs = remote.hf_corpus(target, split=hf_split, text_column=text_column,
-                                max_docs=max_docs, max_chars=max_chars)
+    else:  # fetched before (tools/corpora.py)
+        file = fetched_path(kind, target, data_dir, hf_split, text_column, max_docs, max_chars)
+        if not file.is_file():
+            raise TitanliteError(f"dataset {dataset!r} is fetched once before training and has not been: "
+                                 f"run titanlite.tools.corpora.fetch({dataset!r}) (`titanlite train` "
+                                 f"fetches it itself), or train on a local file:<path>")
+        docs = json.loads(file.read_text(encoding="utf-8"))
     return limit_documents(docs, max_chars=max_chars, max_docs=max_docs)
 
 
@@ -62,23 +55,30 @@ def parse_dataset(dataset: str, path: str | None = None) -> tuple[str, str | Non
     name = dataset.strip()
     if name in ("pydoc", "tinyshakespeare"):
         if path is not None:
-            raise TitanliteError(f"path= is not used by dataset {name!r}; drop it, or use "
-                                 "dataset='file' (a local text file/folder) or 'hf' with path=")
+            raise TitanliteError(f"--data.path is not used by --data.dataset {name}: drop it, or add "
+                                 "--data.dataset file (a local text file or folder) or hf "
+                                 "(data.dataset = 'file' in Python)")
         return name, None
     if name in ("file", "hf"):
         if path is None:
-            raise TitanliteError(f"dataset={name!r} needs path=<local file or folder>; "
-                                 f"or write it as '{name}:<path>'")
+            raise TitanliteError(f"--data.dataset {name} needs --data.path <local file or folder>, or write "
+                                 f"it as --data.dataset {name}:<path> (data.path = ... in Python)")
         return name, str(path)
-    if name.startswith("file:"):
-        return "file", name[len("file:"):]
-    if name.startswith("hf:") and len(name) > 3:
-        return "hf", name[len("hf:"):]
+    if name.startswith("file:") or (name.startswith("hf:") and len(name) > 3):
+        return name.partition(":")[::2]  # (kind, target)
     looks_like_path = "/" in name or "\\" in name or name.lower().endswith(TEXT_SUFFIXES)
     if looks_like_path or Path(name).expanduser().exists():
         return "file", name
     raise TitanliteError(f"unknown dataset {name!r}{closest(name, DATASETS[:2])}; "
                          f"choose one of: {', '.join(DATASETS)}")
+
+
+def fetched_path(kind: str, target: str | None, data_dir=None, hf_split: str = "train",
+                 text_column: str | None = None, max_docs: int | None = None,
+                 max_chars: int | None = None) -> Path:
+    """Where a fetched corpus's documents are kept (a JSON list), keyed by what changes them."""
+    key = fingerprint(kind, str(target), hf_split, str(text_column), str(max_docs), str(max_chars))
+    return cache_subdir(data_dir, "corpora") / f"{kind}-{key if kind == 'hf' else 'v1'}.json"
 
 
 def corpus_id(dataset: str, documents: list[str]) -> str:
@@ -93,16 +93,9 @@ def limit_documents(docs: list[str], *, max_chars: int | None = None,
     docs = [d for d in docs if d.strip()][:max_docs]
     if max_chars is None:
         return docs
-    kept, total = [], 0
-    for doc in docs:
-        if total >= max_chars:
-            break
-        kept.append(doc[: max_chars - total])
-        total += len(kept[-1])
-    return kept
+    starts = itertools.accumulate((len(doc) for doc in docs), initial=0)
+    return [doc[: max_chars - start] for doc, start in zip(docs, starts) if start < max_chars]
 
-
-# --- local files -----------------------------------------------------------------------
 
 def file_corpus(path: str | Path) -> list[str]:
     """One document per file: `path` itself, or every .txt/.md under it sorted by name."""
@@ -110,8 +103,7 @@ def file_corpus(path: str | Path) -> list[str]:
     if root.is_file():
         files = [root]
     elif root.is_dir():
-        files = sorted((p for p in root.rglob("*") if p.is_file()
-                        and p.suffix.lower() in TEXT_SUFFIXES),
+        files = sorted((p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES),
                        key=lambda p: p.relative_to(root).as_posix())
         if not files:
             raise TitanliteError(f"no .txt or .md files in folder {root}; "
@@ -123,8 +115,7 @@ def file_corpus(path: str | Path) -> list[str]:
 
 
 def read_text_file(path: Path) -> str:
-    try:
-        # utf-8-sig drops a Windows BOM; universal newlines make \r\n files hash the same.
+    try:  # utf-8-sig drops a Windows BOM; universal newlines make \r\n files hash the same
         return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as err:
         raise TitanliteError(f"data file {path} is not UTF-8 text (byte {err.start}); "
@@ -134,17 +125,11 @@ def read_text_file(path: Path) -> str:
                              "check that it exists and that you may read it") from None
 
 
-# --- the offline default: CPython's own documentation -----------------------------------
-
 def pydoc_corpus(data_dir=None, include_stdlib: bool = True) -> list[str]:
-    """CPython's help() topics (sorted by topic), then stdlib module docstrings (sorted by
-    module). Both ship with Python, so this needs no network and never changes on a machine."""
+    """CPython's help() topics, then stdlib module docstrings, each sorted: offline, fixed on a machine."""
     from pydoc_data.topics import topics
-
     docs = [f"{key}\n\n{topics[key].strip()}\n" for key in sorted(topics)]
-    if include_stdlib:
-        docs += _stdlib_docstrings(data_dir)
-    return docs
+    return docs + _stdlib_docstrings(data_dir) if include_stdlib else docs
 
 
 def _stdlib_sources() -> list[tuple[str, Path]]:
@@ -152,15 +137,13 @@ def _stdlib_sources() -> list[tuple[str, Path]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     found = []
     for folder, subdirs, files in os.walk(root):
-        # Prune in place so we never descend into site-packages, tests or private packages.
+        # Prune in place: never into tests, private packages or site-packages (not an importable name).
         subdirs[:] = [d for d in subdirs if d not in _SKIP_STDLIB and _is_public(d)]
         package = Path(folder).relative_to(root).parts
-        for name in files:
-            stem = name[:-3]
-            if name.endswith(".py") and (stem == "__init__" or _is_public(stem)):
-                parts = package if stem == "__init__" else package + (stem,)
-                if parts:
-                    found.append((".".join(parts), Path(folder) / name))
+        for stem in (name[:-3] for name in files if name.endswith(".py")):
+            parts = package if stem == "__init__" else package + (stem,)
+            if parts and (stem == "__init__" or _is_public(stem)):
+                found.append((".".join(parts), Path(folder) / f"{stem}.py"))
     return sorted(found)
 
 
@@ -170,8 +153,8 @@ def _is_public(name: str) -> bool:
 
 
 def _stdlib_docstrings(data_dir) -> list[str]:
-    # Parsing ~500 files takes seconds, so the rendered pages are cached; the key covers the
-    # Python version and every source file's size and mtime, so an upgrade rebuilds it.
+    # Parsing ~500 files takes seconds, so the rendered pages are cached; the key covers the Python
+    # version and every source file's size and mtime, so an upgrade rebuilds it.
     sources = _stdlib_sources()
     stamp = [sys.version] + [f"{m}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for m, f in sources]
     try:
@@ -188,43 +171,29 @@ def _stdlib_docstrings(data_dir) -> list[str]:
 
 
 def _render_module(module: str, file: Path) -> str | None:
-    """A plain-text page like `pydoc` prints: module docstring, then documented classes and
-    functions with their signatures. None when the module documents nothing."""
+    """A plain-text page like `pydoc` prints (docstrings with signatures); None if nothing is documented."""
     try:
         tree = ast.parse(file.read_text(encoding="utf-8"))
     except (SyntaxError, UnicodeDecodeError, OSError):
         return None
-    lines: list[str] = []
-    doc = ast.get_docstring(tree)
-    if doc:
-        lines += [doc, ""]
+    lines: list[str] = [doc, ""] if (doc := ast.get_docstring(tree)) else []
     for node in tree.body:
         _render_definition(node, "", lines)
-    if not lines:
-        return None
-    return "\n".join([f"Module {module}", ""] + lines).rstrip() + "\n"
+    return "\n".join([f"Module {module}", ""] + lines).rstrip() + "\n" if lines else None
 
 
 def _render_definition(node: ast.AST, indent: str, out: list[str]) -> None:
-    if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+    if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+            or (node.name.startswith("_") and node.name != "__init__"):
         return
-    if node.name.startswith("_") and node.name != "__init__":
-        return
-    doc = ast.get_docstring(node)
+    body: list[str] = []  # a class's documented methods
     if isinstance(node, ast.ClassDef):
-        body: list[str] = []
         for child in node.body:
             _render_definition(child, indent + "    ", body)
-        if not doc and not body:
-            return
         bases = ", ".join(ast.unparse(b) for b in node.bases)
-        out.append(f"{indent}class {node.name}" + (f"({bases})" if bases else ""))
+        header = f"{indent}class {node.name}" + (f"({bases})" if bases else "")
     else:
-        if not doc:
-            return
-        body = []
-        out.append(f"{indent}def {node.name}({ast.unparse(node.args)})")
-    if doc:
-        out += [f"{indent}    {line}".rstrip() for line in doc.splitlines()]
-    out.append("")
-    out += body
+        header = f"{indent}def {node.name}({ast.unparse(node.args)})"
+    if not (doc := ast.get_docstring(node)) and not body:
+        return
+    out += [header] + [f"{indent}    {line}".rstrip() for line in (doc or "").splitlines()] + [""] + body

@@ -1,19 +1,7 @@
-"""`build_data`: corpus -> tokenizer -> token stream -> train/val split -> batches.
+"""`build_data`: corpus -> tokenizer -> token stream -> train/val split -> batches, cached by content hash.
 
-Every expensive step is cached under <data_dir>/cache/, keyed by content hashes, so the
-second call with the same settings only loads files:
-
-    cache/tokenizers/<corpus-id>-bpe<vocab>-<recipe>/   a Hugging Face tokenizer folder
-    cache/tokens/<corpus-id>-<tokenizer-hash>.npz       the token stream + document lengths
-
-Train/validation split. We hold out whole *documents*, chosen evenly through the corpus
-(a document goes to validation whenever that brings the validation share closer to
-val_fraction). Whole documents mean no validation text is ever a window's neighbour in
-training, and spreading them out means validation covers the same kinds of text as
-training. A corpus with too few documents for that (TinyShakespeare is a single one)
-falls back to holding out the last val_fraction of the token stream, as nanoGPT does.
-Either way validation has at least one full window.
-"""
+Validation holds out whole *documents*, spread evenly: none neighbours a training window, and they cover
+the same kinds of text. Too few documents (TinyShakespeare): the last val_fraction of tokens, as nanoGPT."""
 from __future__ import annotations
 
 import math
@@ -27,8 +15,7 @@ from transformers import PreTrainedTokenizerFast
 
 from ..errors import TitanliteError
 from ._cache import atomic_file, build_lock, cache_subdir
-from .corpus import corpus_id as make_corpus_id
-from .corpus import load_corpus, parse_dataset
+from .corpus import corpus_id, load_corpus, parse_dataset
 from .sampler import TokenBatches, _positive_int, check_rank
 from .tokenizer import encode_documents, get_tokenizer, tokenizer_hash
 
@@ -47,25 +34,18 @@ class DataBundle:
     split_by: str  # "documents" or "tokens" (see the module docstring)
 
     def __repr__(self) -> str:
-        return (f"DataBundle({self.corpus_id}: vocab {self.vocab_size}, "
-                f"train {self.n_train_tokens:,} tokens / {self.train.num_windows:,} windows, "
-                f"val {self.n_val_tokens:,} tokens / {self.val.num_windows:,} windows, "
-                f"split by {self.split_by})")
+        return (f"DataBundle({self.corpus_id}: vocab {self.vocab_size}, train {self.n_train_tokens:,} tokens"
+                f" / {self.train.num_windows:,} windows, val {self.n_val_tokens:,} tokens / "
+                f"{self.val.num_windows:,} windows, split by {self.split_by})")
 
 
 def build_data(dataset: str = "pydoc", path: str | None = None, tokenizer: str | None = None,
-               vocab_size: int = 4096, seq_len: int = 128, batch_size: int = 8,
-               val_fraction: float = 0.05, rank: int = 0, world_size: int = 1, seed: int = 0,
-               data_dir: str | None = None, max_chars: int | None = None, *,
-               max_docs: int | None = None, hf_split: str = "train",
+               vocab_size: int = 4096, seq_len: int = 128, batch_size: int = 8, val_fraction: float = 0.05,
+               rank: int = 0, world_size: int = 1, seed: int = 0, data_dir: str | None = None,
+               max_chars: int | None = None, *, max_docs: int | None = None, hf_split: str = "train",
                text_column: str | None = None, verbose: bool = False) -> DataBundle:
-    """Load a corpus, get its tokenizer and token stream (cached), split, and batch it.
-
-    dataset: "pydoc" | "tinyshakespeare" | "file:<path>" | "hf:<name>[:<config>]" (see
-    `titanlite.data.corpus`). tokenizer: None trains (or reuses) a BPE tokenizer of
-    `vocab_size` on the corpus; else a tokenizer folder or tokenizer.json."""
-    # Check the cheap things first, so a typo fails in milliseconds, not after tokenizing.
-    _positive_int("seq_len", seq_len, 128)
+    """Load, tokenize, split, batch. tokenizer: a folder or .json, or None: train (or reuse) a BPE one."""
+    _positive_int("seq_len", seq_len, 128)  # cheap checks first: a typo fails in ms, not after tokenizing
     _positive_int("batch_size", batch_size)
     check_rank(rank, world_size)
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) \
@@ -73,57 +53,43 @@ def build_data(dataset: str = "pydoc", path: str | None = None, tokenizer: str |
         raise TitanliteError(f"val_fraction must be in (0, 0.5], got {val_fraction!r}; "
                              "0.05 holds out 5% of the corpus for validation")
     kind, target = parse_dataset(dataset, path)
-
     docs = load_corpus(dataset, path, data_dir=data_dir, max_chars=max_chars,
                        max_docs=max_docs, hf_split=hf_split, text_column=text_column)
-    label = kind if target is None else f"{kind}-{Path(target).name or target}"
-    cid = make_corpus_id(label, docs)
+    cid = corpus_id(kind if target is None else f"{kind}-{Path(target).name or target}", docs)
     tok = get_tokenizer(tokenizer, documents=docs, corpus_id=cid, vocab_size=vocab_size,
                         data_dir=data_dir, verbose=verbose)
     tokens, doc_lengths = cached_token_stream(tok, docs, cid, data_dir)
-
-    train_tokens, val_tokens, split_by = split_train_val(tokens, doc_lengths, val_fraction,
-                                                         min_tokens=seq_len + 1)
+    train_tokens, val_tokens, split_by = split_train_val(tokens, doc_lengths, val_fraction, seq_len + 1)
     if min(len(train_tokens), len(val_tokens)) < seq_len + 1:
         fit = len(tokens) // 2 - 1
         more = f"raise max_chars={max_chars}" if max_chars else "use more text"
         hint = f"use seq_len <= {fit}, or {more}" if fit >= 1 else more
-        raise TitanliteError(
-            f"corpus {cid} has only {len(tokens):,} tokens, too few for seq_len={seq_len} "
-            f"(train and validation each need at least seq_len+1 = {seq_len + 1}); {hint}")
-    common = dict(rank=rank, world_size=world_size, seed=seed)
-    return DataBundle(
-        tokenizer=tok, vocab_size=len(tok),
-        train=TokenBatches(torch.from_numpy(train_tokens.astype(np.int32)), seq_len,
-                           batch_size, **common),
-        val=TokenBatches(torch.from_numpy(val_tokens.astype(np.int32)), seq_len,
-                         batch_size, **common),
-        corpus_id=cid, n_train_tokens=len(train_tokens), n_val_tokens=len(val_tokens),
-        eos_token_id=tok.eos_token_id, split_by=split_by)
+        raise TitanliteError(f"corpus {cid} has only {len(tokens):,} tokens, too few for seq_len={seq_len} "
+                             f"(train and validation each need at least seq_len+1 = {seq_len + 1}); {hint}")
+    train, val = (TokenBatches(torch.from_numpy(part.astype(np.int32)), seq_len, batch_size, rank=rank,
+                               world_size=world_size, seed=seed) for part in (train_tokens, val_tokens))
+    return DataBundle(tokenizer=tok, vocab_size=len(tok), train=train, val=val, corpus_id=cid,
+                      n_train_tokens=len(train_tokens), n_val_tokens=len(val_tokens),
+                      eos_token_id=tok.eos_token_id, split_by=split_by)
 
 
 def cached_token_stream(tok: PreTrainedTokenizerFast, docs: list[str], cid: str,
                         data_dir=None) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, doc_lengths) for the corpus, from cache/tokens/ or encoded and saved there."""
     file = cache_subdir(data_dir, "tokens") / f"{cid}-{tokenizer_hash(tok)}.npz"
-    cached = _read_stream(file)
-    if cached is not None:
+    if (cached := _read_stream(file)) is not None:
         return cached
     with build_lock(file):
-        cached = _read_stream(file)  # another rank may have written it while we waited
-        if cached is not None:
+        if (cached := _read_stream(file)) is not None:  # another rank may have written it while we waited
             return cached
         tokens, doc_lengths = encode_documents(tok, docs)
-        with atomic_file(file) as tmp:
-            with open(tmp, "wb") as f:  # a file object, so numpy does not append ".npz"
-                np.savez(f, tokens=tokens, doc_lengths=doc_lengths)
+        with atomic_file(file) as tmp, open(tmp, "wb") as f:  # a file object: numpy appends no ".npz"
+            np.savez(f, tokens=tokens, doc_lengths=doc_lengths)
     return tokens, doc_lengths
 
 
 def _read_stream(file: Path) -> tuple[np.ndarray, np.ndarray] | None:
-    if not file.is_file():
-        return None
-    try:
+    try:  # a missing file is an OSError too
         with np.load(file) as saved:
             return saved["tokens"], saved["doc_lengths"]
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
@@ -137,8 +103,7 @@ def split_train_val(tokens: np.ndarray, doc_lengths: np.ndarray, val_fraction: f
     val_total = seen = 0
     for i, n in enumerate(doc_lengths.tolist()):
         seen += n
-        # Take this document if that moves the val share closer to its target.
-        if val_total + n / 2 < val_fraction * seen:
+        if val_total + n / 2 < val_fraction * seen:  # taking it moves the val share closer to its target
             is_val[i] = True
             val_total += n
     if min_tokens <= val_total <= len(tokens) - min_tokens:

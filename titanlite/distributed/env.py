@@ -1,14 +1,13 @@
 """Joining the process group: which rank am I, which device is mine, which backend talks.
 
-Every process of a job runs the same script. torchrun (or titanlite's notebook launcher, which
-runs torchrun for you) tells each one who it is through environment variables:
-RANK (0..WORLD_SIZE-1 across all machines), LOCAL_RANK (0..on this machine), WORLD_SIZE,
-MASTER_ADDR/MASTER_PORT (where rank 0 listens for the rendezvous).
-
     dist_env = init_distributed("auto")     # no torchrun variables: a world of one, no group
+
+Every process runs the same script; torchrun tells each one who it is: RANK (across all machines),
+LOCAL_RANK (on this machine), WORLD_SIZE, MASTER_ADDR/MASTER_PORT (where rank 0 listens).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import os
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..device_policy import backend_and_device_for, cuda_index_for
+from ..hardware import detect_device
 from ..errors import TitanliteError
 
 
@@ -45,8 +45,7 @@ def torchrun_env() -> tuple[int, int, int] | None:
     """(rank, local_rank, world_size) when started by torchrun, else None."""
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         return None
-    get = lambda k, d=None: int(os.environ.get(k, d))  # noqa: E731
-    return get("RANK"), get("LOCAL_RANK", 0), get("WORLD_SIZE")
+    return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
 
 
 def pick_backend(requested: str, device_type: str) -> str:
@@ -58,9 +57,7 @@ def pick_backend(requested: str, device_type: str) -> str:
 
 
 def device_for_rank(requested: str, local_rank: int, local_world_size: int = 1) -> torch.device:
-    """One accelerator per process: alone, `cuda:N` is honoured; under torchrun with several
-    local ranks, rank r takes cuda:r (see device_policy.cuda_index_for)."""
-    from ..hardware import detect_device
+    """One accelerator per process: alone, `cuda:N` is honoured; under torchrun local rank r takes cuda:r."""
     device = detect_device(requested)
     if device.type == "cuda":
         device = torch.device("cuda", cuda_index_for(device.index, local_rank, local_world_size,
@@ -75,9 +72,14 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
     if ids is None or ids[2] == 1 or not dist.is_available():
         return DistEnv(device=device_for_rank(device, 0))
     rank, local_rank, world_size = ids
-    _die_with_parent()
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    dev = device_for_rank(device, local_rank, local_world_size)
+    # Linux: have the kernel kill this worker if its torchrun agent dies, even by SIGKILL (torchrun
+    # gives each worker its own session), so an interrupted notebook never leaves ranks behind.
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+            if os.getppid() == 1:  # the parent died before we asked
+                os._exit(1)
+    dev = device_for_rank(device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     explicit = str(device).strip().lower().startswith("mps")
     name, dev_type, note = backend_and_device_for(dev.type, world_size, backend, explicit=explicit)
     if dev_type != dev.type:  # MPS under torchrun: no backend moves its tensors
@@ -85,23 +87,15 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         if rank == 0:
             print(f"[titanlite] {note}", file=sys.stderr, flush=True)
     if not dist.is_initialized():
-        # A collective that waits longer than this raises instead of hanging forever: that is
-        # how a dead or stuck peer becomes an error the launcher can report.
+        # Past the timeout a collective raises instead of hanging: a dead peer becomes an error.
         dist.init_process_group(name, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, backend=name, device=dev)
 
 
-def group_device() -> str:
-    """The device type the running process group moves: nccl CUDA tensors, gloo CPU ones
-    (a job launched on CPU ranks stays on the CPU even on a machine with GPUs)."""
-    return "cuda" if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-
-
 def destroy_distributed(barrier: bool = False) -> None:
-    """Leave the process group. barrier=True (only after success: a failed rank's peers may
-    be gone) waits until every rank is done first; a rank that tears gloo down while a peer
-    still talks to it can abort the whole process ("terminate called ...")."""
+    """Leave the process group. barrier=True (only after success: a failed rank's peers may be gone)
+    first waits for every rank: tearing gloo down while a peer still talks to it can abort."""
     if dist.is_available() and dist.is_initialized():
         if barrier:
             dist.barrier()
@@ -111,14 +105,18 @@ def destroy_distributed(barrier: bool = False) -> None:
 
 
 def exit_worker(code: int = 0) -> None:
-    """End a torchrun worker now: flush output, then `os._exit`, skipping interpreter
-    finalization. Objects gloo's C++ threads still hold are destroyed there after Python is
-    half torn down, which aborts the process now and then ("terminate called without an active
-    exception", SIGABRT, seen on a loaded 2-core CI machine after a fully successful run).
-    Call it only when all results are on disk and the group is destroyed."""
+    """Flush, then `os._exit` (last, results saved): at interpreter exit gloo's C++ threads can SIGABRT."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def broadcast_from_rank0(value):
+    """Rank 0's value, everywhere (e.g. a run name that contains the time); as is, alone."""
+    box = [value]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_reduce_sum(value: torch.Tensor, group=None) -> torch.Tensor:
@@ -126,19 +124,3 @@ def all_reduce_sum(value: torch.Tensor, group=None) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return value
-
-
-def _die_with_parent() -> None:
-    """Linux: ask the kernel to kill this worker if its torchrun agent dies, even by SIGKILL,
-    so an interrupted notebook never leaves ranks behind. (torchrun starts each worker in its
-    own session, so killing the agent's process group alone would not reach them.)"""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the parent died before we asked
-            os._exit(1)
-    except OSError:
-        pass

@@ -6,58 +6,78 @@
     loss = pipeline_step(schedule, stages, x, y, loss_fn=loss_fn)   # forward + backward
     clip_grad_norm_([p for m in parts for p in m.parameters()], 1.0, pp_group)
 
-Stage s of S runs layers [a_s, b_s); the first stage also owns the token embedding, the last
-the final norm and the output projection. A stage is the same `Transformer` with the parts it
-does not own deleted (layers live in a ModuleDict keyed "0".."n-1", so names survive and a
-checkpoint of all stages together is the plain model's state dict).
-
-The batch is cut into m micro-batches. Rank r can only start micro-batch i after rank r−1 has
-sent it, so at the start and end of every step some ranks wait: the *bubble*. With equal stage
-times, GPipe and 1F1B both idle (p−1)/m of the time they compute; 1F1B only starts backwards
-early, so a rank holds at most p micro-batches of activations instead of m. Interleaving v
-smaller stages per rank shortens the fill and drain v-fold: (p−1)/(v·m). Zero-bubble schedules
-split backward into input-gradient (I, on the critical path) and weight-gradient (W, can wait)
-and fill the bubble with W. The schedules themselves are torch's (torch.distributed.pipelining);
-pipeline_timeline.py records and draws what they do.
+A stage is the `Transformer` minus the parts other stages own (layer names survive: the stages' state
+dicts together are the plain model's). Rank r starts micro-batch i once rank r−1 sent it, so ranks idle
+at each step's start and end: the bubble, (p−1)/m of the time with m micro-batches, GPipe and 1F1B
+alike; 1F1B starts backwards early, holding at most p micro-batches' activations, not m. Interleaving v
+stages per rank cuts it to (p−1)/(v·m); zero-bubble schedules fill it with weight gradients split off.
 """
 from __future__ import annotations
 
 import copy
 import inspect
 import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 from torch import nn
 
 from ..efficiency.accumulation import count_targets, loss_sum
 from ..errors import TitanliteError, closest
 
-# name -> (torch class, how stages sit on ranks). "single": one stage per rank; "loop": rank r
-# holds stages r, r+p, r+2p, ... (interleaved); "v": rank r holds stages r and 2p−1−r, so the
-# first and last stage share rank 0 and a micro-batch turns around on the last rank locally.
-SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", "single"),
-    "1f1b": ("Schedule1F1B", "single"),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
-    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", "v"),
-}
+# name -> (torch class, stages of rank r): "single": r; "loop": r, r+p, r+2p, ... (interleaved); "v": r and
+# 2p−1−r, so the first and last stage share rank 0 and a micro-batch turns around on the last rank locally.
+SCHEDULES = {"gpipe": ("ScheduleGPipe", "single"), "1f1b": ("Schedule1F1B", "single"),
+             "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
+             "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop"),
+             "zbv": ("ScheduleZBVZeroBubble", "v")}
+
+
+def _group(pp_group):  # a process group (None: the default one) or a 1-D DeviceMesh
+    return pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
+
+
+def pipeline_split(model: nn.Module, pp_group, *, schedule: str = "1f1b",
+                   stages_per_rank: int | None = None, first_stage_weight: float = 0.0,
+                   last_stage_weight: float = 0.0, device: torch.device | None = None,
+                   parallelize_part=None):
+    """This rank's stages (torch `PipelineStage`s) and their modules; every rank passes the same full model
+    (`pp_group`: group or 1-D mesh). `parallelize_part(part)` runs on each part first (AC, compile, DP)."""
+    group = _group(pp_group)
+    pp, rank = dist.get_world_size(group), dist.get_rank(group)
+    v = check_pipeline(pp=pp, schedule=schedule, n_layers=model.args.n_layers,
+                       stages_per_rank=stages_per_rank, tie_embeddings=model.args.tie_embeddings)
+    n_stages = pp * v
+    layers = split_layers(model.args.n_layers, n_stages, first_stage_weight, last_stage_weight)
+    device = device or next(model.parameters()).device
+    stages, parts = [], []
+    for s in stage_ids(rank, pp, v, SCHEDULES[schedule][1]):
+        part = copy.deepcopy(model)
+        for i in [i for i in part.layers if int(i) not in layers[s]]:
+            del part.layers[i]
+        if s != 0:
+            part.tok_embeddings = None
+        if s != n_stages - 1:
+            part.norm = part.output = None
+        if parallelize_part is not None:
+            part = parallelize_part(part)
+        stages.append(pipelining.PipelineStage(part, s, n_stages, device, group=group))
+        parts.append(part)
+    return stages, parts
 
 
 def available_schedules() -> list[str]:
     """The schedule names this torch provides (zero-bubble ones arrived in later releases)."""
-    import torch.distributed.pipelining as pipelining
     return [name for name, (cls, _) in SCHEDULES.items() if hasattr(pipelining, cls)]
 
-
-# ----- checks: everything that can be wrong, found before any process or model exists --------
 
 def check_pipeline(*, pp: int, schedule: str, n_layers: int | None = None,
                    n_microbatches: int | None = None, batch_size: int | None = None,
                    stages_per_rank: int | None = None, tie_embeddings: bool = False) -> int:
-    """Refuse a pipeline that cannot run, in one line each; return the stages per rank.
-    Checks about what is not given (None) are skipped."""
+    """Refuse a pipeline that cannot run, in one line each (None: unchecked); return the stages per rank."""
     if schedule not in SCHEDULES:
         raise TitanliteError(f"unknown pipeline schedule '{schedule}'{closest(schedule, SCHEDULES)}: "
                              f"choose one of {', '.join(SCHEDULES)}")
@@ -84,8 +104,7 @@ def check_pipeline(*, pp: int, schedule: str, n_layers: int | None = None,
         return v
     if n_microbatches < 1:
         raise TitanliteError(f"n_microbatches must be at least 1, got {n_microbatches}")
-    # GPipe runs any m (it just idles more); the others start backwards while forwards are
-    # still in flight and need every stage busy once: torch's 1F1B refuses m < p.
+    # GPipe runs any m (idling more); the others start backwards with forwards in flight: 1F1B refuses m < p.
     if schedule != "gpipe" and n_microbatches < pp:
         raise TitanliteError(f"schedule '{schedule}' needs at least as many micro-batches as pipeline "
                              f"ranks: n_microbatches={n_microbatches} < pp={pp}; use n_microbatches >= {pp}")
@@ -101,19 +120,15 @@ def check_pipeline(*, pp: int, schedule: str, n_layers: int | None = None,
     return v
 
 
-# ----- splitting the model into stages ---------------------------------------------------------
-
 def split_layers(n_layers: int, n_stages: int, first_stage_weight: float = 0.0,
                  last_stage_weight: float = 0.0) -> list[range]:
-    """Which layers each stage runs: as equal as possible in *work*, where the embedding counts
-    as `first_stage_weight` layers and the output projection + loss as `last_stage_weight`
-    (Llama 3 405B took one layer off its first and last stages for this reason)."""
+    """Which layers each stage runs: equal *work*, counting the embedding as `first_stage_weight` layers
+    and output + loss as `last_stage_weight` (Llama 3 405B took a layer off its first and last stages)."""
     work = n_layers + first_stage_weight + last_stage_weight
     cuts = [0] + [min(n_layers, max(0, math.floor(k * work / n_stages - first_stage_weight + 0.5)))
                   for k in range(1, n_stages)] + [n_layers]
     ranges = [range(a, b) for a, b in zip(cuts, cuts[1:])]
-    empty = [s for s, r in enumerate(ranges) if len(r) == 0]
-    if empty:
+    if empty := [s for s, r in enumerate(ranges) if len(r) == 0]:
         raise TitanliteError(f"stage {empty[0]} of {n_stages} would run no layer ({n_layers} layers, "
                              f"first/last stage weights {first_stage_weight}/{last_stage_weight}): "
                              f"lower the weights or use fewer stages")
@@ -127,51 +142,9 @@ def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, style: str) -> list[i
     return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
-def pipeline_split(model: nn.Module, pp_group, *, schedule: str = "1f1b",
-                   stages_per_rank: int | None = None, first_stage_weight: float = 0.0,
-                   last_stage_weight: float = 0.0, device: torch.device | None = None,
-                   parallelize_part=None):
-    """This rank's pipeline stages (torch `PipelineStage`s) and the modules inside them.
-
-    `pp_group`: the pipeline's process group, or a 1-D DeviceMesh (e.g. mesh["pp"]). Every rank
-    passes the same full model (same seed, so the stages together are exactly that model);
-    each keeps a copy per stage it holds, with the parts other stages own deleted.
-    `parallelize_part(module) -> module` runs on each part before torch wraps it in a stage
-    (the place for AC, compile, DDP or FSDP over the data-parallel ranks)."""
-    from torch.distributed.pipelining import PipelineStage
-
-    group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
-    pp, rank = dist.get_world_size(group), dist.get_rank(group)
-    args = model.args
-    v = check_pipeline(pp=pp, schedule=schedule, n_layers=args.n_layers,
-                       stages_per_rank=stages_per_rank, tie_embeddings=args.tie_embeddings)
-    n_stages = pp * v
-    layers = split_layers(args.n_layers, n_stages, first_stage_weight, last_stage_weight)
-    device = device or next(model.parameters()).device
-    stages, parts = [], []
-    for s in stage_ids(rank, pp, v, SCHEDULES[schedule][1]):
-        part = copy.deepcopy(model)
-        for i in list(part.layers):
-            if int(i) not in layers[s]:
-                del part.layers[i]
-        if s != 0:
-            part.tok_embeddings = None
-        if s != n_stages - 1:
-            part.norm = part.output = None
-        if parallelize_part is not None:
-            part = parallelize_part(part)
-        stages.append(PipelineStage(part, s, n_stages, device, group=group))
-        parts.append(part)
-    return stages, parts
-
-
-# ----- the loss, the schedule, one training step ---------------------------------------------
-
 class TokenLoss:
-    """The schedule's loss_fn: a micro-batch's *summed* token cross-entropy divided by the target
-    tokens of the whole batch (set `num_tokens` each step). The schedule adds the micro-batches'
-    gradients without rescaling (scale_grads=False), so their sum is exactly the gradient of the
-    batch's mean loss, as in single-process training, however the tokens fall into micro-batches."""
+    """The schedule's loss_fn: a micro-batch's *summed* token loss over the whole batch's target tokens
+    (`num_tokens`, set each step): with scale_grads=False the gradients add up to the batch mean's."""
 
     def __init__(self, num_tokens: float = 1.0):
         self.num_tokens = num_tokens
@@ -183,48 +156,36 @@ class TokenLoss:
 def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn, *,
                    batch_size: int | None = None):
     """torch's schedule `name` over this rank's stages (from `pipeline_split(schedule=name)`)."""
-    import torch.distributed.pipelining as pipelining
-
     check_pipeline(pp=stages[0].group_size, schedule=name, n_microbatches=n_microbatches,
                    batch_size=batch_size, stages_per_rank=len(stages))
     cls = getattr(pipelining, SCHEDULES[name][0])
-    # Single-stage schedules take the stage, multi-stage ones the list.
-    stage_arg = stages[0] if SCHEDULES[name][1] == "single" else stages
-    kwargs = {}
-    if "scale_grads" in inspect.signature(cls.__init__).parameters:
-        kwargs["scale_grads"] = False  # TokenLoss already divides by the batch's token count
+    stage_arg = stages[0] if SCHEDULES[name][1] == "single" else stages  # multi-stage: the list
+    # scale_grads=False (where torch has it): TokenLoss already divides by the batch's token count
+    kwargs = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
     return cls(stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
 
 
 def pipeline_step(schedule, stages: list, x: torch.Tensor, y: torch.Tensor, *, loss_fn: TokenLoss,
                   num_tokens: float | None = None, pp_group=None) -> torch.Tensor:
-    """Forward and backward of the batch (x, y) through the pipeline; gradients accumulate into
-    the stages' parameters. Returns the batch loss on every rank of the pipeline.
-
-    Only the first stage needs `x` and only the last needs `y`, but every rank may pass both.
-    `loss_fn`: the TokenLoss the schedule was built with; `num_tokens`: its divisor (default:
-    the target tokens of this batch; under data parallelism, the global batch's count / dp)."""
+    """Forward + backward of the batch (grads accumulate into the stages); the loss on every pp rank.
+    `num_tokens`: the TokenLoss divisor (default: this batch's; under DP the global batch's count / dp)."""
     # `is not None`, not `or`: the divisor may be a device tensor, whose truth value waits for it
     loss_fn.num_tokens = num_tokens if num_tokens is not None else max(1, count_targets(y))
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     losses = [] if last else None
-    extra = {}
-    if "return_outputs" in inspect.signature(schedule.step).parameters:
-        extra["return_outputs"] = False  # do not keep every micro-batch's logits alive
-    schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses, **extra)
-    device = stages[0].device
-    total = torch.stack(losses).sum().detach().float() if last else torch.zeros((), device=device)
+    # return_outputs=False (where torch has it): do not keep every micro-batch's logits alive
+    kw = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
+    schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses, **kw)
+    total = torch.stack(losses).sum().detach().float() if last else torch.zeros((), device=stages[0].device)
     if dist.is_initialized():  # only the last stage knows the loss: tell the others
-        group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(total, group=_group(pp_group))
     return total
 
 
 @torch.no_grad()
 def pipeline_eval(schedule, stages: list, x: torch.Tensor, y: torch.Tensor, *, loss_fn: TokenLoss,
                   pp_group=None) -> torch.Tensor:
-    """The batch's mean token loss, forward only through the same schedule (no gradients, no
-    activations kept). Returns it on every rank of the pipeline."""
+    """The batch's mean token loss on every pipeline rank, forward only (no gradients or activations kept)."""
     if type(schedule).__name__ in {cls for cls, style in SCHEDULES.values() if style == "v"}:
         # Its stages that share a rank hand gradients over locally, even in eval (torch 2.13).
         raise TitanliteError(f"torch's {type(schedule).__name__} cannot run forward-only: evaluate "
@@ -235,37 +196,32 @@ def pipeline_eval(schedule, stages: list, x: torch.Tensor, y: torch.Tensor, *, l
     schedule.eval(*((x,) if first else ()), target=y if last else None, losses=losses)
     total = torch.stack(losses).sum().float() if last else torch.zeros((), device=stages[0].device)
     if dist.is_initialized():
-        dist.all_reduce(total, group=pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group)
+        dist.all_reduce(total, group=_group(pp_group))
     return total
 
 
 def gather_state_dict(parts: list, pp_group=None) -> dict[str, torch.Tensor]:
-    """The plain model's state dict (CPU tensors) on every rank of the pipeline: the stages keep
-    the full model's names, so the union of their state dicts is the whole model's. For
-    sampling, export and checks; it briefly holds the whole model on every rank. FSDP-sharded
-    parts are gathered over their data-parallel ranks first (all of them must call this)."""
+    """The plain model's state dict (CPU tensors) on every pipeline rank, for sampling, export and checks;
+    FSDP-sharded parts are gathered over their data-parallel ranks first (all of them must call this)."""
     local = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
              for part in parts for k, v in part.state_dict().items()}
     if not dist.is_initialized():
         return local
-    group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
+    group = _group(pp_group)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, local, group=group)
     return {k: v for d in everyone for k, v in d.items()}
 
 
 def clip_grad_norm_(parameters, max_norm: float, pp_group=None, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip by the norm of the *whole* model's gradient, although each rank holds only its
-    stages: ‖g‖² is a sum over parameters, so the ranks add their local sums (max for the
-    inf-norm) over the pipeline group before anyone scales. Returns the total norm.
-    `pp_group`: the pipeline's group (None: the default group, right only when the whole
-    world is one pipeline; with data parallelism too, pass mesh["pp"])."""
+    """Clip by the *whole* model's gradient norm: ‖g‖² is a sum over parameters, so ranks add their local
+    sums (max for inf) over `pp_group` first (None: the default group; with DP too, pass mesh["pp"])."""
     params = [p for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
     if hasattr(norm, "full_tensor"):  # FSDP × PP: a DTensor norm of this rank's shards
         norm = norm.full_tensor()
     if dist.is_initialized():
-        group = pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
+        group = _group(pp_group)
         if math.isinf(norm_type):
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
         else:
@@ -274,3 +230,39 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None, norm_type: float
             norm = norm ** (1.0 / norm_type)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
+
+
+def microbatches(cfg, dims) -> int:
+    """Micro-batches per step: parallel.pp_microbatches, else 2 per stage (at most the batch's sequences)."""
+    p = cfg.parallel
+    return p.pp_microbatches or min(cfg.training.batch_size, 2 * dims.pp * (
+        1 if SCHEDULES[p.pp_schedule][1] == "single" else (p.pp_stages_per_rank or 2)))
+
+
+@dataclass
+class Pipeline:
+    """This rank's pipeline stages and torch's schedule over them, for the trainer."""
+    stages: list
+    cfg: object
+    pp_mesh: object
+    schedule: object = None
+    loss_fn: TokenLoss = field(default_factory=TokenLoss)
+
+    def build_schedule(self, parts) -> None:
+        n = microbatches(self.cfg, SimpleNamespace(pp=self.pp_mesh.size()))
+        self.schedule = build_schedule(self.cfg.parallel.pp_schedule, self.stages, n, self.loss_fn,
+                                       batch_size=self.cfg.training.batch_size)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, num_tokens: float) -> torch.Tensor:
+        return pipeline_step(self.schedule, self.stages, x, y, loss_fn=self.loss_fn,
+                             num_tokens=num_tokens, pp_group=self.pp_mesh)
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        return pipeline_eval(self.schedule, self.stages, x, y, loss_fn=self.loss_fn,
+                             pp_group=self.pp_mesh).item()
+
+    def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(params, max_norm, pp_group=self.pp_mesh)
+
+    def whole_state_dict(self, parts) -> dict[str, torch.Tensor]:
+        return gather_state_dict(parts, self.pp_mesh)

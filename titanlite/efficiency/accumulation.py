@@ -1,19 +1,13 @@
 """Gradient accumulation: a big batch as several small ones, with the same gradients.
 
-    global batch = micro-batch × accumulation steps × data-parallel degree
-
-Gradients add up across `backward()` calls, so running k micro-batches before one optimizer
-step gives the gradient of their union — *if* each micro-batch's loss is scaled right. Dividing
-each micro-batch's mean by k is only right when every micro-batch has the same number of
-target tokens. torchtitan instead sums token losses and divides by the number of target tokens
-in the whole global batch; then padding (`IGNORE_INDEX` targets) or ragged lengths cannot give
-some tokens more weight than others.
-"""
+As in torchtitan, token losses are summed and divided by the whole global batch's target tokens, not
+each micro-batch's mean by k, so padding (`IGNORE_INDEX`) and ragged lengths weigh every token alike."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ..distributed.env import all_reduce_sum
 from ..errors import TitanliteError
 
 IGNORE_INDEX = -100  # targets with this id (padding) count neither in the loss nor the divisor
@@ -21,7 +15,7 @@ IGNORE_INDEX = -100  # targets with this id (padding) count neither in the loss 
 
 def resolve_batch(micro_batch: int, grad_accum_steps: int, global_batch: int | None,
                   dp_degree: int = 1) -> tuple[int, int, int]:
-    """(micro_batch, grad_accum_steps, global_batch) from either way of configuring it."""
+    """(micro_batch, grad_accum_steps, global_batch) from either setting; global = micro × steps × dp."""
     if grad_accum_steps < 1:
         raise TitanliteError(f"training.grad_accum_steps must be at least 1, got {grad_accum_steps}")
     per_step = micro_batch * dp_degree
@@ -34,9 +28,9 @@ def resolve_batch(micro_batch: int, grad_accum_steps: int, global_batch: int | N
             f"such as {per_step * max(1, round(max(global_batch, 1) / per_step))}, or change batch_size")
     accum = global_batch // per_step
     if grad_accum_steps not in (1, accum):
-        raise TitanliteError(
-            f"training.grad_accum_steps={grad_accum_steps} contradicts global_batch_size={global_batch} "
-            f"(which needs {accum} steps of {micro_batch} × {dp_degree}): set only one of the two")
+        raise TitanliteError(f"training.grad_accum_steps={grad_accum_steps} contradicts global_batch_size="
+                             f"{global_batch} (which needs {accum} steps of {micro_batch} × {dp_degree}): "
+                             f"set only one of the two")
     return micro_batch, accum, global_batch
 
 
@@ -45,7 +39,17 @@ def count_targets(targets: torch.Tensor) -> int:
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over the real target tokens (fp32: the log-sum-exp over a large
-    vocabulary loses digits in 16-bit)."""
+    """Summed cross-entropy over the real targets, in fp32 (a large vocabulary's log-sum-exp needs it)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def global_tokens_per_rank(micro_batches: list, dims, device, distributed: bool) -> float | torch.Tensor:
+    """Divisor of each micro-batch's summed loss: global target tokens / dp (DDP, FSDP average over dp)."""
+    if distributed:
+        # Counted on the device from its own copy of the labels and summed there: a tensor made from a
+        # Python number would wait for the GPU every step. TP/PP ranks of a dp slice count theirs once.
+        local = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).float()
+        return all_reduce_sum(local) / (dims.tp * dims.pp * dims.dp)
+    local = getattr(micro_batches, "num_targets", None)  # counted on the host (data/transfer.py)
+    return float(local if local is not None else sum(count_targets(y) for _, y in micro_batches))

@@ -11,11 +11,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..distributed.env import group_device, init_distributed, pick_backend, torchrun_env
-from ..distributed.run_function import report
+from ..distributed.env import init_distributed, pick_backend, torchrun_env
+from ..tools.run_function import report
 from ..efficiency.accumulation import count_targets, loss_sum
 from ..errors import TitanliteError
 from ..models.llama import ModelArgs, build_model
+
+
+def group_device() -> str:
+    """The device type the running process group moves: nccl CUDA tensors, gloo CPU ones
+    (a job launched on CPU ranks stays on the CPU even on a machine with GPUs)."""
+    return "cuda" if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
 
 
 def join(device: str | None = None, *, mesh_dim: str | None = None, world_of_one: bool = False,

@@ -21,10 +21,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..distributed.comm import CommCounter
+from ..tools.comm import CommCounter
 from ..distributed.ddp import apply_ddp, grad_sync
-from ..distributed.run_function import report
-from ..distributed.scratch_ddp import ScratchDataParallel, allreduce_mean_
+from ..tools.run_function import report
+from ..tools.scratch_ddp import ScratchDataParallel, allreduce_mean_
 from ..errors import TitanliteError
 from ..hardware import synchronize
 from ..models.llama import ModelArgs

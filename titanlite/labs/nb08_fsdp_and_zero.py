@@ -33,11 +33,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..distributed.comm import CommCounter
+from ..tools.comm import CommCounter
 from ..distributed.ddp import apply_ddp
-from ..distributed.fsdp import apply_fsdp, describe_sharding, precompute_fp8_scales, shard_and_init
-from ..distributed.zero import (fsdp_shard_numel, measure_state_bytes, unsharded_param_bytes,
-                                zero1_partition, zero_bytes_per_rank)
+from ..distributed.fsdp import apply_fsdp, shard_and_init
+from ..efficiency.fp8 import precompute_fp8_scales
+from ..tools.zero import describe_sharding
+from ..tools.zero import fsdp_shard_numel, measure_state_bytes, unsharded_param_bytes, zero1_partition, zero_bytes_per_rank
 from ..errors import TitanliteError, closest
 from ..models.llama import ModelArgs, Transformer
 from ._common import Progress, join, next_token_loss, random_tokens, seeded_model

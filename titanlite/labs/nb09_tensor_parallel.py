@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from ..distributed.comm import CommCounter
-from ..distributed.run_function import report
-from ..distributed.scratch_tp import ScratchParallelMLP
+from ..tools.comm import CommCounter
+from ..tools.run_function import report
+from ..tools.scratch_tp import ScratchParallelMLP
 from ..distributed.tensor_parallel import apply_tp, loss_context, tp_loss_sum
 from ..efficiency.accumulation import IGNORE_INDEX, loss_sum
 from ..models.llama import ModelArgs

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from ..distributed.pipeline import (SCHEDULES, TokenLoss, available_schedules, build_schedule,
                                     clip_grad_norm_, gather_state_dict, pipeline_eval, pipeline_split,
                                     pipeline_step, split_layers)
-from ..distributed.pipeline_timeline import TimelineRecorder, bubble, gather_events
-from ..distributed.run_function import report
+from ..tools.pipeline_timeline import TimelineRecorder, bubble, gather_events
+from ..tools.run_function import report
 from ..efficiency.accumulation import count_targets, loss_sum
 from ..models.llama import ModelArgs
 from ._common import random_tokens, seeded_model, train_adamw

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.mesh import DIM_NAMES
-from ..distributed.run_function import report
+from ..tools.run_function import report
 from ..train import Trainer
+from ..weights import save_weights
 
 
 def inspect_layout(mesh, parts) -> dict:
@@ -46,6 +47,7 @@ def layout_lab(cfg) -> dict:
     trainer = Trainer(cfg)
     layout = inspect_layout(trainer.mesh, trainer.model_parts)
     history = trainer.fit(callbacks=[report])
-    trainer.save_weights(history.run_dir)
+    save_weights(trainer.model_parts, trainer.model_args, trainer.dtype, trainer.tokenizer,
+                 history.run_dir, pp=trainer.dims.pp, is_main=trainer.dist.is_main)
     return {"layout": layout, "losses": history.losses, "grad_norms": [r["grad_norm"] for r in history.train],
             "run_dir": str(history.run_dir)}

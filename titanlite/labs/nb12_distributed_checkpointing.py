@@ -5,9 +5,10 @@
     anatomy(step_dir)                      # what a DCP checkpoint holds: data files vs metadata
     train_and_save(overrides)              # in every rank: the trainer, checkpoints on
     load_resharded(overrides, step_dir)    # in every rank: another layout loads a checkpoint
+    where_the_bytes_go(overrides)          # in every rank: bytes written, and read with and without read-once
 
-The last two return the trainer's whole state (sharded tensors gathered to full ones), so a
-notebook can compare what one layout saved with what another loaded, tensor by tensor.
+train_and_save and load_resharded return the trainer's whole state (sharded tensors gathered to full
+ones), so a notebook can compare what one layout saved with what another loaded, tensor by tensor.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ import torch.distributed as dist
 
 from ..errors import TitanliteError
 from ..models.llama import ModelArgs
-from ..resilience.checkpoint import Checkpointer, committed, stop_writer_process
-from ..resilience.train_state import TrainState
+from .._compat.torch_internals import stop_dcp_writer_process
+from ..resilience.checkpoint import Checkpointer
+from ..resilience.checkpoint_files import committed
 from ._common import next_token_loss, random_tokens, seeded_model
 
 SAVE_MODES = ("torch.save", "sync", "async", "async_process")
@@ -191,7 +193,7 @@ def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench"
                 (folder / "checkpoint-process.log").unlink(missing_ok=True)
     finally:
         if "async_process" in modes:
-            stop_writer_process()
+            stop_dcp_writer_process()
         if own_group:
             dist.destroy_process_group()
     return result
@@ -233,7 +235,7 @@ def full_train_state(trainer) -> dict:
     """TrainState's model and optimizer entries as whole CPU tensors (every rank must call
     it: DTensor shards are gathered), plus the step."""
     from torch.distributed.tensor import DTensor
-    state = TrainState(trainer).state_dict()
+    state = trainer.train_state().state_dict()
 
     def whole(v):
         if isinstance(v, DTensor):
@@ -280,10 +282,32 @@ def load_resharded(overrides: dict, checkpoint: str | Path) -> dict:
     ckpt = Checkpointer(Path(checkpoint).parent)  # TrainState describes the model it checks
     try:
         start = time.perf_counter()
-        step = ckpt.load(TrainState(trainer), checkpoint)
+        step = trainer.step = ckpt.load(trainer.train_state(), checkpoint)
         seconds = time.perf_counter() - start
     finally:
         ckpt.close()
     state = full_train_state(trainer)
     return {**_layout(trainer), "step": step, "load_s": seconds,
             "state": state if trainer.dist.is_main else None}
+
+
+def where_the_bytes_go(overrides: dict) -> dict:
+    """In each rank of a data-parallel job: train and save (titanlite's balanced save plan), then
+    load that checkpoint twice - DCP's default plan, then read-once - into the trainer's state.
+    Returns this rank's bytes written and read each way, the checkpoint's data bytes, and a digest
+    of the state each load produced (equal digests: the same state)."""
+    from ..config import load_config
+    from ..tools.checkpoint_io import CountingReader, bytes_written_per_rank, data_bytes, state_digest
+    from ..train import Trainer
+    trainer = Trainer(load_config(None, overrides))
+    run_dir = trainer.fit().run_dir
+    step = committed(run_dir / "checkpoints")[-1]
+    rank = trainer.dist.rank
+    out = {"rank": rank, "written": bytes_written_per_rank(step).get(rank, 0), "size": data_bytes(step),
+           "read": {}, "digest": {}}
+    for read_once in (False, True):
+        state, reader = trainer.train_state(), CountingReader(step)
+        Checkpointer(step.parent, read_once=read_once).load(state, step, reader=reader)
+        out["read"][read_once], out["digest"][read_once] = reader.bytes_read, state_digest(state.state_dict())
+    trainer.close(barrier=True)
+    return out

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import TitanliteError
-from ..resilience import goodput_model
-from ..resilience.goodput import read_events, summarize
+from ..tools import goodput_model
+from ..tools.goodput import read_events, summarize
 
 # A failure just after a committed checkpoint: a hair past the step boundary, so the replay
 # resumes from that checkpoint (exactly on a boundary it strikes before the save).
@@ -51,7 +51,7 @@ def launch_expecting_failure(cfg, nproc: int, *, overrides: dict | None = None, 
     """Launch a job that its [fault] section breaks; return the error instead of raising it.
     The failing rank's traceback, which the launcher prints to stderr, is captured so a notebook
     can show it as ordinary output."""
-    from ..distributed.launcher import launch
+    from ..tools.launcher import launch
     captured, start = io.StringIO(), time.perf_counter()
     with contextlib.redirect_stderr(captured):
         try:

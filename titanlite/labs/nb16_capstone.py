@@ -24,14 +24,37 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..errors import TitanliteError
-from .nb16_report import (DrillCheck, by_name, choose_recipe, drift, drill_vs_model,  # noqa: F401
-                          table, verdict, why_cpu_differs)  # the reading of the rows, re-exported
+from .nb16_report import (DrillCheck, against_reference, by_name, choose_recipe, drift,  # noqa: F401
+                          drill_vs_model, noise, published_bars, published_table, table, verdict,
+                          why_cpu_differs)  # the reading of the rows, re-exported
 
-# Published, not measured here (labelled wherever they are shown):
-# torchtitan, Llama 3 8B on 8×H100, tokens/s per GPU (torchtitan paper / docs/performance.md);
-# the SageMaker study's speed-ups of one technique each over its FSDP baseline.
+# Published, not measured here (labelled wherever they are shown). Both are cumulative tables:
+# each row adds one technique to the row before, so a technique's own gain is its row ÷ the row before.
+# torchtitan (Liang et al., ICLR 2025; docs/performance.md): Llama 3.1 8B on 8×H100 (96 GB HBM2e, 500 W),
+# local batch 2, selective activation checkpointing; tokens/s per GPU.
 TORCHTITAN_8B_H100 = {"FSDP": 5762, "+compile": 6667, "+FP8": 8532}
-SAGEMAKER_GAIN = {"+compile": 0.1067, "+FP8": 0.33, "+FP8 all-gather": 0.3823}
+# AWS's SageMaker study of torchtitan ("Efficient Pre-training of Llama 3-like model architectures using
+# torchtitan on Amazon SageMaker", 2024): Llama 3 8B on 32×H100 (4 p5.48xlarge); tokens/s. Its "+33%"
+# for FP8 is over the FSDP baseline, with compile: FP8's own step is 8,624 / 7,166.
+SAGEMAKER_8B_H100 = {"FSDP": 6475, "+compile": 7166, "+FP8": 8624, "+FP8 all-gather": 8950}
+# The ladder's row that takes each published step.
+PUBLISHED_ROWS = {"+compile": "+compile", "+FP8": "+FP8 tensorwise", "+FP8 all-gather": "+FP8 all-gather"}
+
+
+def step_gains(cumulative: dict[str, float]) -> dict[str, float]:
+    """Each row of a cumulative table over the row before it: what that step alone bought."""
+    names = list(cumulative)
+    return {name: cumulative[name] / cumulative[before] for before, name in zip(names, names[1:])}
+
+
+def _published(step: str) -> str:
+    """The labelled published figures for one step, each as its row ÷ the row before."""
+    out = []
+    for source, rows in (("torchtitan 8×H100", TORCHTITAN_8B_H100), ("SageMaker 32×H100", SAGEMAKER_8B_H100)):
+        if step in rows:
+            before = list(rows)[list(rows).index(step) - 1]
+            out.append(f"{source}: {before} {rows[before]:,} → {rows[step]:,} ({rows[step] / rows[before]:.2f}×)")
+    return "; ".join(out)
 
 
 @dataclass
@@ -43,28 +66,39 @@ class Rung:
     published: str = ""  # the labelled real-world figure for this step, if one exists
 
 
-def ladder(nproc: int, every: int, ac_mode: str = "full") -> list[Rung]:
+def ladder(nproc: int, every: int, ac_mode: str = "full", carry_compile: bool = True) -> list[Rung]:
     """The recipe, in torchtitan's order: precision, compile, FP8 on one device; then shard
     over `nproc` ranks, FP8 all-gathers (an FSDP feature: it needs the sharding) and async
-    checkpoints every `every` steps (what resilience costs once everything else is on)."""
-    tt, sm = TORCHTITAN_8B_H100, SAGEMAKER_GAIN
+    checkpoints every `every` steps (what resilience costs once everything else is on).
+    `carry_compile=False` (smoke scale) measures compile on its own row only: every later row
+    would compile its own graphs (48 s for one, cold, measured on 2 cores at load average 4)."""
     return [
         Rung("baseline", {}),
         Rung("+bf16", {"training.mixed_precision": "bf16"}),
-        Rung("+compile", {"compile.enable": True, "compile.scope": "regional"},
-             published=f"torchtitan 8×H100: {tt['FSDP']:,} → {tt['+compile']:,} tok/s/GPU "
-                       f"({tt['+compile'] / tt['FSDP']:.2f}×); SageMaker +{sm['+compile']:.2%}"),
+        Rung("+compile", {"compile.enable": True, "compile.scope": "regional"}, carry=carry_compile,
+             published=_published("+compile")),
         Rung("+FP8 rowwise", {"float8.enable": True, "float8.recipe": "rowwise"}, carry=False),
         Rung("+FP8 tensorwise", {"float8.enable": True, "float8.recipe": "tensorwise"},
-             published=f"torchtitan 8×H100: → {tt['+FP8']:,} tok/s/GPU ({tt['+FP8'] / tt['FSDP']:.2f}× "
-                       f"FSDP); SageMaker +{sm['+FP8']:.0%}"),
+             published=_published("+FP8")),
         Rung(f"+AC ({ac_mode})", {"activation_checkpoint.mode": ac_mode}),
         Rung(f"FSDP ×{nproc}", {"parallel.dp_shard": nproc}, nproc=nproc),
         Rung("+FP8 all-gather", {"float8.fsdp_all_gather": True}, nproc=nproc,
-             published=f"SageMaker +{sm['+FP8 all-gather']:.2%} (FP8 + FP8 all-gather)"),
+             published=_published("+FP8 all-gather")),
         Rung("+async checkpoint", {"checkpoint.enable": True, "checkpoint.every": every,
                                    "checkpoint.mode": "async"}, nproc=nproc),
     ]
+
+
+def references(rungs: list[Rung]) -> dict[str, str]:
+    """Each rung's one reference: the row it adds its technique to, the last carried one before it
+    (FP8 rowwise and tensorwise, siblings, share theirs). The first row has none."""
+    out, last = {}, None
+    for rung in rungs:
+        if last is not None:
+            out[rung.name] = last
+        if rung.carry:
+            last = rung.name
+    return out
 
 
 def ladder_layout(n_gpus: int, cores: int, smoke: bool) -> tuple[str, int]:
@@ -99,8 +133,9 @@ def memory_is_own(device_type: str, fresh_process: bool) -> bool:
 def measure_row(name: str, result, warmup: int, nproc: int, datasheet_peak=None,
                 memory_own: bool = True) -> dict:
     """One row from a finished job's records: medians over the steps after `warmup` (the first
-    steps compile and warm caches), memory the largest of any rank (None where the figure is
-    not the row's own: `memory_is_own`), the last step's loss."""
+    steps compile and warm caches) and their spread, the set-up time before step 1 (wall time
+    minus the steps'), memory the largest of any rank (None where the figure is not the row's
+    own: `memory_is_own`), the last step's loss."""
     train = [r for r in result.records if r.get("kind") == "train"]
     rank0 = {r["step"]: r for r in train if r.get("rank", 0) == 0}  # the last attempt of each step
     steps = sorted(rank0)
@@ -111,8 +146,13 @@ def measure_row(name: str, result, warmup: int, nproc: int, datasheet_peak=None,
         # a trainer that does not log it yet: the same FLOPs over the vendor's peak instead
         mfu_ds = [r["mfu"] * info["peak_flops"] / datasheet_peak.flops for r in timed]
     fp8 = info.get("float8") or {}
+    speeds = [r["tokens_per_sec"] for r in timed]
     return {"row": name, "nproc": nproc, "run_dir": str(result.run_dir),
-            "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+            "tokens_per_sec": statistics.median(speeds),
+            # the row's own noise: how far its timed steps spread, relative to their median
+            "spread": (max(speeds) - min(speeds)) / statistics.median(speeds),
+            # what came before step 1: start-up, building the model and, with compile, compiling
+            "setup_s": max(0.0, result.wall_s - sum(rank0[s]["step_time_s"] for s in steps)),
             "step_s": statistics.median(r["step_time_s"] for r in timed),
             "first_step_s": rank0[steps[0]]["step_time_s"],
             "mfu": statistics.median(r["mfu"] for r in timed),
@@ -122,6 +162,7 @@ def measure_row(name: str, result, warmup: int, nproc: int, datasheet_peak=None,
             "loss": rank0[steps[-1]]["loss"], "first_loss": rank0[steps[0]]["loss"],
             "tokens": rank0[steps[-1]].get("tokens"), "steps": len(steps),
             "compute_dtype": info.get("compute_dtype", "?").replace("torch.", ""),
+            "threads": ((info.get("config") or {}).get("training") or {}).get("threads"),  # per rank; None: torch's
             "fp8": (f"FP8 {fp8.get('recipe')}, " + ("emulated" if fp8.get("emulated") else "real")) if fp8 else "",
             "wall_s": result.wall_s}
 
@@ -163,7 +204,7 @@ def train_here(cfg, overrides: dict, callbacks=()):
 
     import torch
 
-    from ..distributed.launcher import LaunchResult
+    from ..tools.launcher import LaunchResult
     from ..train import Trainer
     cfg = _row_config(cfg, overrides)
     threads = torch.get_num_threads()  # the Trainer sets the row's; the kernel gets its own back
@@ -187,9 +228,8 @@ def train_rows(cfg, rows: list[tuple[str, dict]]) -> list[dict]:
     folder and wall time, or its one-line error."""
     import time
 
-    import torch
 
-    from ..distributed.run_function import report
+    from ..tools.run_function import report
     from ..train import Trainer
     out = []
     for name, overrides in rows:
@@ -206,17 +246,19 @@ def train_rows(cfg, rows: list[tuple[str, dict]]) -> list[dict]:
 
 
 def run_ladder(cfg, rungs: list[Rung], *, warmup: int, callbacks_for=None, timeout_s: float = 900,
-               datasheet_peak=None, in_process: bool = False) -> list[dict]:
+               datasheet_peak=None, in_process: bool = False, on_phase=None) -> list[dict]:
     """Every row, then the baseline again; return the measured rows. Each row is a fresh job
     (`launch`), or with `in_process` (smoke scale) the one-process rows train here, one after
     another (`train_here`), and each run of multi-process rows in one job (`train_rows`).
     Every row trains the same global batch in the same micro-batches (batch / the most ranks
     any row has; a row on fewer ranks accumulates), so after the same steps every row has seen
-    the same tokens. `callbacks_for(row_name)` gives a row's callbacks."""
-    from ..distributed.launcher import launch
+    the same tokens. `callbacks_for(row_name)` gives a row's callbacks; `on_phase(text)` hears
+    what starts before a row's first step (a compile, processes), e.g. LivePlot.phase."""
+    from ..tools.launcher import launch
     batch = cfg.training.batch_size
     plan = row_overrides(rungs)
     plan.append((Rung("baseline (again)", {}, carry=False), {}))
+    reference = {**references(rungs), "baseline (again)": "baseline"}
     ranks = max(r.nproc for r, _ in plan)
     if batch % ranks or any(ranks % r.nproc for r, _ in plan):  # before any job: minutes of rows
         raise TitanliteError(f"training.batch_size={batch} does not split over "  # must not end here
@@ -239,6 +281,8 @@ def run_ladder(cfg, rungs: list[Rung], *, warmup: int, callbacks_for=None, timeo
         i += len(group)
         for _, o in group:
             _fresh(cfg, o["metrics.run_name"])
+        if on_phase is not None:
+            on_phase(phase(group, in_process))
         try:
             if len(group) > 1:
                 results = _run_group(cfg, group, callbacks_for, timeout_s)
@@ -251,15 +295,28 @@ def run_ladder(cfg, rungs: list[Rung], *, warmup: int, callbacks_for=None, timeo
         for n, ((rung, overrides), result) in enumerate(zip(group, results)):
             if isinstance(result, Exception):
                 rows.append({"row": rung.name, "nproc": rung.nproc, "error": str(result),
-                             "published": rung.published})
+                             "published": rung.published, "reference": reference.get(rung.name)})
                 continue
             here = in_process and rung.nproc == 1
             fresh = not in_process or (rung.nproc > 1 and n == 0)  # the first its process trained
             row = measure_row(rung.name, result, warmup, rung.nproc, datasheet_peak,
                               memory_own=memory_is_own(device_type, fresh))
-            row.update(published=rung.published, overrides=overrides, in_process=here, fresh_process=fresh)
+            row.update(published=rung.published, overrides=overrides, in_process=here, fresh_process=fresh,
+                       reference=reference.get(rung.name))
             rows.append(row)
     return rows
+
+
+def phase(group: list[tuple[Rung, dict]], in_process: bool = False) -> str:
+    """What happens before the first step of `group` (rows trained by one process or job), for the
+    status line: starting processes, building the model, compiling (slowest on a first run, when
+    Inductor's cache is empty)."""
+    names = ", ".join(rung.name for rung, _ in group)
+    nproc = group[0][0].nproc
+    doing = f"building {names}" if in_process and nproc == 1 else \
+        f"starting {nproc} process{'es' * (nproc > 1)} for {names}"
+    compiled = any(o.get("compile.enable") for _, o in group)
+    return doing + (" and compiling its graphs (slowest with an empty compile cache)" if compiled else "")
 
 
 def _run_group(cfg, group, callbacks_for, timeout_s: float) -> list:
@@ -267,7 +324,7 @@ def _run_group(cfg, group, callbacks_for, timeout_s: float) -> list:
     its callbacks as they arrive; returns a LaunchResult per row, or its error."""
     from pathlib import Path
 
-    from ..distributed.launcher import LaunchResult, launch_function
+    from ..tools.launcher import LaunchResult, launch_function
     nproc = group[0][0].nproc
     callbacks = {rung.name: list(callbacks_for(rung.name)) if callbacks_for else [] for rung, _ in group}
     records = {rung.name: [] for rung, _ in group}
@@ -306,3 +363,17 @@ def _fresh(cfg, run_name: str) -> None:
     import shutil
     from pathlib import Path
     shutil.rmtree(Path(cfg.metrics.log_dir) / run_name, ignore_errors=True)
+
+
+def full_scale_floor_s(rungs: list[Rung], steps: int, tokens_per_step: int, flops_per_token: float,
+                       peaks: dict[str, float]) -> float:
+    """A floor under a full-scale ladder's training time (predicted, not measured): every row's
+    steps (the baseline twice) with every matmul at this machine's measured peak for its dtype,
+    `peaks` = {"float32": FLOP/s, "bfloat16": FLOP/s}; FP8 rows, emulated in float32 off FP8 tensor
+    cores, at the faster of the two. Real steps are slower, and compiling comes on top."""
+    total = 0.0
+    for _, overrides in row_overrides(rungs) + [(rungs[0], {})]:
+        bf16 = overrides.get("training.mixed_precision") == "bf16"
+        peak = max(peaks.values()) if overrides.get("float8.enable") else peaks["bfloat16" if bf16 else "float32"]
+        total += steps * tokens_per_step * flops_per_token / peak
+    return total

@@ -1,102 +1,246 @@
-"""Notebook 16's reading of the ladder: the drift between the two baselines (the noise band),
-each ratio's verdict against it, the ablation table with its labelled published column, why
-this machine differs, "choose your recipe", and the drill's goodput against the model.
+"""Notebook 16's reading of the ladder: how much two rows can differ by noise alone, each row
+against its one reference, the ablation table, the published figures beside it (labelled), why
+this machine differs (every sentence computed from the rows), "choose your recipe", and the
+drill's goodput against the model.
 
     print(table(rows))                          # rows from nb16_capstone.run_ladder
+    print(published_table(rows))                # torchtitan's and SageMaker's steps next to ours
     check = drill_vs_model(drill.run_dir)       # measured goodput vs the model's replay
 """
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
+
+FLAG = "⚑"  # an MFU above 100%: its peak is wrong, not the row fast
+WIDTH = 96  # characters: what a notebook's output shows unwrapped on a 1280-px laptop screen
 
 
 def drift(rows: list[dict]) -> float:
-    """Relative gap between the first and the last baseline's tokens/s: the noise band."""
+    """Relative gap between the first and the last baseline's tokens/s: the machine's drift."""
     first, last = rows[0], rows[-1]
     a, b = first["tokens_per_sec"], last["tokens_per_sec"]
     return abs(a - b) / ((a + b) / 2)
 
 
-def verdict(ratio: float, band: float) -> str:
-    """A speed ratio read against the drift: a direction only where it is beyond the noise."""
+def verdict(ratio: float, band: float, what: str = "drift") -> str:
+    """A speed ratio read against a noise band: a direction only where it is beyond the noise."""
     if ratio > 1 + band:
-        return "faster (beyond drift)"
+        return f"faster (beyond {what})"
     if ratio < 1 - band:
-        return "slower (beyond drift)"
-    return "within drift"
+        return f"slower (beyond {what})"
+    return f"within {what}"
 
 
-def table(rows: list[dict]) -> str:
-    """The ablation table: measured here, with the published figure in its own labelled column."""
-    base, band = rows[0]["tokens_per_sec"], drift(rows)
-    head = (f"{'row':22} {'ranks':>5} {'tokens/s':>9} {'vs base':>8} {'MFU meas.':>9} {'MFU sheet':>9} "
-            f"{'peak MiB/rank':>13} {'loss':>7} {'1st step s':>10}  {'dtype / notes':30}  published (not measured here)")
-    out = [head, "-" * len(head)]
-    for r in rows:
-        if "error" in r:
-            out.append(f"{r['row']:22} {r['nproc']:5d} {'—':>9} {'—':>8} {'—':>9} {'—':>9} {'—':>13} {'—':>7} "
-                       f"{'—':>10}  failed: {r['error'][:80]}")
-            continue
-        ratio = r["tokens_per_sec"] / base
-        sheet = "—" if r["mfu_datasheet"] is None else f"{r['mfu_datasheet']:.1%}"
-        notes = ", ".join(x for x in (r["compute_dtype"], r["fp8"], verdict(ratio, band) if r is not rows[0] else "") if x)
-        mem = "—*" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**20:,.0f}"
-        out.append(f"{r['row']:22} {r['nproc']:5d} {r['tokens_per_sec']:9,.0f} {ratio:7.2f}× {r['mfu']:9.1%} "
-                   f"{sheet:>9} {mem:>13} {r['loss']:7.3f} {r['first_step_s']:10.1f}  "
-                   f"{notes:30}  {r.get('published', '')}")
-    out.append(f"drift of the baseline, first vs last: {band:.1%} (a ratio within 1 ± {band:.2f} is noise)")
-    if any(r.get("peak_memory_bytes", 0) is None for r in rows):
-        out.append("—* trained in this process after other rows: its peak memory is the process's, "
-                   "not the row's own, so it is not shown (a fresh job per row measures it)")
-    return "\n".join(out)
+def noise(row: dict, ref: dict, rows: list[dict]) -> float:
+    """How far `row`'s speed may sit from `ref`'s by noise alone, all measured in this run: the
+    drift between the two baselines, plus half of each row's own step-to-step spread."""
+    return drift(rows) + (row.get("spread", 0.0) + ref.get("spread", 0.0)) / 2
 
 
 def by_name(rows: list[dict]) -> dict[str, dict]:
     return {r["row"]: r for r in rows}
 
 
-def why_cpu_differs(rows: list[dict], device: str, native_bf16: bool | None) -> str:
-    """The paragraph on why this machine's table is not torchtitan's, citing the rows above."""
-    got, band, base = by_name(rows), drift(rows), rows[0]["tokens_per_sec"]
+def against_reference(rows: list[dict]) -> list[tuple[dict, dict, float, float]]:
+    """(row, its reference row, speed ratio, noise band) for every measured row that has one."""
+    named, out = by_name(rows), []
+    for r in rows:
+        ref = named.get(r.get("reference") or "")
+        if ref is not None and "error" not in r and "error" not in ref:
+            out.append((r, ref, r["tokens_per_sec"] / ref["tokens_per_sec"], noise(r, ref, rows)))
+    return out
 
-    def ratio(name: str) -> str:
-        r = got.get(name)
-        if r is None or "error" in r:
-            return "not measured"
-        return f"{r['tokens_per_sec'] / base:.2f}× ({verdict(r['tokens_per_sec'] / base, band)})"
 
-    fp8 = next((r for r in rows if "tensorwise" in r["row"]), {})
-    units = {True: "has bf16 units", False: "has no bf16 units (bf16 is converted to fp32 to multiply)",
-             None: "may or may not have bf16 units"}[native_bf16]
-    return (f"On {device} the recipe's steps change different things than on an H100. bf16 measured "
-            f"{ratio('+bf16')}: this processor {units}, and a CPU's memory system is no HBM, so halving the "
-            f"bytes buys less. Compile measured {ratio('+compile')} relative to the baseline: it fuses the "
-            f"element-wise glue, a small share of a step whose time is mostly matmuls. FP8 measured "
-            f"{ratio('+FP8 tensorwise')}: {'emulated' if 'emulated' in fp8.get('fp8', '') else 'real'} FP8 — without "
-            f"FP8 tensor cores every matmul is cast to FP8 and back and still multiplied at fp32 or bf16 "
-            f"speed, so it can only cost time here, while an H100's FP8 units run at twice its bf16 peak "
-            f"(torchtitan's 1.48×). Sharding over ranks that share one CPU (FSDP measured {ratio(next((r['row'] for r in rows if r['row'].startswith('FSDP')), ''))}) "
-            f"splits the same cores, not adds devices: it buys memory per rank, not speed. The drift of "
-            f"{band:.0%} between the two baselines is the yardstick: a ratio inside it says nothing.")
+def _mfu(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.0%}{FLAG}" if value > 1 else f"{value:.1%}"
+
+
+def _notes(r: dict) -> str:
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(r["compute_dtype"], r["compute_dtype"])
+    return ", ".join(x for x in (dtype, r["fp8"].replace(", ", " ")) if x)  # "bf16, FP8 tensorwise emulated"
+
+
+def table(rows: list[dict]) -> str:
+    """The ablation table, measured here, in two blocks that fit a laptop's notebook width: speed,
+    each row against its one reference (the row it adds its technique to) with the noise band of
+    that comparison; then what each row used and learned. Published figures: published_table."""
+    versus = {r["row"]: (ref["row"], ratio, band) for r, ref, ratio, band in against_reference(rows)}
+    head = f"{'row':18} {'ranks':>5} {'tokens/s':>9} {'× ref':>6}  {'reference':16} {'noise':>6}  reading"
+    out = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['row']:18} {r['nproc']:5d}  failed: {r['error'][:70]}")
+            continue
+        ref, ratio, band = versus.get(r["row"], ("—", None, None))
+        reading = "" if ratio is None else verdict(ratio, band).split(" ")[0].replace("within", "noise")
+        out.append(f"{r['row']:18} {r['nproc']:5d} {r['tokens_per_sec']:9,.0f} "
+                   f"{'' if ratio is None else f'{ratio:.2f}×':>6}  {ref:16} {'' if band is None else f'±{band:.0%}':>6}  "
+                   f"{reading}")
+    out += textwrap.wrap(f"× ref: tokens/s over the reference row's; noise: the baselines' drift ({drift(rows):.1%}) "
+                         "plus half of each row's step-to-step spread; a ratio inside it says nothing", WIDTH)
+    head = f"{'row':18} {'MFU':>7} {'sheet':>6} {'MiB/rank':>8} {'loss':>6} {'set-up s':>8} {'1st s':>6}  compute"
+    out += ["", head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            continue
+        mem = "—*" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**20:,.0f}"
+        out.append(f"{r['row']:18} {_mfu(r['mfu']):>7} {_mfu(r['mfu_datasheet']):>6} {mem:>8} {r['loss']:6.3f} "
+                   f"{r.get('setup_s', 0.0):8.1f} {r['first_step_s']:6.2f}  {_notes(r)}")
+    if any("error" not in r and r["peak_memory_bytes"] is None for r in rows):
+        out += textwrap.wrap("—* trained in a process after other rows: its peak memory is the process's, not "
+                             "the row's own (a fresh job per row, the full lab, measures it)", WIDTH)
+    flagged = sorted({r["peak_label"].split(" [cached")[0] for r in rows if "error" not in r and (r["mfu"] or 0) > 1})
+    if flagged:
+        out += textwrap.wrap(f"{FLAG} above 100%: not a real MFU. The peak it divides by ({'; '.join(flagged)}) is "
+                             "lower than this run reached (measured on a busier machine or with other threads): "
+                             "`titanlite peaks --refresh` measures it again", WIDTH)
+    return "\n".join(out)
+
+
+def published_bars(rows: list[dict], published_rows: dict, tables: dict[str, dict]) -> list[dict]:
+    """Per published step: our row over its reference, and each published table's row over the
+    row before it (both cumulative tables: a step's own gain is its row ÷ the one before)."""
+    from .nb16_capstone import step_gains
+    named, gains = by_name(rows), {source: step_gains(t) for source, t in tables.items()}
+    out = []
+    for step, row_name in published_rows.items():
+        r = named.get(row_name, {})
+        ref = named.get(r.get("reference") or "", {})
+        ours = r["tokens_per_sec"] / ref["tokens_per_sec"] if "tokens_per_sec" in r and "tokens_per_sec" in ref else None
+        out.append({"step": step, "row": row_name, "reference": r.get("reference"), "ours": ours,
+                    "band": noise(r, ref, rows) if ours is not None else None,
+                    **{source: g.get(step) for source, g in gains.items()}})
+    return out
+
+
+def published_table(bars: list[dict]) -> str:
+    """The bars as text: ours against the published steps, the published columns labelled."""
+    sources = [k for k in bars[0] if k not in ("step", "row", "reference", "ours", "band")] if bars else []
+    out = [f"{'step':16} {'here':>6}  {'(row ÷ reference, noise)':38}" + "".join(f"{s.split()[0]:>12}" for s in sources)]
+    for b in bars:
+        here, how = ("—", "not measured") if b["ours"] is None else \
+            (f"{b['ours']:.2f}×", f"{b['row']} ÷ {b['reference']}, ±{b['band']:.0%}")
+        out.append(f"{b['step']:16} {here:>6}  {how:38}" + "".join(f"{'—' if b[s] is None else f'{b[s]:.2f}×':>12}"
+                                                             for s in sources))
+    out += textwrap.wrap(f"{' and '.join(sources)}: published, not measured here; each step is that table's row "
+                         "÷ the row before it", WIDTH)
+    return "\n".join(out)
+
+
+def why_cpu_differs(rows: list[dict], device: str, native_bf16: bool | None,
+                    matmul_peaks: dict[str, float] | None = None, cores: int | None = None) -> str:
+    """The paragraph on why this machine's table is not torchtitan's. Every claim in it is read off
+    the rows (and the measured matmul peaks, `{"float32": flops, "bfloat16": flops}`), so it says
+    what this run measured, in whichever direction that went."""
+    named = by_name(rows)
+    steps = {r["row"]: (ref, ratio, band) for r, ref, ratio, band in against_reference(rows)}
+    peaks = matmul_peaks or {}
+    fp32_over_bf16 = peaks["float32"] / peaks["bfloat16"] if {"float32", "bfloat16"} <= set(peaks) else None
+    out = [f"On {device}, each row is compared with the row it adds its technique to, and a ratio counts only "
+           f"beyond that comparison's noise band (the baselines' drift, {drift(rows):.0%}, plus the two rows' "
+           "step-to-step spread)."]
+
+    def measured(name: str) -> str:
+        ref, ratio, band = steps[name]
+        return f"{name} ran at {ratio:.2f}× {ref['row']} ({verdict(ratio, band, 'noise')})"
+
+    if "+bf16" in steps:
+        ref, ratio, band = steps["+bf16"]
+        units = {True: "has bf16 units", False: "has no bf16 units (bf16 is converted to fp32 to multiply)",
+                 None: "may or may not have bf16 units"}[native_bf16]
+        faster, slower = ("float32", "bfloat16") if (fp32_over_bf16 or 1) >= 1 else ("bfloat16", "float32")
+        peak = "" if fp32_over_bf16 is None else \
+            f"; its measured matmul peaks: {faster} at {max(fp32_over_bf16, 1 / fp32_over_bf16):.2g}× {slower}"
+        elsewhere = ratio < 1 - band and fp32_over_bf16 is not None and fp32_over_bf16 < 1
+        out.append(f"{measured('+bf16')}: this processor {units}{peak}"
+                   + (", so the time went elsewhere than into the matmuls' arithmetic (autocast's casts, "
+                      "kernels too small to keep the bf16 units busy)." if elsewhere else "."))
+    if "+compile" in steps:
+        row, (ref, ratio, band) = named["+compile"], steps["+compile"]
+        # How much set-up and first-step times vary without a compile: the rows trained the same way
+        # (here or in a job of their own) that compile nothing, the first row (one-off costs) aside.
+        peers = [r for r in rows[1:] if "error" not in r and not (r.get("overrides") or {}).get("compile.enable")
+                 and r["nproc"] == row["nproc"] and r.get("in_process") == row.get("in_process")]
+
+        def beyond(key: str, floor: float) -> tuple[bool, str]:
+            """Is the compiled row's `key` above its reference's by more than peers vary? And their range."""
+            spread = [r[key] for r in peers] or [ref[key]]
+            extra = row[key] - ref[key]
+            return extra > max(max(spread) - min(spread), floor), f"{min(spread):.2f}–{max(spread):.2f} s"
+
+        (setup_paid, setup_range), (first_paid, first_range) = beyond("setup_s", 1.0), beyond("first_step_s", 0.05)
+        paid = (f"compiling cost {row['setup_s'] - ref['setup_s']:.0f} s before step 1 (set-up {row['setup_s']:.0f} s "
+                f"against {ref['setup_s']:.0f} s: a trial compiles block 0 before training starts)" if setup_paid else
+                f"its set-up ({row['setup_s']:.1f} s against {ref['setup_s']:.1f} s) stayed within that of rows that "
+                f"compile nothing ({setup_range}), as when the compile cache already holds these graphs")
+        first = (f"its first step took {row['first_step_s']:.2f} s against {ref['first_step_s']:.2f} s (more graphs "
+                 "compiled during it)" if first_paid else
+                 f"its first step ({row['first_step_s']:.2f} s against {ref['first_step_s']:.2f} s) stayed within "
+                 f"the first steps of rows that compile nothing ({first_range})")
+        out.append(f"{measured('+compile')}; {paid}, and {first}. Compile fuses the element-wise glue between "
+                   "the matmuls: what that buys depends on how much of a step the glue takes.")
+    fp8 = "+FP8 tensorwise"
+    if fp8 in steps:
+        row, (ref, ratio, band) = named[fp8], steps[fp8]
+        emulated = "emulated" in row.get("fp8", "")
+        if emulated:
+            how = ("torchao emulates FP8 here: each matmul's operands are cast to FP8 and back, then multiplied "
+                   "in float32 (torch.mm)")
+            bf16_ref = ref.get("compute_dtype") == "bfloat16"
+            if ratio > 1 + band and bf16_ref and fp32_over_bf16 and fp32_over_bf16 > 1:
+                why = (f". Next to {ref['row']}'s bf16 matmuls that switches the Linears to float32 matmuls, "
+                       f"{fp32_over_bf16:.2g}× faster on this processor: the speed-up is the dtype, not FP8")
+            elif ratio > 1 + band:
+                why = ". Faster although emulated: the casts add work, so the gain comes from the matmul path, not FP8"
+            elif ratio < 1 - band:
+                why = ": the casts add work and no FP8 unit multiplies faster, so it costs time"
+            else:
+                why = ": the casts' cost and the float32 matmuls' speed leave no difference beyond noise"
+            out.append(f"{measured(fp8)}. {how}{why}.")
+        else:
+            out.append(f"{measured(fp8)}: real FP8 matmuls on FP8 tensor cores.")
+    fsdp = next((r["row"] for r in rows if r["row"].startswith("FSDP")), None)
+    if fsdp in steps:
+        row, (ref, ratio, band) = named[fsdp], steps[fsdp]
+        shared = f"the {cores} cores of this one machine" if cores else "this one machine's cores"
+        used, before = (row["nproc"] * row["threads"], ref["nproc"] * ref["threads"]) \
+            if row.get("threads") and ref.get("threads") else (None, None)
+        if ratio > 1 + band and used and used > before:
+            out.append(f"{measured(fsdp)}: its {row['nproc']} ranks ran {used} threads in all on {shared}, where "
+                       f"{ref['row']} ran {before}: more cores at work, not the sharding, which adds no device here.")
+        else:
+            out.append(f"{measured(fsdp)}: its ranks split {shared}, they do not add devices, so sharding buys "
+                       "memory per rank here, not speed.")
+    if "+FP8 all-gather" in steps:
+        out.append(f"{measured('+FP8 all-gather')}: the weights travel as FP8 in FSDP's all-gather, a quarter "
+                   "of float32's bytes, through memory shared by the ranks.")
+    return " ".join(out)
 
 
 def choose_recipe(args, n_devices: int, mem_bytes: float, rows: list[dict], *, seq_len: int,
                   micro_batch: int = 1, gpus_per_node: int | None = None) -> str:
     """The planner's layout for a model, device count and memory, and each technique's measured
-    evidence from the table: kept where this machine measured it faster beyond the drift (or,
-    for memory techniques, smaller), flagged where the device only emulates it."""
-    from ..distributed.planner import plan
+    evidence from the table, against the same reference as the table: its speed ratio read
+    against that comparison's noise band, its memory ratio where both figures are the rows' own."""
+    from ..tools.planner import plan
     p = plan(args, n_devices, mem_bytes, seq_len=seq_len, micro_batch=micro_batch,
              gpus_per_node=gpus_per_node or n_devices)
-    lines = [p.report(top=2), "", "measured evidence on this machine (rows above; ratio to the row before):"]
-    band = drift(rows)
-    measured = [r for r in rows[:-1] if "error" not in r]
-    for prev, r in zip(measured, measured[1:]):
-        speed = r["tokens_per_sec"] / prev["tokens_per_sec"]
-        known = r["peak_memory_bytes"] is not None and prev["peak_memory_bytes"] is not None
-        mem = f"{r['peak_memory_bytes'] / prev['peak_memory_bytes']:5.2f}×" if known else "not comparable"
-        lines.append(f"  {r['row']:20} speed {speed:5.2f}× ({verdict(speed, band)}), memory per rank {mem}"
-                     + (f"   [{r['fp8']}]" if r["fp8"] and "emulated" in r["fp8"] else ""))
+    lines = [p.report(top=2), "", "measured evidence on this machine (each row against its reference, as in "
+                                  "the table):"]
+    hidden = False
+    for r, ref, speed, band in against_reference(rows):
+        if r["row"] == "baseline (again)":
+            continue
+        known = r["peak_memory_bytes"] is not None and ref["peak_memory_bytes"] is not None
+        hidden |= not known
+        mem = f", memory per rank {r['peak_memory_bytes'] / ref['peak_memory_bytes']:.2f}×" if known else ""
+        lines.append(f"  {r['row']:18} {speed:5.2f}× {ref['row']:16} {verdict(speed, band, 'noise')}{mem}"
+                     + ("  [FP8 emulated]" if r["fp8"] and "emulated" in r["fp8"] else ""))
+    if hidden:
+        lines.append("  (memory only where both rows' figures are their own: see the table's —*)")
     return "\n".join(lines)
 
 

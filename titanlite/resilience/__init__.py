@@ -1,1 +1,1 @@
-"""Fault tolerance (notebook 13): failure injection now; checkpoint/resume and goodput follow."""
+"""Fault tolerance (notebooks 12-13): DCP checkpoints and their staging, resume, failure injection."""

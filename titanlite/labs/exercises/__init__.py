@@ -1,16 +1,23 @@
 """The checks behind the notebooks' exercises: `check(name, student_fn)` runs exercise `name`'s
 check on fresh random inputs against the package's real implementation, prints one line
 when it passes and raises one `ExerciseError` line saying what is wrong when it does not.
+A failure names its seed: `check(name, student_fn, seed=N)` draws the same inputs again.
 
 One module per group of notebooks (basics: 01-06, parallel: 07-11, resilience: 12-13,
-cpu_and_search: 14-15, capstone: 16); each
-check is registered with `@exercise(name, title)` under the name the notebook's check cell uses
-(the notebook number first: "02_global_token_loss").
+cpu_and_search: 14-15, capstone: 16); each check is a function of a `Check` (the run: name,
+seed, random generators, the comparisons) and the student's function, registered with
+`@exercise(name, title)` under the name the notebook's check cell uses (the notebook number
+first: "02_global_token_loss"). Every check draws its inputs so that the cases which tell the
+classic mistakes apart from the answer are there at every seed (tests/test_exercises.py
+sweeps seeds with more mistakes than the checks name).
 """
 from __future__ import annotations
 
-from ...errors import closest, install_notebook_handler
-from ...exercises import ExerciseError
+import warnings
+
+from ...errors import closest
+from ...tools.notebook import install_notebook_handler
+from .grading import Check, ExerciseError
 
 EXERCISES: dict[str, tuple[str, object]] = {}  # name → (title, check function)
 
@@ -22,15 +29,21 @@ def exercise(name: str, title: str):
     return register
 
 
-def check(name: str, student_fn) -> str:
-    """Check the student's function for exercise `name`; returns the line it printed.
+def check(name: str, student_fn, *, seed: int | None = None) -> None:
+    """Check the student's function for exercise `name`: prints one line when it passes, raises
+    one ExerciseError line when it does not. `seed`: repeat the inputs of a failure's [seed N].
     In IPython it first installs titanlite's one-line error display (what notebook_setup()
-    does; idempotent), so a failed check reads as one line even in a notebook without it."""
+    does; idempotent), so a failed check reads as one line even in a notebook without it.
+    Warnings raised while checking are not shown: the check's own output is its one line (and
+    nbgrader counts anything on stderr in a check cell as a failure)."""
     install_notebook_handler()
     if name not in EXERCISES:
         raise ExerciseError(f"no exercise named '{name}'{closest(name, EXERCISES)}; "
                             f"the exercises are: {', '.join(sorted(EXERCISES))}")
-    return EXERCISES[name][1](student_fn)
+    run = Check(name, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        EXERCISES[name][1](run, student_fn)
 
 
 def exercises_of(notebook: str) -> list[str]:
@@ -40,4 +53,4 @@ def exercises_of(notebook: str) -> list[str]:
 
 from . import basics, capstone, cpu_and_search, parallel, resilience  # noqa: E402,F401  (they register their checks)
 
-__all__ = ["EXERCISES", "ExerciseError", "check", "exercise", "exercises_of"]
+__all__ = ["EXERCISES", "Check", "ExerciseError", "check", "exercise", "exercises_of"]

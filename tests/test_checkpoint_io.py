@@ -1,0 +1,111 @@
+"""Where a checkpoint's bytes go (issue 24): a save spreads them evenly over the ranks (DCP's
+dedup plan), and a load under data parallelism reads each replicated byte once in the job
+(resilience/balanced_io.py) instead of once per rank, into the same state. Byte counts, not timings."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import tiny_overrides
+from titanlite.config import load_config
+from titanlite.tools.checkpoint_io import balance, bytes_written_per_rank, data_bytes
+from titanlite.tools.launcher import launch, launch_function
+
+LAYOUTS = {"ddp2": (2, {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}),
+           "ddp4": (4, {"parallel.dp_replicate": 4, "parallel.dp_shard": 1}),
+           "hsdp2x2": (4, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2})}
+
+
+def test_bytes_per_rank_come_from_dcps_file_names(tmp_path):
+    for name, size in {"__0_0.distcp": 300, "__0_1.distcp": 20, "__1_0.distcp": 310, ".metadata": 999,
+                       "titanlite.json": 50}.items():
+        (tmp_path / name).write_bytes(b"x" * size)
+    assert bytes_written_per_rank(tmp_path) == {0: 320, 1: 310} and data_bytes(tmp_path) == 630
+    assert balance({0: 320, 1: 310}) == pytest.approx(320 / 315)
+
+
+def _saved_run(data_dir, tmp_path, nproc, layout):
+    o = tiny_overrides(data_dir, tmp_path, **{"training.steps": 1, "eval.every": 0, "checkpoint.enable": True,
+                                              **layout})
+    result = launch(load_config(None, o), nproc, timeout_s=600)
+    (step,) = sorted((result.run_dir / "checkpoints").glob("step-????????"))
+    return o, step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_save_spreads_its_bytes_evenly_over_the_ranks(data_dir, tmp_path, layout):
+    nproc, overrides = LAYOUTS[layout]
+    _, step = _saved_run(data_dir, tmp_path, nproc, overrides)
+    per_rank = bytes_written_per_rank(step)
+    assert sorted(per_rank) == list(range(nproc)) and balance(per_rank) <= 1.1, per_rank
+
+
+@pytest.mark.slow
+def test_read_once_loading_reads_each_replicated_byte_once_into_the_same_state(data_dir, tmp_path):
+    o, step = _saved_run(data_dir, tmp_path, 2, LAYOUTS["ddp2"][1])
+    size = data_bytes(step)
+    runs = {}
+    for read_once in (False, True):
+        runs[read_once] = launch_function("titanlite.tools.checkpoint_io:load_bytes", nproc=2,
+                                          log_dir=str(tmp_path / f"load-{read_once}"), timeout_s=600,
+                                          overrides=o, step_dir=str(step), read_once=read_once)
+    every_rank = sum(r["bytes_read"] for r in runs[False])
+    once = sum(r["bytes_read"] for r in runs[True])
+    assert every_rank >= 1.9 * size  # DCP's default: each rank reads it all
+    assert once <= 1.05 * size and max(r["bytes_read"] for r in runs[True]) <= 0.6 * size
+    digests = {r["digest"] for rs in runs.values() for r in rs}
+    assert len(digests) == 1 and all(r["step"] == 1 for rs in runs.values() for r in rs)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "async_process"])
+def test_the_commit_takes_each_files_crc_from_the_bytes_written(tmp_path, monkeypatch, mode):
+    """No data file is read back to commit (the writer counted its CRC-32 as it wrote), and every
+    recorded CRC is the file's true one: the load-time check is exactly as strong as before."""
+    import json
+
+    import torch
+
+    from titanlite.resilience import checkpoint_files
+    from titanlite.resilience.checkpoint import Checkpointer
+    from titanlite.resilience.checkpoint_files import verify
+    read_back, real = [], checkpoint_files.crc32
+    monkeypatch.setattr(checkpoint_files, "crc32", lambda f: read_back.append(f.name) or real(f))
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(300, 100), "b": torch.randn(7)}, "step": 1}
+    ckpt = Checkpointer(tmp_path, mode=mode)
+    ckpt.save(state, 1)
+    ckpt.close()
+    step = tmp_path / "step-00000001"
+    files = json.loads((step / "titanlite.json").read_text())["files"]
+    data = [name for name in files if name.endswith(".distcp")]
+    assert data and not [name for name in read_back if name.endswith(".distcp")], read_back
+    assert all(files[name] == [(step / name).stat().st_size, real(step / name)] for name in files)
+    assert not list(step.glob("*.crc"))  # the writer's notes are gone once recorded
+    monkeypatch.setattr(checkpoint_files, "crc32", real)
+    assert verify(step)["step"] == 1
+
+
+def test_a_reused_stager_allocates_staging_memory_only_for_the_first_save(tmp_path):
+    import torch
+
+    from titanlite.tools.checkpoint_io import staging_reuse
+    state = {"model": {"w": torch.randn(200, 50), "b": torch.randn(5)}, "step": 1}
+    first, *later = staging_reuse(state, tmp_path / "ck", saves=3)
+    assert first >= 2 and later == [0, 0]
+
+
+def test_dcps_save_order_can_pile_bytes_on_one_rank_and_the_balanced_planner_does_not():
+    """Planned in this process for 2 DDP ranks holding the same lumpy state: two big tensors and many
+    small ones, as a debug-size model has."""
+    import torch
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from titanlite.resilience.balanced_io import BalancedSavePlanner
+    from titanlite.tools.checkpoint_io import planned_bytes_per_rank
+    sd = {"model": {"small.0": torch.zeros(1000), "embed": torch.zeros(512, 64), **{f"small.{i}": torch.zeros(900)
+                                                                                   for i in range(1, 12)},
+                    "out": torch.zeros(512, 64)}}
+    dcp_order = planned_bytes_per_rank(sd, 2, DefaultSavePlanner)
+    balanced = planned_bytes_per_rank(sd, 2, BalancedSavePlanner)
+    assert sum(dcp_order) == sum(balanced)
+    assert balance(dict(enumerate(dcp_order))) > 1.1 and balance(dict(enumerate(balanced))) <= 1.02

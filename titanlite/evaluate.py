@@ -1,0 +1,51 @@
+"""What the model can do so far: its loss on held-out text, and text it writes.
+
+    loss = validation_loss(loss_on, batches, device)         # mean over target tokens
+    text = generate(model, tokenizer, "The ", max_new_tokens=48, context=256)
+"""
+from __future__ import annotations
+
+import torch
+
+from ._ui import eager
+from .data.transfer import to_device
+from .distributed.env import all_reduce_sum
+from .efficiency.accumulation import count_targets
+
+
+@torch.no_grad()
+def validation_loss(loss_on, batches, device, distributed: bool = False) -> float:
+    """Mean loss per target token over `batches` (each data-parallel rank passes its own
+    shard's), summed over every rank. `loss_on(x, y)` is one batch's mean token loss."""
+    loss_total, tokens = 0.0, 0
+    for batch in batches:
+        x, y = to_device(batch, device)
+        n = max(1, count_targets(batch[1]))  # counted on the host copy
+        loss_total, tokens = loss_total + loss_on(x, y) * n, tokens + n
+    if distributed:
+        # TP and PP ranks of one slice add the same pair twice over: the ratio is unchanged.
+        both = torch.tensor([loss_total, float(tokens)], dtype=torch.float64, device=device)
+        loss_total, tokens = all_reduce_sum(both).tolist()
+    return loss_total / tokens
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int, context: int,
+             temperature: float = 0.8, top_k: int = 40, seed: int = 1234) -> str:
+    """Continue `prompt` with top-k sampling over the last `context` tokens. A generator of
+    its own, so sampling never moves the training run's random streams."""
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_token_id or 0]
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    for _ in range(max_new_tokens):
+        with eager():  # prompts of every length would each trigger a recompile
+            logits = model(x[:, -context:])
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # TP: vocab-sharded
+        logits = logits[0, -1].float().cpu() / max(temperature, 1e-5)
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        probs = torch.softmax(logits.masked_fill(logits < kth, -float("inf")), dim=-1)
+        x = torch.cat([x, torch.multinomial(probs, 1, generator=gen).to(x.device).view(1, 1)], dim=1)
+    model.train(was_training)
+    return tokenizer.decode(x[0].tolist())

@@ -1,0 +1,55 @@
+"""Staging: the copy of the state an async save makes before training may change the weights. The
+copy runs in the background too: the trainer waits for it only before its next optimizer step."""
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+
+def tensor_device_types(state) -> set[str]:
+    """The device types ("cuda", "cpu", ...) of every tensor in a (nested) state dict."""
+    if isinstance(state, torch.Tensor):  # for a DTensor, its local shard's
+        return {(state.to_local() if hasattr(state, "to_local") else state).device.type}
+    if isinstance(state, dict):
+        state = list(state.values())
+    return set().union(*map(tensor_device_types, state)) if isinstance(state, (list, tuple)) else set()
+
+
+def staging_options(tensor_device_types) -> dict[str, bool]:
+    """Pinned memory and a side stream (the copy overlaps training's kernels) for CUDA tensors only: a
+    CPU rank on a GPU host would make a CUDA context (hundreds of MiB on GPU 0 per rank) for nothing."""
+    cuda = "cuda" in set(tensor_device_types)
+    return {"use_pinned_memory": cuda, "use_non_blocking_copy": cuda, "use_staging_stream": cuda}
+
+
+def make_stager(options: dict[str, bool], shared_memory: bool = False) -> DefaultStager:
+    """DCP's stager for these options; the caller closes it when the write is done."""
+    torch_options = StagingOptions(use_pinned_memory=options["use_pinned_memory"],
+                                   use_shared_memory=shared_memory, use_async_staging=True,
+                                   use_non_blocking_copy=options["use_non_blocking_copy"])
+    return (DefaultStager if options["use_staging_stream"] else HostStager)(torch_options)
+
+
+class HostStager(DefaultStager):
+    """DefaultStager's copy in a background thread, without the accelerator stream torch's own
+    async mode makes whenever the machine has an accelerator, whatever device the tensors are on."""
+
+    def __init__(self, options: StagingOptions):
+        super().__init__(dataclasses.replace(options, use_async_staging=False))
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="titanlite-staging")
+        self._future = None
+
+    def stage(self, state_dict, **kwargs):
+        self._future = self._copier.submit(super().stage, state_dict, **kwargs)
+        return self._future
+
+    def synchronize_staging(self) -> None:
+        if self._future is not None:
+            self._future.result()
+
+    def close(self) -> None:
+        self._copier.shutdown(wait=True)
+        super().close()
