@@ -142,7 +142,7 @@ def dcp_load(sd: dict, path: Path, *, crc_checked: bool, no_dist: bool = False, 
             warnings.simplefilter("ignore")  # DCP's notes on planners, process groups
             try:
                 FileSystemReader(path).read_metadata()
-            except Exception:  # noqa: BLE001: any unreadable index is a damaged one
+            except Exception:  # noqa: BLE001 -- any unreadable index is a damaged one
                 raise _damaged(path, "its index .metadata cannot be read") from None
             try:
                 dcp.load(sd, checkpoint_id=path, storage_reader=reader, planner=planner, no_dist=no_dist)
