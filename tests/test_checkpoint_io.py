@@ -109,3 +109,68 @@ def test_dcps_save_order_can_pile_bytes_on_one_rank_and_the_balanced_planner_doe
     balanced = planned_bytes_per_rank(sd, 2, BalancedSavePlanner)
     assert sum(dcp_order) == sum(balanced)
     assert balance(dict(enumerate(dcp_order))) > 1.1 and balance(dict(enumerate(balanced))) <= 1.02
+
+
+def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_writes(tmp_path, monkeypatch):
+    """ByteCheckpoint's ping-pong pool. Save 1's write is held up; save 2 stages at once into a second
+    stager (training does not wait for save 1's write), its write starts only after save 1's (never two
+    at once on the background group), commits come in order, each checkpoint holds its own step's
+    values, and save 3 reuses one of the two stagers."""
+    import threading
+    import time
+    from pathlib import Path
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.resilience import checkpoint
+    from titanlite.resilience.checkpoint import Checkpointer
+
+    made, make_stager = [], checkpoint.make_stager
+    monkeypatch.setattr(checkpoint, "make_stager", lambda *a, **kw: made.append(make_stager(*a, **kw)) or made[-1])
+    release, started, running, most = threading.Event(), [], [0], [0]
+    write_data = dcp.FileSystemWriter.write_data
+
+    def held_write(self, plan, planner):
+        name = Path(self.path).name
+        started.append(name)
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        try:
+            if name == "step-00000001.partial":
+                assert release.wait(20), "save 2 waited for save 1's write"
+            return write_data(self, plan, planner)
+        finally:
+            running[0] -= 1
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_write)
+
+    folder = tmp_path / "ck"
+    ckpt = Checkpointer(folder, mode="async", keep_latest_k=0)
+    state = {"w": torch.zeros(4096)}
+    try:
+        for step in (1, 2):
+            state["w"].fill_(step)
+            ckpt.save(state, step)
+            ckpt.wait_for_staging()
+            state["w"].fill_(-1)  # the next optimizer step
+        # Save 1 is still held: save 2 was staged (copied) into a buffer of its own, and waits to write.
+        deadline = time.monotonic() + 20
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # time enough for save 2's write to start, were it not held back
+        assert len(made) == 2 and started == ["step-00000001.partial"]
+        assert not any(folder.glob("step-0000000?")), "nothing can commit while save 1 writes"
+        release.set()
+        state["w"].fill_(3)
+        ckpt.save(state, 3)
+        ckpt.wait_for_staging()
+        state["w"].fill_(-1)
+    finally:
+        release.set()
+        ckpt.close()
+    assert len(made) == 2, "save 3 reused a kept stager"
+    assert started == [f"step-0000000{s}.partial" for s in (1, 2, 3)] and most[0] == 1
+    for step in (1, 2, 3):
+        loaded = {"w": torch.empty(4096)}
+        assert ckpt.load(loaded, folder / f"step-{step:08d}") == step
+        assert torch.equal(loaded["w"], torch.full((4096,), float(step))), step

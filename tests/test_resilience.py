@@ -331,9 +331,10 @@ def test_a_refused_start_changes_nothing_in_the_run_folder(data_dir, tmp_path, c
     assert _tree(run_dir) == before
 
 
-def test_one_stager_serves_every_async_save_and_its_buffers_carry_each_new_state(tmp_path, monkeypatch):
-    """torch's stager keeps its (pinned) copy of the state and refreshes it in place: one per run,
-    not a fresh full-size copy per save; each checkpoint still holds its own step's values."""
+def test_kept_stagers_serve_every_async_save_and_their_buffers_carry_each_new_state(tmp_path, monkeypatch):
+    """torch's stager keeps its (pinned) copy of the state and refreshes it in place: one per run (two
+    when a save comes while the previous one still writes), not a fresh full-size copy per save; each
+    checkpoint still holds its own step's values."""
     from titanlite.resilience import checkpoint
     made, make_stager = [], checkpoint.make_stager
     monkeypatch.setattr(checkpoint, "make_stager", lambda *a, **kw: made.append(make_stager(*a, **kw)) or made[-1])
@@ -345,7 +346,7 @@ def test_one_stager_serves_every_async_save_and_its_buffers_carry_each_new_state
         ckpt.wait_for_staging()
         state["w"].fill_(-1)  # the next "optimizer step": must not reach the checkpoint just staged
     ckpt.close()
-    assert len(made) == 1
+    assert 1 <= len(made) <= 2
     for step in (1, 2, 3):
         loaded = {"w": torch.empty(256)}
         assert ckpt.load(loaded, tmp_path / "ck" / f"step-{step:08d}") == step

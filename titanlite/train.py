@@ -5,8 +5,7 @@
 `fit` is the whole algorithm: micro-batches, forward, cross-entropy, backward, clip, AdamW step,
 learning-rate schedule. `forward_backward` is one step's forward and backward (through pipeline
 stages: `pipeline_forward_backward`, as in torchtitan). Timing, MFU, goodput, checkpoints,
-validation, samples and logging watch from the side (watchers.py); tools are handed to `fit`.
-"""
+validation, samples and logging watch from the side (watchers.py); tools are handed to `fit`."""
 from __future__ import annotations
 
 import json
@@ -26,8 +25,7 @@ from .data import build_data
 from .data.transfer import MicroBatches, micro_batches_to
 from .device_policy import allocator_settings, matmul_dtype, resolve_for_device, use_fused_adamw
 from .distributed.ddp import grad_sync, unwrap
-from .distributed.env import (all_reduce_sum, broadcast_from_rank0, destroy_distributed,
-                              init_distributed, torchrun_env)
+from .distributed.env import all_reduce_sum, broadcast_from_rank0, destroy_distributed, init_distributed, torchrun_env
 from .distributed.parallelize import loss_context_for, parallelize
 from .efficiency.accumulation import count_targets, global_tokens_per_rank, loss_sum
 from .efficiency.mixed_precision import Precision

@@ -44,8 +44,7 @@ def leaves(sd: dict, prefix: str = "") -> dict[str, tuple[dict, str]]:
     """{name DCP gives it ("model.w"): (the dict holding it, its key)} for every non-dict value."""
     out = {}
     for key, value in sd.items():
-        inner = isinstance(value, dict)
-        out.update(leaves(value, f"{prefix}{key}.") if inner else {f"{prefix}{key}": (sd, key)})
+        out.update(leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": (sd, key)})
     return out
 
 

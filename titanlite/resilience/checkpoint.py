@@ -4,11 +4,10 @@
     ckpt.save(state, step)        # returns after the blocking part; the write goes on behind
     step = ckpt.load(state)       # the newest complete checkpoint, verified, resharded to this run
 
-A save goes to step-N.partial/, committed by renaming it to step-N/ (atomic in POSIX): a kill at any moment
-leaves the last good checkpoint loadable; a load first checks every file's size and CRC-32. "sync" blocks
-training for the whole write; "async" (a thread) and "async_process" (a process) *stage* a host-memory copy
-in the background (`wait_for_staging()`), then write it behind training on their own gloo group.
-"""
+A save goes to step-N.partial/, renamed step-N/ once whole (atomic in POSIX): a kill at any moment leaves the
+last good checkpoint loadable; a load first checks every file's size and CRC-32. "sync" blocks training for the
+whole write; "async" (a thread) and "async_process" (a process) copy the state to host memory in the background
+(`wait_for_staging()`, into kept buffers) and write it behind training on their own gloo group."""
 from __future__ import annotations
 
 import json
@@ -17,9 +16,10 @@ import shutil
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,7 @@ from .staging import make_stager, staging_options, tensor_device_types
 MODES = ("sync", "async", "async_process")
 
 
-@dataclass
-class SaveTiming:
+class SaveTiming(NamedTuple):
     step: int
     blocked_s: float  # training stood still this long (for async: staging + the call)
     mode: str
@@ -59,8 +58,11 @@ class Checkpointer:
         self.read_once = read_once
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
-        self._pending = self._staging = None  # an async save's background commit, and its copy
-        self._stager = None  # one per run: its pinned (or shared) copy of the state is reused by every save
+        self._staging = None  # the newest async save's copy of the state (a future)
+        # Async saves not yet committed, oldest first: (stager, write, commit). At most two: a save stages
+        # into one stager while the previous save still writes from the other (ByteCheckpoint's ping-pong).
+        self._writes = deque()
+        self._stagers = []  # made when first needed, then reused: their (pinned) copies are kept
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="titanlite-commit")
         # torch's writer (thread or process) saves through the default group, and warns on every save
         # of a lone process that has none: give a lone process a group of one.
@@ -73,7 +75,9 @@ class Checkpointer:
     def save(self, state, step: int, before_commit=None) -> SaveTiming:
         """Save `state` (dict or Stateful) as `step`; a rank runs `before_commit()` once its data is out."""
         start = time.perf_counter()
-        self.wait()  # one save in flight at a time: the previous one commits first
+        self.wait_for_staging()
+        while len(self._writes) >= 2:  # two saves in flight at most: the oldest commits first
+            self._writes.popleft()[2].result()
         final = step_dir(self.folder, step)
         tmp = final.with_name(final.name + ".partial")
         if self.rank == 0:
@@ -98,15 +102,11 @@ class Checkpointer:
                     # The stager copies on its own stream, which does not wait for training's: without
                     # this, a save off a logged step could copy weights the optimizer is still writing.
                     torch.cuda.current_stream().synchronize()
-                self._stager = self._stager or make_stager(options, shared_memory=process)
-                try:
-                    response = dcp.async_save(sd, storage_writer=writer, planner=BalancedSavePlanner(),
-                                              process_group=self._pg, async_checkpointer_type=kind,
-                                              async_stager=self._stager)
-                except BaseException:
-                    self._close_stager()
-                    raise
-                self._staging = response.staging_completion
+                stager = self._free_stager(options, process)
+                gated = _WriteAfter(stager, self._writes[-1][1] if self._writes else None)
+                response = dcp.async_save(sd, storage_writer=writer, planner=BalancedSavePlanner(),
+                                          process_group=self._pg, async_checkpointer_type=kind, async_stager=gated)
+                self._staging = gated.copy  # training waits for its copy, not for the previous write
         if before_commit is not None:
             before_commit()
         if self.mode == "sync":
@@ -114,7 +114,8 @@ class Checkpointer:
             if self.distributed:
                 dist.barrier()  # everyone returns with the checkpoint committed
         else:
-            self._pending = self._pool.submit(self._finish, response, tmp, final, step)
+            commit = self._pool.submit(self._finish, response, tmp, final, step)
+            self._writes.append((stager, response.upload_completion, commit))
         return SaveTiming(step, time.perf_counter() - start, self.mode)
 
     def wait_for_staging(self) -> float:
@@ -130,19 +131,26 @@ class Checkpointer:
         """Block until the save in flight (if any) is written and committed."""
         start = time.perf_counter()
         self.wait_for_staging()
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()  # re-raises a failed background write here
+        while self._writes:
+            self._writes.popleft()[2].result()  # re-raises a failed background write here
         return time.perf_counter() - start
+
+    def _free_stager(self, options: dict, shared_memory: bool):
+        """A stager no unfinished write still reads from; a second one is made only when a save comes
+        while the previous one is still writing (ByteCheckpoint's ping-pong pool: two buffers, reused)."""
+        busy = [stager for stager, write, _ in self._writes if not write.done()]
+        free = [stager for stager in self._stagers if stager not in busy]
+        if not free:
+            self._stagers.append(make_stager(options, shared_memory=shared_memory))
+        return (free or self._stagers[-1:])[0]
 
     def _finish(self, response, tmp: Path, final: Path, step: int) -> None:
         response.upload_completion.result()  # every rank's data is written and rank 0 wrote .metadata
         self._commit(tmp, final, step)
 
-    def _close_stager(self) -> None:
-        if self._stager is not None:
-            self._stager, stager = None, self._stager
-            stager.close()  # its copy thread and staging buffers
+    def _close_stagers(self) -> None:
+        while self._stagers:
+            self._stagers.pop().close()  # its copy thread and staging buffers
 
     def _commit(self, tmp: Path, final: Path, step: int) -> None:
         """Rank 0: record every file's size and CRC, then rename: the checkpoint exists."""
@@ -216,7 +224,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
-            self._close_stager()
+            self._close_stagers()
             if self.mode == "async_process":
                 stop_dcp_writer_process()  # torch has no public way to stop its writer process
             if self._pg is not None:
@@ -225,3 +233,20 @@ class Checkpointer:
             if self._own_world:
                 dist.destroy_process_group()
                 self._own_world = False
+
+
+class _WriteAfter:
+    """`stager`'s copy, handed to DCP's writer once the previous save's write is done: DCP starts each write
+    on a new thread, so two saves' writes would otherwise interleave collectives on the one background group."""
+
+    def __init__(self, stager, previous_write: Future | None):
+        self.stager, self.previous, self.copy = stager, previous_write, None
+
+    def stage(self, state_dict) -> Future:  # all DCP calls when it gets a future back
+        self.copy, released = self.stager.stage(state_dict), Future()
+
+        def release(_):
+            error = self.copy.exception()
+            released.set_exception(error) if error else released.set_result(self.copy.result())
+        self.copy.add_done_callback(lambda _: (self.previous or self.copy).add_done_callback(release))
+        return released
