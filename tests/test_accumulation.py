@@ -58,8 +58,9 @@ def test_trainer_accumulation_matches_big_batch(data_dir, tmp_path):
                                                                       "eval.every": 0, **extra}))
         trainer = Trainer(cfg)
         return trainer, trainer.fit().losses
-    big_trainer, big = losses(**{"training.batch_size": 8})
-    acc_trainer, acc = losses(**{"training.batch_size": 2, "training.global_batch_size": 8})
+    big_trainer, big = losses(**{"training.batch_size": 8, "metrics.run_name": "big"})
+    acc_trainer, acc = losses(**{"training.batch_size": 2, "training.global_batch_size": 8,
+                                 "metrics.run_name": "accumulated"})
     assert acc_trainer.grad_accum_steps == 4 and acc_trainer.global_batch == big_trainer.global_batch
     assert acc == pytest.approx(big, rel=1e-5)
 

@@ -111,7 +111,7 @@ def test_a_checkpoint_of_another_model_is_refused_and_left_alone(saved):
         _load_into_fresh({**o, "model.n_layers": 3}, path)
     with pytest.raises(TitanliteError, match="different model"):  # also through the trainer
         Trainer(load_config(None, {**o, "model.n_layers": 3, "checkpoint.load": str(path),
-                                   "checkpoint.enable": False})).fit()
+                                   "checkpoint.enable": False, "metrics.run_name": "bigger"})).fit()
     assert {f.name: f.read_bytes() for f in path.iterdir()} == before
 
 
