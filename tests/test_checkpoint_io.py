@@ -112,10 +112,11 @@ def test_dcps_save_order_can_pile_bytes_on_one_rank_and_the_balanced_planner_doe
 
 
 def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_writes(tmp_path, monkeypatch):
-    """ByteCheckpoint's ping-pong pool. Save 1's write is held up; save 2 stages at once into a second
-    stager (training does not wait for save 1's write), its write starts only after save 1's (never two
-    at once on the background group), commits come in order, each checkpoint holds its own step's
-    values, and save 3 reuses one of the two stagers."""
+    """ByteCheckpoint's ping-pong pool. Save 1 is written whole (until one write has finished DCP may
+    still be starting its writer process: saves do not overlap yet). Save 2's write is held up; save 3
+    stages at once into a second stager (training does not wait for save 2's write), its write starts
+    only after save 2's (never two at once on the background group), commits come in order, each
+    checkpoint holds its own step's values, and save 4 reuses one of the two stagers."""
     import threading
     import time
     from pathlib import Path
@@ -137,8 +138,8 @@ def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_wr
         running[0] += 1
         most[0] = max(most[0], running[0])
         try:
-            if name == "step-00000001.partial":
-                assert release.wait(20), "save 2 waited for save 1's write"
+            if name == "step-00000002.partial":
+                assert release.wait(20), "save 3 waited for save 2's write"
             return write_data(self, plan, planner)
         finally:
             running[0] -= 1
@@ -147,30 +148,54 @@ def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_wr
     folder = tmp_path / "ck"
     ckpt = Checkpointer(folder, mode="async", keep_latest_k=0)
     state = {"w": torch.zeros(4096)}
-    try:
-        for step in (1, 2):
-            state["w"].fill_(step)
-            ckpt.save(state, step)
-            ckpt.wait_for_staging()
-            state["w"].fill_(-1)  # the next optimizer step
-        # Save 1 is still held: save 2 was staged (copied) into a buffer of its own, and waits to write.
-        deadline = time.monotonic() + 20
-        while not started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.3)  # time enough for save 2's write to start, were it not held back
-        assert len(made) == 2 and started == ["step-00000001.partial"]
-        assert not any(folder.glob("step-0000000?")), "nothing can commit while save 1 writes"
-        release.set()
-        state["w"].fill_(3)
-        ckpt.save(state, 3)
+
+    def save(step):
+        state["w"].fill_(step)
+        ckpt.save(state, step)
         ckpt.wait_for_staging()
-        state["w"].fill_(-1)
+        state["w"].fill_(-1)  # the next optimizer step
+
+    try:
+        save(1)
+        save(2)  # save 1 has committed before save 2 began: no overlap before a first finished write
+        assert len(made) == 1 and (folder / "step-00000001").is_dir()
+        save(3)
+        # Save 2 is still held: save 3 was staged (copied) into a buffer of its own, and waits to write.
+        deadline = time.monotonic() + 20
+        while "step-00000002.partial" not in started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # time enough for save 3's write to start, were it not held back
+        assert len(made) == 2 and started[1:] == ["step-00000002.partial"]
+        assert not (folder / "step-00000002").exists() and not (folder / "step-00000003").exists()
+        release.set()
+        save(4)
     finally:
         release.set()
         ckpt.close()
-    assert len(made) == 2, "save 3 reused a kept stager"
-    assert started == [f"step-0000000{s}.partial" for s in (1, 2, 3)] and most[0] == 1
-    for step in (1, 2, 3):
+    assert len(made) == 2, "save 4 reused a kept stager"
+    assert started == [f"step-0000000{s}.partial" for s in (1, 2, 3, 4)] and most[0] == 1
+    for step in (1, 2, 3, 4):
         loaded = {"w": torch.empty(4096)}
         assert ckpt.load(loaded, folder / f"step-{step:08d}") == step
         assert torch.equal(loaded["w"], torch.full((4096,), float(step))), step
+
+
+def test_a_save_of_a_step_in_flight_waits_for_it_instead_of_writing_over_it(tmp_path):
+    """Saving step N again (or an earlier step) while step N still writes would delete its `.partial`
+    folder under the writer: the second save waits for the first to commit, then replaces it."""
+    import torch
+
+    from titanlite.resilience.checkpoint import Checkpointer
+    ckpt = Checkpointer(tmp_path / "ck", mode="async", keep_latest_k=0)
+    state = {"w": torch.zeros(1 << 16)}
+    try:
+        for value, step in ((1.0, 1), (2.0, 2), (3.0, 2), (4.0, 1)):
+            state["w"].fill_(value)
+            ckpt.save(state, step)
+            ckpt.wait_for_staging()
+    finally:
+        ckpt.close()
+    for step, value in ((1, 4.0), (2, 3.0)):
+        loaded = {"w": torch.empty(1 << 16)}
+        assert ckpt.load(loaded, tmp_path / "ck" / f"step-{step:08d}") == step
+        assert torch.equal(loaded["w"], torch.full((1 << 16,), value)), step

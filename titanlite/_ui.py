@@ -41,8 +41,7 @@ class PlainProgress:
         step 40/200 · loss 5.120 · 1,234 tok/s · 00:12 elapsed, 00:48 left
     """
 
-    def __init__(self, total: int, initial: int = 0, every_s: float = 30.0, stream=None,
-                 clock=time.monotonic):
+    def __init__(self, total: int, initial: int = 0, every_s: float = 30.0, stream=None, clock=time.monotonic):
         self.total, self.n, self.initial = total, initial, initial
         self.stream, self.clock, self.every_s = stream, clock, every_s
         self.stride = max(1, -(-(total - initial) // 10))  # ceil: ten lines for the steps left

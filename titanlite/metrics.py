@@ -52,8 +52,7 @@ def train_record(step: int, out: dict, *, lr: float, step_time: float, elapsed: 
         record.update(world_size=world_size)
     record.update(extra)
     if precision.scaler.is_enabled():
-        record.update(loss_scale=precision.scale, skipped=out["skipped"],
-                      skipped_steps=precision.skipped_steps)
+        record.update(loss_scale=precision.scale, skipped=out["skipped"], skipped_steps=precision.skipped_steps)
     return record
 
 

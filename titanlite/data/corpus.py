@@ -87,8 +87,7 @@ def corpus_id(dataset: str, documents: list[str]) -> str:
     return f"{slug}-{fingerprint(*documents)}"
 
 
-def limit_documents(docs: list[str], *, max_chars: int | None = None,
-                    max_docs: int | None = None) -> list[str]:
+def limit_documents(docs: list[str], *, max_chars: int | None = None, max_docs: int | None = None) -> list[str]:
     """The first max_docs documents, and at most max_chars characters (the last one cut)."""
     docs = [d for d in docs if d.strip()][:max_docs]
     if max_chars is None:

@@ -40,8 +40,7 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
     """Yields this rank's window indices for one micro-step at a time, forever."""
     _STATE_KEYS = ("seed", "epoch", "position", "steps", "num_windows", "batch_size", "world_size")
 
-    def __init__(self, num_windows: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
-                 seed: int = 0):
+    def __init__(self, num_windows: int, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0):
         self.num_windows = _positive_int("num_windows", num_windows)
         self.batch_size = _positive_int("batch_size", batch_size)
         check_rank(rank, world_size)

@@ -61,6 +61,5 @@ def shard_and_init(model_on_meta: nn.Module, init_full_model, mesh, device: torc
     with torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators")
         model.init_weights()  # buffers (RoPE tables); the weights are overwritten next
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
-                                                               broadcast_from_rank0=True))
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model

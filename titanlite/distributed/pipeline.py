@@ -42,8 +42,7 @@ def _group(pp_group):  # a process group (None: the default one) or a 1-D Device
 
 def pipeline_split(model: nn.Module, pp_group, *, schedule: str = "1f1b",
                    stages_per_rank: int | None = None, first_stage_weight: float = 0.0,
-                   last_stage_weight: float = 0.0, device: torch.device | None = None,
-                   parallelize_part=None):
+                   last_stage_weight: float = 0.0, device: torch.device | None = None, parallelize_part=None):
     """This rank's stages (torch `PipelineStage`s) and their modules; every rank passes the same full model
     (`pp_group`: group or 1-D mesh). `parallelize_part(part)` runs on each part first (AC, compile, DP)."""
     group = _group(pp_group)
@@ -153,8 +152,7 @@ class TokenLoss:
         return loss_sum(logits, targets) / self.num_tokens
 
 
-def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn, *,
-                   batch_size: int | None = None):
+def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn, *, batch_size: int | None = None):
     """torch's schedule `name` over this rank's stages (from `pipeline_split(schedule=name)`)."""
     check_pipeline(pp=stages[0].group_size, schedule=name, n_microbatches=n_microbatches,
                    batch_size=batch_size, stages_per_rank=len(stages))

@@ -59,9 +59,9 @@ class Checkpointer:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self._staging = None  # the newest async save's copy of the state (a future)
-        # Async saves not yet committed, oldest first: (stager, write, commit). At most two: a save stages
+        # Async saves not yet committed, oldest first: [stager, write, commit, step]. At most two: a save stages
         # into one stager while the previous save still writes from the other (ByteCheckpoint's ping-pong).
-        self._writes = deque()
+        self._writes, self._overlap = deque(), False
         self._stagers = []  # made when first needed, then reused: their (pinned) copies are kept
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="titanlite-commit")
         # torch's writer (thread or process) saves through the default group, and warns on every save
@@ -76,8 +76,10 @@ class Checkpointer:
         """Save `state` (dict or Stateful) as `step`; a rank runs `before_commit()` once its data is out."""
         start = time.perf_counter()
         self.wait_for_staging()
-        while len(self._writes) >= 2:  # two saves in flight at most: the oldest commits first
-            self._writes.popleft()[2].result()
+        # Two saves in flight at most, the oldest committing first; one until a write has finished (DCP
+        # starts its writer process in the first) or when the one in flight is of this step or a later one.
+        while self._writes and (len(self._writes) > self._overlap or self._writes[-1][3] >= step):
+            self._wait_oldest()
         final = step_dir(self.folder, step)
         tmp = final.with_name(final.name + ".partial")
         if self.rank == 0:
@@ -107,6 +109,7 @@ class Checkpointer:
                 response = dcp.async_save(sd, storage_writer=writer, planner=BalancedSavePlanner(),
                                           process_group=self._pg, async_checkpointer_type=kind, async_stager=gated)
                 self._staging = gated.copy  # training waits for its copy, not for the previous write
+                self._writes.append([stager, response.upload_completion, None, step])  # its commit: below
         if before_commit is not None:
             before_commit()
         if self.mode == "sync":
@@ -114,8 +117,7 @@ class Checkpointer:
             if self.distributed:
                 dist.barrier()  # everyone returns with the checkpoint committed
         else:
-            commit = self._pool.submit(self._finish, response, tmp, final, step)
-            self._writes.append((stager, response.upload_completion, commit))
+            self._writes[-1][2] = self._pool.submit(self._finish, response, tmp, final, step)
         return SaveTiming(step, time.perf_counter() - start, self.mode)
 
     def wait_for_staging(self) -> float:
@@ -132,13 +134,16 @@ class Checkpointer:
         start = time.perf_counter()
         self.wait_for_staging()
         while self._writes:
-            self._writes.popleft()[2].result()  # re-raises a failed background write here
+            self._wait_oldest()
         return time.perf_counter() - start
 
+    def _wait_oldest(self) -> None:
+        _, write, commit, _ = self._writes.popleft()
+        (commit or write).result()  # re-raises a failed background write (no commit: before_commit raised)
+
     def _free_stager(self, options: dict, shared_memory: bool):
-        """A stager no unfinished write still reads from; a second one is made only when a save comes
-        while the previous one is still writing (ByteCheckpoint's ping-pong pool: two buffers, reused)."""
-        busy = [stager for stager, write, _ in self._writes if not write.done()]
+        """A stager no unfinished write reads from: a second is made only while the first writes (ping-pong)."""
+        busy = [stager for stager, write, *_ in self._writes if not write.done()]
         free = [stager for stager in self._stagers if stager not in busy]
         if not free:
             self._stagers.append(make_stager(options, shared_memory=shared_memory))
@@ -146,6 +151,7 @@ class Checkpointer:
 
     def _finish(self, response, tmp: Path, final: Path, step: int) -> None:
         response.upload_completion.result()  # every rank's data is written and rank 0 wrote .metadata
+        self._overlap = True
         self._commit(tmp, final, step)
 
     def _close_stagers(self) -> None:
