@@ -3,6 +3,8 @@ dedup plan), and a load under data parallelism reads each replicated byte once i
 (resilience/balanced_io.py) instead of once per rank, into the same state. Byte counts, not timings."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from conftest import tiny_overrides
@@ -122,7 +124,6 @@ def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_wr
     from pathlib import Path
 
     import torch
-    import torch.distributed.checkpoint as dcp
 
     from titanlite.resilience import checkpoint
     from titanlite.resilience.checkpoint import Checkpointer
@@ -130,7 +131,8 @@ def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_wr
     made, make_stager = [], checkpoint.make_stager
     monkeypatch.setattr(checkpoint, "make_stager", lambda *a, **kw: made.append(make_stager(*a, **kw)) or made[-1])
     release, started, running, most = threading.Event(), [], [0], [0]
-    write_data = dcp.FileSystemWriter.write_data
+    from titanlite.resilience.checkpoint_files import RawWriter
+    write_data = RawWriter.write_data
 
     def held_write(self, plan, planner):
         name = Path(self.path).name
@@ -143,7 +145,7 @@ def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_wr
             return write_data(self, plan, planner)
         finally:
             running[0] -= 1
-    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_write)
+    monkeypatch.setattr(RawWriter, "write_data", held_write)
 
     folder = tmp_path / "ck"
     ckpt = Checkpointer(folder, mode="async", keep_latest_k=0)
@@ -199,3 +201,103 @@ def test_a_save_of_a_step_in_flight_waits_for_it_instead_of_writing_over_it(tmp_
         loaded = {"w": torch.empty(1 << 16)}
         assert ckpt.load(loaded, tmp_path / "ck" / f"step-{step:08d}") == step
         assert torch.equal(loaded["w"], torch.full((1 << 16,), value)), step
+
+
+def _every_kind_of_entry():
+    import torch
+    torch.manual_seed(0)
+    big = torch.randn(10, 12)
+    return {"model": {"w": torch.randn(64, 48), "bf16": torch.randn(9, 5).bfloat16(), "t": torch.randn(6, 4).t(),
+                      "narrow": big[2:5], "empty": torch.empty(0, 3)},
+            "optimizer": {"step": torch.tensor(3.0), "ids": torch.arange(11), "mask": torch.rand(13) > 0.5,
+                          "lr": 0.25, "groups": [{"betas": (0.9, 0.95)}]}}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_tensors_are_stored_as_their_bytes_and_load_back_exactly(tmp_path, mode):
+    """Every kind of entry a training state holds round-trips; a tensor's bytes in the file are the
+    tensor's own (no torch.save container around them), marked so that no reader mistakes them."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from titanlite.resilience.checkpoint import Checkpointer
+    from titanlite.resilience.checkpoint_files import RAW
+    state = _every_kind_of_entry()
+    ckpt = Checkpointer(tmp_path, mode=mode)
+    ckpt.save(state, 1)
+    ckpt.close()
+    step = tmp_path / "step-00000001"
+    meta = FileSystemReader(step).read_metadata()
+    data = (step / "__0_0.distcp").read_bytes()
+    flat = {"model.w": state["model"]["w"], "model.bf16": state["model"]["bf16"], "model.t": state["model"]["t"],
+            "model.narrow": state["model"]["narrow"], "optimizer.ids": state["optimizer"]["ids"]}
+    for name, tensor in flat.items():
+        (index, info), = [(i, s) for i, s in meta.storage_data.items() if i.fqn == name]
+        assert list(info.transform_descriptors) == [RAW]
+        want = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert data[info.offset:info.offset + info.length] == want, name
+    fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+             "optimizer": {"step": torch.tensor(0.0), "ids": torch.zeros(11, dtype=torch.int64),
+                           "mask": torch.zeros(13, dtype=torch.bool), "lr": None, "groups": [{"betas": None}]}}
+    loader = Checkpointer(tmp_path)
+    assert loader.load(fresh) == 1
+    loader.close()
+    for part in ("model", "optimizer"):
+        for key, value in state[part].items():
+            got = fresh[part][key]
+            assert (torch.equal(got, value) and got.dtype == value.dtype) if isinstance(value, torch.Tensor) \
+                else got == value, key
+
+
+def test_a_checkpoint_written_by_dcps_own_writer_still_loads(tmp_path):
+    """Checkpoints from before the raw format (DCP's torch.save per tensor) load through the same reader."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.resilience.checkpoint_files import dcp_load
+    state = _every_kind_of_entry()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+             "optimizer": {"step": torch.tensor(0.0), "ids": torch.zeros(11, dtype=torch.int64),
+                           "mask": torch.zeros(13, dtype=torch.bool), "lr": None, "groups": [{"betas": None}]}}
+    dcp_load(fresh, tmp_path, crc_checked=True, no_dist=True)
+    assert all(torch.equal(fresh["model"][k], v) for k, v in state["model"].items())
+    assert torch.equal(fresh["optimizer"]["ids"], state["optimizer"]["ids"]) and fresh["optimizer"]["lr"] == 0.25
+
+
+def test_dcps_own_reader_refuses_raw_tensors_instead_of_misreading_them(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.resilience.checkpoint import Checkpointer
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"w": torch.randn(8)}, 1)
+    ckpt.close()
+    with pytest.raises(BaseException, match="titanlite.raw"):  # DCP's CheckpointException is a BaseException
+        dcp.load({"w": torch.zeros(8)}, checkpoint_id=tmp_path / "step-00000001", no_dist=True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread CPU priority is a Linux call")
+def test_an_async_writer_yields_the_cpu_to_training_and_a_sync_save_does_not(tmp_path, monkeypatch):
+    """An async save's writer thread lowers its own priority (nice 19): on a CPU the training step keeps
+    the cores. A sync save writes on training's own thread, which must keep its priority."""
+    import os
+    import threading
+
+    import torch
+
+    from titanlite.resilience.checkpoint import Checkpointer
+    calls, set_priority = [], os.setpriority
+    monkeypatch.setattr(os, "setpriority", lambda which, who, prio: calls.append((who, prio)) or set_priority(which, who, prio))
+    for mode in ("sync", "async"):
+        ckpt = Checkpointer(tmp_path / mode, mode=mode)
+        ckpt.save({"w": torch.randn(64)}, 1)
+        ckpt.close()
+        if mode == "sync":
+            assert calls == []
+    (who, prio), = calls
+    assert prio == 19 and who != threading.main_thread().native_id

@@ -142,4 +142,4 @@ def test_readme_reading_order_lists_every_core_file_once_with_todays_line_counts
 def test_the_core_imports_nothing_only_the_tools_use():
     # _compat/torch_tools.py holds the tools' torch internals: it is not in the core's reading order
     reach = reachable()
-    assert "titanlite._compat.torch_tools" not in reach
+    assert "titanlite._compat.torch_tools" not in reach and "titanlite._compat.torchao_tools" not in reach

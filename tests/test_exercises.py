@@ -674,7 +674,7 @@ def test_instructor_notebook_is_nbgrader_ready(path):
         check_meta = cells[i + 1].metadata["nbgrader"]
         assert check_meta["grade"] and check_meta["locked"] and check_meta["points"] == 1
         name = cells[i + 1].source.split('check("')[1].split('"')[0]
-        assert cells[i - 1].cell_type == "markdown" and f"seed=N)` repeats" in cells[i - 1].source
+        assert cells[i - 1].cell_type == "markdown" and "seed=N)` repeats" in cells[i - 1].source
         assert cells[i - 1].source.startswith(f"### ✍️ Exercise `{name}`: {EXERCISES[name][0]}\n")
         assert BEGIN not in student_notebook(nbformat.read(path, 4)).cells[i].source
 

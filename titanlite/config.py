@@ -5,8 +5,7 @@
 
 Every key is checked: an unknown key names the closest valid ones, a wrong type says which
 type was expected, and impossible values (non-positive steps, ...) are refused before any
-work starts. Sections mirror torchtitan's job config, trimmed to what titanlite teaches.
-"""
+work starts. Sections mirror torchtitan's job config, trimmed to what titanlite teaches."""
 from __future__ import annotations
 
 import dataclasses

@@ -6,8 +6,7 @@
 
 `check_field` refuses a value outside its declaration in one line naming the key and the fix, before
 any work starts (never in a torch constructor later); `set_value` sets a dotted key from a TOML file or
-the command line, converting the type and naming the closest valid keys when one does not exist.
-"""
+the command line, converting the type and naming the closest valid keys when one does not exist."""
 from __future__ import annotations
 
 import contextlib

@@ -9,8 +9,7 @@ dtype, torch version), so every branch can be tested on a laptop CPU with anothe
     attention          SDPA tries cuDNN, flash, memory-efficient, math, in that order
     allocator          expandable segments, unless PYTORCH_CUDA_ALLOC_CONF says otherwise
 CPU and MPS keep fp32, eager, per-step logs. Also: TF32, whether GQA repeats k/v, the dtype MFU
-divides by, the process-group backend and which GPU a rank takes.
-"""
+divides by, the process-group backend and which GPU a rank takes."""
 from __future__ import annotations
 
 import os
@@ -86,8 +85,7 @@ def expand_kv_for_sdpa(device_type: str, dtype: torch.dtype, head_dim: int,
 
 # ---- what the matmuls compute in (the MFU denominator) -------------------------------------
 def matmul_dtype(param_dtype: torch.dtype, autocast_dtype: torch.dtype | None = None,
-                 fsdp_param_dtype: torch.dtype | str | None = None,
-                 fp8: dict | bool | None = None) -> torch.dtype:
+                 fsdp_param_dtype: torch.dtype | str | None = None, fp8: dict | bool | None = None) -> torch.dtype:
     """The dtype whose peak MFU divides by: autocast's, else FSDP's `param_dtype`, else bf16 under real FP8
     (its Linears multiply in e4m3, attention and the output layer do not; torchtitan divides by bf16 too),
     else the parameters'. fp8: a model's `fp8_info` dict (emulated: not real), True (real) or None (off)."""

@@ -1,8 +1,7 @@
 """Peak memory of a step, per device: each backend exposes a different counter, so the numbers
 are not comparable across devices (MEMORY_METRIC_DOC says what each one counts). On CUDA
 `allocator_readings` adds what the allocated peak hides: memory *reserved* from the driver (cache
-and fragmentation included) and the allocator's retries after a failed allocation.
-"""
+and fragmentation included) and the allocator's retries after a failed allocation."""
 from __future__ import annotations
 
 import contextlib

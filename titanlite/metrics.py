@@ -2,8 +2,7 @@
 
 JSONL because it is append-only (a crash loses at most the line being written), streams (a live
 plot can tail it while another process trains) and needs no library to read. Record kinds:
-"train" (one per logged step), "val" (one per evaluation), "checkpoint" (one per save).
-"""
+"train" (one per logged step), "val" (one per evaluation), "checkpoint" (one per save)."""
 from __future__ import annotations
 
 import json
@@ -44,8 +43,7 @@ def train_record(step: int, out: dict, *, lr: float, step_time: float, elapsed: 
               "tokens_per_sec": tokens_per_step / step_time, "mfu": peaks.mfu(achieved_flops, peak),
               # the figure published MFUs (torchtitan, nanoGPT, PaLM) use; None off the table
               "mfu_datasheet": achieved_flops / datasheet.flops if datasheet else None,
-              "peak_memory_bytes": peak_memory_bytes(device),
-              **allocator_readings(device),  # reserved, retries (CUDA)
+              "peak_memory_bytes": peak_memory_bytes(device), **allocator_readings(device),  # reserved, retries (CUDA)
               "step_time_s": step_time, "elapsed_s": elapsed, "tokens": step * tokens_per_step,
               "peak_label": peak.label, "ready_s": out["ready_s"]}
     if world_size > 1:  # MFU is per device: the job's FLOPs over all peaks

@@ -1,7 +1,6 @@
 """Output folders the user names, checked before anything is written there: a log dir under a file
 (else a NotADirectoryError deep inside torch, maybe after minutes of work), a folder holding another
-run (else overwritten, its metrics mixed with the new run's). One line naming the path and the fix.
-"""
+run (else overwritten, its metrics mixed with the new run's). One line naming the path and the fix."""
 from __future__ import annotations
 
 import json

@@ -2,8 +2,7 @@
 
 MFU = achieved / peak FLOP/s is only as honest as the peak. The default peak is *measured*: the best
 square-matmul rate this device reaches in this dtype (`matmul_peak`: cached a week at most, measured
-again once if a run beats it). Vendor datasheet peaks (tools/datasheet.py), upper bounds, are labelled so.
-"""
+again once if a run beats it). Vendor datasheet peaks (tools/datasheet.py), upper bounds, are labelled so."""
 from __future__ import annotations
 
 import contextlib
@@ -121,8 +120,7 @@ def matmul_peak(device, dtype, refresh: bool = False) -> Peak:
     """Measured matmul peak, cached on disk (measuring costs seconds, every run needs it);
     measured again when asked (refresh) or when `peak_is_stale` says so."""
     device = torch.device(device)
-    facts = {"threads": torch.get_num_threads(), "torch": torch.__version__,
-             "device": hardware.device_name(device)}
+    facts = {"threads": torch.get_num_threads(), "torch": torch.__version__, "device": hardware.device_name(device)}
     key = (f"{facts['device']} | {_matmul_label(device, dtype)} | "
            f"threads={facts['threads']} | torch={facts['torch']}")
     path = cache_dir() / "matmul_peaks.json"

@@ -6,8 +6,7 @@
     plan.model_args             # the model's shape (a preset and its overrides, or a checkpoint's)
 
 Run by each torchrun worker as its Trainer starts, and first by `launch`: bad input costs no process
-start-up. Each refusal is one line naming the key and the fix. No device or process group is touched.
-"""
+start-up. Each refusal is one line naming the key and the fix. No device or process group is touched."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +41,7 @@ def preflight(cfg: Config, world_size: int, vocab_size: int, start_from=None) ->
     p, t = cfg.parallel, cfg.training
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, world_size, tp=p.tp, pp=p.pp)
     check_fault(cfg.fault, t.steps, world_size)
-    micro, accum, global_batch = resolve_batch(t.batch_size, t.grad_accum_steps,
-                                               t.global_batch_size, dp_degree=dims.dp)
+    micro, accum, global_batch = resolve_batch(t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=dims.dp)
     args = model_args_for(cfg, vocab_size, start_from)
     check_parallel_config(cfg, dims, args)
     return Plan(dims, micro, accum, global_batch, args)

@@ -180,8 +180,7 @@ class Trainer:
 
     def next_micro_batches(self) -> MicroBatches:
         """The next step's micro-batches on the device (data/transfer.py: how each is copied)."""
-        return micro_batches_to([self.data.train.next_batch() for _ in range(self.grad_accum_steps)],
-                                self.device)
+        return micro_batches_to([self.data.train.next_batch() for _ in range(self.grad_accum_steps)], self.device)
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -10,8 +10,7 @@ is their point), so the losses are the same with any of them on or off:
     close()                   always, failure or not
 
 Each watcher is told what it needs - the run's facts (`Run`) and the few things it calls - and
-never holds the trainer, so what it can touch is written in its constructor.
-"""
+never holds the trainer, so what it can touch is written in its constructor."""
 from __future__ import annotations
 
 import time
@@ -165,8 +164,7 @@ class TrainLog(Watcher):
         step_time = self.interval_s / self.interval_steps
         achieved = run.flops_per_token * run.tokens_per_step / step_time / run.world_size  # per device
         if not run.distributed:  # ranks sharing a machine would disturb a re-measurement
-            self.peak = peaks.recheck_peak(achieved, self.peak, run.device, run.compute_dtype, self.say,
-                                           run.datasheet)
+            self.peak = peaks.recheck_peak(achieved, self.peak, run.device, run.compute_dtype, self.say, run.datasheet)
         return train_record(end.step, end.out, lr=self.lr, step_time=step_time, elapsed=self.elapsed(),
                             tokens_per_step=run.tokens_per_step, achieved_flops=achieved, peak=self.peak,
                             datasheet=run.datasheet, device=run.device, world_size=run.world_size,
@@ -227,8 +225,7 @@ class Checkpoints(Watcher):
             self.run.cfg.fault, end.step, self.run.rank, phase="save"))
         # What training stood still for, for watchers that account for it (tools.goodput).
         end.extra["checkpoint_blocked_s"] = saved.blocked_s
-        self.log.emit({"kind": "checkpoint", "step": end.step, "blocked_s": saved.blocked_s,
-                       "mode": saved.mode})
+        self.log.emit({"kind": "checkpoint", "step": end.step, "blocked_s": saved.blocked_s, "mode": saved.mode})
 
     def on_train_end(self) -> None:
         blocked = self.checkpointer.wait()

@@ -5,4 +5,5 @@ is fixed here, with a clear message or a fallback.
 
     torch_internals    the core's: checkpoint_wrapper, Module.compile's slot, Inductor probes, DCP, allocator
     torch_tools        the tools': dispatch modes, pytree, fake tensors, process-group names, PipelineStage
-    torchao_internals  Float8Linear and the FP8 cast Float8Linear uses"""
+    torchao_internals  the core's: Float8Linear
+    torchao_tools      the tools': the FP8 cast Float8Linear uses (notebook 06's numerics)"""

@@ -84,6 +84,13 @@ def stop_dcp_writer_process() -> None:
                     writer.join(timeout=5)
 
 
+def dcp_storage_info(file: str, offset: int, length: int, tags: list[str] | None):
+    """DCP's record of where an entry lies (file, byte range, stream tags), which its file reader reads
+    back: a storage writer of our own must make it, and torch keeps it private (`_StorageInfo`, 2.11-2.13)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    return _StorageInfo(file, offset, length, transform_descriptors=tags)
+
+
 def set_cuda_allocator_settings(settings: str) -> None:
     """Change the CUDA allocator's settings after CUDA started (PYTORCH_CUDA_ALLOC_CONF is read once).
     torch 2.11-2.13 expose only torch._C._accelerator_setAllocatorSettings (torch.cuda.memory's

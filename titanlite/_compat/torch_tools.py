@@ -71,3 +71,13 @@ def fake_process_group(world_size: int) -> None:
 
 
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402,F401
+
+
+def load_whole_dcp_state(storage_reader) -> dict:
+    """Every entry of a DCP checkpoint, in one process, as torch's dcp_to_torch_save loads it (2.11-2.13:
+    a private loader and planner), but through `storage_reader`: titanlite's stores tensors as bytes."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    state: dict = {}
+    _load_state_dict(state, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state

@@ -74,8 +74,7 @@ def parse_dataset(dataset: str, path: str | None = None) -> tuple[str, str | Non
 
 
 def fetched_path(kind: str, target: str | None, data_dir=None, hf_split: str = "train",
-                 text_column: str | None = None, max_docs: int | None = None,
-                 max_chars: int | None = None) -> Path:
+                 text_column: str | None = None, max_docs: int | None = None, max_chars: int | None = None) -> Path:
     """Where a fetched corpus's documents are kept (a JSON list), keyed by what changes them."""
     key = fingerprint(kind, str(target), hf_split, str(text_column), str(max_docs), str(max_chars))
     return cache_subdir(data_dir, "corpora") / f"{kind}-{key if kind == 'hf' else 'v1'}.json"

@@ -120,8 +120,7 @@ class TokenBatches:
                                  f"{seq_len + 1}; use seq_len <= {max(len(tokens) - 1, 1)}")
         flat = torch.as_tensor(tokens).to(torch.int32)  # half the memory; batch_of widens to int64
         self.windows = flat[: num_windows * (seq_len + 1)].view(num_windows, seq_len + 1)
-        self.sampler = StatefulBatchSampler(num_windows, batch_size, rank=rank, world_size=world_size,
-                                            seed=seed)
+        self.sampler = StatefulBatchSampler(num_windows, batch_size, rank=rank, world_size=world_size, seed=seed)
 
     @property
     def num_windows(self) -> int:

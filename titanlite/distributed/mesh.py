@@ -2,8 +2,7 @@
 
 As in picotron, the ranks 0..world-1 form a grid (pp, dp_replicate, dp_shard, tp); each line along one axis
 is a process group. tp (innermost) talks in every layer: the fastest links (one node); dp_shard is FSDP,
-dp_replicate DDP (HSDP: both); pp (outermost) passes activations once per micro-batch: the slowest links.
-"""
+dp_replicate DDP (HSDP: both); pp (outermost) passes activations once per micro-batch: the slowest links."""
 from __future__ import annotations
 
 from dataclasses import dataclass

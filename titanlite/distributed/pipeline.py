@@ -10,8 +10,7 @@ A stage is the `Transformer` minus the parts other stages own (layer names survi
 dicts together are the plain model's). Rank r starts micro-batch i once rank r−1 sent it, so ranks idle
 at each step's start and end: the bubble, (p−1)/m of the time with m micro-batches, GPipe and 1F1B
 alike; 1F1B starts backwards early, holding at most p micro-batches' activations, not m. Interleaving v
-stages per rank cuts it to (p−1)/(v·m); zero-bubble schedules fill it with weight gradients split off.
-"""
+stages per rank cuts it to (p−1)/(v·m); zero-bubble schedules fill it with weight gradients split off."""
 from __future__ import annotations
 
 import copy
@@ -256,8 +255,7 @@ class Pipeline:
                              num_tokens=num_tokens, pp_group=self.pp_mesh)
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        return pipeline_eval(self.schedule, self.stages, x, y, loss_fn=self.loss_fn,
-                             pp_group=self.pp_mesh).item()
+        return pipeline_eval(self.schedule, self.stages, x, y, loss_fn=self.loss_fn, pp_group=self.pp_mesh).item()
 
     def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(params, max_norm, pp_group=self.pp_mesh)

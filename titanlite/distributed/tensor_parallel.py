@@ -9,8 +9,7 @@ TP splits every weight matrix over `tp` ranks reading the same batch. A block's 
 (Shoeybi et al. 2019): column-parallel q/k/v and gate/up compute whole heads / hidden units, row-parallel
 o_proj and down_proj partial sums, added by one all-reduce per pair. Sequence parallelism splits it into
 reduce-scatter + all-gather: norms and residual adds run on 1/tp of the sequence. Loss parallelism keeps
-the logits split over the vocabulary: cross-entropy all-reduces 3·B·T numbers, not B·T·V logits.
-"""
+the logits split over the vocabulary: cross-entropy all-reduces 3·B·T numbers, not B·T·V logits."""
 from __future__ import annotations
 
 import contextlib

@@ -22,10 +22,9 @@ def resolve_batch(micro_batch: int, grad_accum_steps: int, global_batch: int | N
     if global_batch is None:
         return micro_batch, grad_accum_steps, per_step * grad_accum_steps
     if global_batch <= 0 or global_batch % per_step:
-        raise TitanliteError(
-            f"training.global_batch_size={global_batch} is not a positive multiple of batch_size × "
-            f"data-parallel degree = {micro_batch} × {dp_degree} = {per_step}: choose a multiple "
-            f"such as {per_step * max(1, round(max(global_batch, 1) / per_step))}, or change batch_size")
+        raise TitanliteError(f"training.global_batch_size={global_batch} is not a positive multiple of batch_size × "
+                             f"data-parallel degree = {micro_batch} × {dp_degree} = {per_step}: choose a multiple "
+                             f"such as {per_step * max(1, round(max(global_batch, 1) / per_step))}, or change batch_size")
     accum = global_batch // per_step
     if grad_accum_steps not in (1, accum):
         raise TitanliteError(f"training.grad_accum_steps={grad_accum_steps} contradicts global_batch_size="
@@ -40,8 +39,7 @@ def count_targets(targets: torch.Tensor) -> int:
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over the real targets, in fp32 (a large vocabulary's log-sum-exp needs it)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def global_tokens_per_rank(micro_batches: list, dims, device, distributed: bool) -> float | torch.Tensor:

@@ -47,8 +47,7 @@ def compile_support(device: torch.device | str, block: nn.Module | None = None, 
         what = f"block 0 on a {example_shape[0]}x{example_shape[1]} batch" + \
                (f" under {str(autocast_dtype)[6:]} autocast" if autocast_dtype is not None else "")
         # repr: the block's module tree (FP8 Linears, a checkpoint wrapper): each kind is tried
-        key += (repr(block), tuple(example_shape), str(next(block.parameters()).dtype),
-                repr(args), str(autocast_dtype))
+        key += (repr(block), tuple(example_shape), str(next(block.parameters()).dtype), repr(args), str(autocast_dtype))
     if key not in _TRIALS:
         _TRIALS[key] = _trial_compile(device, compile_kwargs, block, args, example_shape, autocast_dtype)
     error, trial = _TRIALS[key], f"a trial compile of {what} (backend={name})"

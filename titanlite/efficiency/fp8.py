@@ -5,16 +5,14 @@
 
 Weights stay in high precision; matmuls scale operands into FP8 by fp8_max / amax. tensorwise: one scale per
 tensor, e4m3 forward, e5m2 gradients, the fastest (cuBLAS) kernel; rowwise: e4m3, a power-of-two scale per
-row (an outlier row no longer squeezes the others): more accurate, CUTLASS. Below SM 8.9 torchao emulates FP8.
-"""
+row (an outlier row no longer squeezes the others): more accurate, CUTLASS. Below SM 8.9 torchao emulates FP8."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
 from torch import nn
-from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
-                            precompute_float8_dynamic_scale_for_fsdp)
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
 from .._compat.torchao_internals import is_float8_linear
 from ..errors import TitanliteError, closest

@@ -8,8 +8,7 @@
 
 bf16 keeps fp32's exponent range: gradients do not underflow, no scaler needed. fp16 has 3 more mantissa
 bits but 5 exponent bits: small gradients flush to zero, so `torch.amp.GradScaler` scales the loss up before
-backward and the gradients back down before the step, skipping the step and halving the scale on overflow.
-"""
+backward and the gradients back down before the step, skipping the step and halving the scale on overflow."""
 from __future__ import annotations
 
 import contextlib
@@ -112,8 +111,7 @@ def probe(mode: str, device_str: str) -> str | None:
                 f"use fp16 (with the scaler) or fp32")
     if (failure := _probe_step(mode, device)) is None:
         return None
-    fix = {"fp32": "report this as a bug", "bf16": "use fp32",
-           "fp16": "use bf16 (no scaler needed) or fp32"}[mode]
+    fix = {"fp32": "report this as a bug", "bf16": "use fp32", "fp16": "use bf16 (no scaler needed) or fp32"}[mode]
     if device.type == "mps" and mode == "bf16":
         fix = (f"bf16 on MPS needs macOS 14+ (this is "
                f"{'' if torch.backends.mps.is_macos_or_newer(14, 0) else 'not '}14+): use fp32")

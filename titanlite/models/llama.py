@@ -231,9 +231,8 @@ class Transformer(nn.Module):
         None: without `tok_embeddings` it takes hidden states [B, T, dim]; without `output`, returns them."""
         T = tokens.shape[1]
         if T > self.args.max_seq_len:
-            raise TitanliteError(
-                f"sequence length {T} exceeds the model's max_seq_len={self.args.max_seq_len}: "
-                f"use a shorter training.seq_len or raise model.max_seq_len")
+            raise TitanliteError(f"sequence length {T} exceeds the model's max_seq_len={self.args.max_seq_len}: "
+                                 f"use a shorter training.seq_len or raise model.max_seq_len")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_cos[:T].to(h.dtype), self.rope_sin[:T].to(h.dtype)
         for block in self.layers.values():

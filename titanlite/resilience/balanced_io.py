@@ -6,15 +6,16 @@ shards) on one of its holders, picked in the items' order, so a few large items 
 rank; `BalancedSavePlanner` picks largest first, each for the holder with the fewest bytes so far.
 Load: DCP has every rank read every replicated byte (N ranks, N times the checkpoint). Here each such
 entry is read by one rank - tensors spread by bytes, small pickled values by rank 0 - and broadcast;
-DTensor shards (FSDP, TP) are read by their owners, as before.
-"""
+DTensor shards (FSDP, TP) are read by their owners, as before."""
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
 
 
 class BalancedSavePlanner(DefaultSavePlanner):
@@ -38,6 +39,13 @@ class BalancedSavePlanner(DefaultSavePlanner):
         kept = [dataclasses.replace(plan, items=[i for i in plan.items if i.index in mine])
                 for plan, mine in zip(all_plans, keep)]
         return super().create_global_plan(kept)
+
+    def transform_object(self, write_item, object):
+        """A small value (~600 optimizer settings) as torch's plain pickle, not a zip each: 3x less CPU."""
+        if write_item.type != WriteItemType.BYTE_IO:
+            return super().transform_object(write_item, object)
+        torch.save(object, out := io.BytesIO(), _use_new_zipfile_serialization=False)
+        return out
 
 
 def leaves(sd: dict, prefix: str = "") -> dict[str, tuple[dict, str]]:

@@ -30,8 +30,7 @@ from .._compat.torch_internals import stop_dcp_writer_process
 from ..errors import TitanliteError
 from ..paths import check_output_dir
 from .balanced_io import BalancedSavePlanner, ReadOncePlanner, read_owners, share_read_entries
-from .checkpoint_files import (COMMIT_FILE, CrcFileSystem, committed, dcp_load, fsync_dir, size_and_crc,
-                               step_dir, verify)
+from .checkpoint_files import COMMIT_FILE, RawWriter, committed, dcp_load, fsync_dir, size_and_crc, step_dir, verify
 from .staging import make_stager, staging_options, tensor_device_types
 
 MODES = ("sync", "async", "async_process")
@@ -61,7 +60,7 @@ class Checkpointer:
         self._staging = None  # the newest async save's copy of the state (a future)
         # Async saves not yet committed, oldest first: [stager, write, commit, step]. At most two: a save stages
         # into one stager while the previous save still writes from the other (ByteCheckpoint's ping-pong).
-        self._writes, self._overlap = deque(), False
+        self._writes, self._overlap, self._pruning = deque(), False, None
         self._stagers = []  # made when first needed, then reused: their (pinned) copies are kept
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="titanlite-commit")
         # torch's writer (thread or process) saves through the default group, and warns on every save
@@ -89,9 +88,8 @@ class Checkpointer:
             dist.barrier()
         sd = state.state_dict() if hasattr(state, "state_dict") else state
         self._described = state.describe() if hasattr(state, "describe") else self.describe
-        # Two writer threads per rank: one leaves the disk idle while it serialises (0.43 -> 0.32 s).
-        writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=2)
-        writer.fs = CrcFileSystem()  # each file's CRC from the bytes written: no reading back to commit
+        writer = RawWriter(tmp, sync_files=True)  # tensors as bytes, CRC as written: nothing read back
+        writer.background = self.mode != "sync"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's notes on planners and deprecated names
             if self.mode == "sync":
@@ -130,11 +128,12 @@ class Checkpointer:
         return time.perf_counter() - start
 
     def wait(self) -> float:
-        """Block until the save in flight (if any) is written and committed."""
+        """Block until the save in flight (if any) is written and committed, and older ones pruned."""
         start = time.perf_counter()
         self.wait_for_staging()
         while self._writes:
             self._wait_oldest()
+        self._pruning and self._pruning.result()  # the pruning a sync save left to the commit thread
         return time.perf_counter() - start
 
     def _wait_oldest(self) -> None:
@@ -154,10 +153,6 @@ class Checkpointer:
         self._overlap = True
         self._commit(tmp, final, step)
 
-    def _close_stagers(self) -> None:
-        while self._stagers:
-            self._stagers.pop().close()  # its copy thread and staging buffers
-
     def _commit(self, tmp: Path, final: Path, step: int) -> None:
         """Rank 0: record every file's size and CRC, then rename: the checkpoint exists."""
         if self.rank != 0:
@@ -172,9 +167,8 @@ class Checkpointer:
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_dir(self.folder)
-        # Pruning need not stall training: the commit thread does it (a sync save commits here).
-        if threading.current_thread() is threading.main_thread():
-            self._pool.submit(self._prune, step)
+        if threading.current_thread() is threading.main_thread():  # a sync save: prune behind training
+            self._pruning = self._pool.submit(self._prune, step)
         else:
             self._prune(step)
 
@@ -230,7 +224,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
-            self._close_stagers()
+            while self._stagers:
+                self._stagers.pop().close()  # its copy thread and staging buffers
             if self.mode == "async_process":
                 stop_dcp_writer_process()  # torch has no public way to stop its writer process
             if self._pg is not None:

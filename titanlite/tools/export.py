@@ -27,7 +27,7 @@ from ..errors import TitanliteError
 from .hf_start import _LAYER_NAMES, _TOP_NAMES, from_hf_config, hf_name, read_hf_config
 from ..models.llama import ModelArgs, Transformer, build_model, rope_cache
 from ..paths import check_output_dir
-from ..resilience.checkpoint_files import dcp_load, verify
+from ..resilience.checkpoint_files import RawReader, dcp_load, verify
 
 TOKENIZER_DIR = "tokenizer"  # the trainer keeps a copy beside its checkpoints
 _LAYER_NAMES_BACK = {v: k for k, v in _LAYER_NAMES.items()}
@@ -69,11 +69,11 @@ def export_torch(path: str | Path, out_file: str | Path, full: bool = False) -> 
     out_file = check_new_output(out_file, "export target")
     out_file.parent.mkdir(parents=True, exist_ok=True)
     if full:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        from .._compat.torch_tools import load_whole_dcp_state
         verify(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp_to_torch_save(Path(path), out_file)
+            torch.save(load_whole_dcp_state(RawReader(path)), out_file)
     else:
         torch.save(load_model(path).state_dict(), out_file)
     return out_file

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torchao.float8 import Float8LinearConfig
 
-from .._compat.torchao_internals import ROLES, quantize_dequantize
+from .._compat.torchao_internals import ROLES
+from .._compat.torchao_tools import quantize_dequantize
 from ..efficiency.fp8 import _check_recipe
 from ..errors import TitanliteError, closest
 

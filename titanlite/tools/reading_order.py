@@ -47,10 +47,11 @@ READING_ORDER = [
 
 
 def core_files() -> set[str]:
-    """Every module of the core: the package minus tools/, labs/, the __main__ entry and the torch
-    internals only the tools use (_compat/torch_tools.py)."""
+    """Every module of the core: the package minus tools/, labs/, the __main__ entry and the torch and
+    torchao internals only the tools use (_compat/torch_tools.py, _compat/torchao_tools.py)."""
+    tools_only = ("__main__.py", "_compat/torch_tools.py", "_compat/torchao_tools.py")
     return {rel for p in PACKAGE.rglob("*.py") if (rel := p.relative_to(PACKAGE).as_posix()).split("/")[0]
-            not in ("tools", "labs") and rel not in ("__main__.py", "_compat/torch_tools.py")}
+            not in ("tools", "labs") and rel not in tools_only}
 
 
 def lines(rel: str) -> int:
