@@ -56,7 +56,7 @@ class Checkpointer:
         self.describe = self._described = describe or {}  # what was trained: checked on load
         self.read_once = read_once
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.distributed else (0, 1)
         self._staging = None  # the newest async save's copy of the state (a future)
         # Async saves not yet committed, oldest first: [stager, write, commit, step]. At most two: a save stages
         # into one stager while the previous save still writes from the other (ByteCheckpoint's ping-pong).
@@ -93,7 +93,7 @@ class Checkpointer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's notes on planners and deprecated names
             if self.mode == "sync":
-                dcp.save(sd, storage_writer=writer, planner=BalancedSavePlanner())
+                dcp.save(sd, storage_writer=writer, planner=BalancedSavePlanner(), no_dist=self.world == 1)
             else:
                 process = self.mode == "async_process"
                 kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
@@ -211,7 +211,7 @@ class Checkpointer:
         planner = None
         if self.read_once and self.distributed:  # each replicated entry: one reader, then a broadcast
             planner = ReadOncePlanner(read_owners(sd), self.rank)
-        dcp_load(sd, path, crc_checked=crc, reader=reader, planner=planner)
+        dcp_load(sd, path, crc_checked=crc, reader=reader, planner=planner, no_dist=self.world == 1)
         if planner is not None:
             share_read_entries(sd, planner.owners)
         if hasattr(state, "load_state_dict"):
