@@ -52,7 +52,7 @@ def disk_write_bandwidth(folder: str | Path, nbytes: int = 256 << 20, block: int
                 f.write(data)
                 if flushing is None or not flushing.is_alive():
                     f.flush()
-                    flushing = threading.Thread(target=os.fdatasync, args=(f.fileno(),))
+                    flushing = threading.Thread(target=getattr(os, "fdatasync", os.fsync), args=(f.fileno(),))
                     flushing.start()
             f.flush()
             os.fsync(f.fileno())  # until the disk has it, not only the page cache

@@ -133,7 +133,8 @@ class Checkpointer:
         self.wait_for_staging()
         while self._writes:
             self._wait_oldest()
-        self._pruning and self._pruning.result()  # the pruning a sync save left to the commit thread
+        pruning, self._pruning = self._pruning, None  # what a sync save left to the commit thread
+        pruning and pruning.result()
         return time.perf_counter() - start
 
     def _wait_oldest(self) -> None:

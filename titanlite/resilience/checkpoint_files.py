@@ -66,26 +66,25 @@ class RawWriter(FileSystemWriter):
         if self.background and sys.platform.startswith("linux"):  # this thread, and those it starts
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"  # DCP's name: "__<rank>_0.distcp"
-        path, results, size, flushed, flushing = Path(self.path) / name, [], 0, 0, None
-        crc, summing = [0], ThreadPoolExecutor(1)  # in order; zlib lets go of the GIL
-        with open(path, "wb") as f:
+        path, results, size, flushed, flushing, crc, tasks = Path(self.path) / name, [], 0, 0, None, [0], []
+        # CRC (in order) and disk syncs (fsync on macOS) on their own threads, done before the file closes:
+        with open(path, "wb") as f, ThreadPoolExecutor(1) as summing, ThreadPoolExecutor(1) as syncing:
             for item in plan.items:
                 data, raw = planner.resolve_data(item), item.type != WriteItemType.BYTE_IO
                 view = memoryview(data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
                                   if raw else data.getbuffer())
                 f.write(view)
-                summing.submit(lambda v: crc.__setitem__(0, zlib.crc32(v, crc[0])), view)
+                tasks.append(summing.submit(lambda v: crc.__setitem__(0, zlib.crc32(v, crc[0])), view))
                 results.append(WriteResult(item.index, view.nbytes,
                                            dcp_storage_info(name, size, view.nbytes, [RAW] if raw else None)))
                 size += view.nbytes
-                if size - flushed >= 4 << 20 and (flushing is None or not flushing.is_alive()):
+                if size - flushed >= 4 << 20 and (flushing is None or flushing.done()):
                     f.flush()
-                    flushing, flushed = threading.Thread(target=os.fdatasync, args=(f.fileno(),)), size
-                    flushing.start()
+                    flushing, flushed = syncing.submit(getattr(os, "fdatasync", os.fsync), f.fileno()), size
+                    tasks.append(flushing)
             f.flush()
             os.fsync(f.fileno())
-            flushing and flushing.join()
-        summing.shutdown()
+        [task.result() for task in tasks]  # a failed CRC or sync fails the save (the final fsync may not see it)
         Path(f"{path}.crc").write_text(json.dumps([size, crc[0]]))
         return _done(results)
 
