@@ -317,3 +317,28 @@ def test_a_save_works_on_a_system_without_fdatasync(tmp_path, monkeypatch):
     fresh = {"w": torch.zeros(3 << 20)}
     assert ckpt.load(fresh) == 1 and torch.equal(fresh["w"], state["w"])
     ckpt.close()
+
+
+def test_a_disk_error_seen_by_a_background_sync_fails_the_save_and_keeps_the_last_good_one(tmp_path, monkeypatch):
+    """Linux reports a write error to one fsync caller only: if the writer's background sync got it, the
+    final fsync returns fine. The save must still fail, uncommitted, and the previous checkpoint load."""
+    import errno
+    import os
+
+    import torch
+
+    from titanlite.resilience.checkpoint import Checkpointer
+    from titanlite.resilience.checkpoint_files import committed
+    ckpt = Checkpointer(tmp_path, keep_latest_k=1)
+    ckpt.save({"w": torch.ones(3 << 20)}, 1)
+
+    def failing(fd):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(os, "fdatasync", failing, raising=False)
+    with pytest.raises(BaseException, match="Input/output error"):  # DCP's CheckpointException is a BaseException
+        ckpt.save({"w": torch.zeros(3 << 20)}, 2)
+    monkeypatch.undo()
+    assert [p.name for p in committed(tmp_path)] == ["step-00000001"]
+    fresh = {"w": torch.zeros(3 << 20)}
+    assert ckpt.load(fresh) == 1 and torch.equal(fresh["w"], torch.ones(3 << 20))
+    ckpt.close()
