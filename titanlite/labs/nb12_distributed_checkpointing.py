@@ -128,10 +128,12 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
     """`repeats` saves through a Checkpointer. blocked: the save() call plus wait_for_staging()
     right after it (the most an async save can stall training); done: until committed.
     overlapped (async, with overlap_with): a forward+backward runs between the two, as the
-    trainer's next step does, and only what is left of the staging is waited for (residual)."""
+    trainer's next step does, and only what is left of the staging is waited for (residual);
+    then forward+backwards run on until the write has committed (write_steps_s: their seconds,
+    a list per save), as training goes on beside a background write."""
     ckpt = Checkpointer(folder, mode=mode, keep_latest_k=1)
     out = {k: [] for k in ("blocked_s", "call_s", "staging_s", "done_s", "overlapped_s", "residual_s",
-                           "compute_s")}
+                           "compute_s", "write_steps_s")}
     steps = iter(range(1, 2 * repeats + 1))
     try:
         for _ in range(repeats):
@@ -149,7 +151,13 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
                 out["compute_s"].append(_seconds(overlap_with))
                 out["residual_s"].append(ckpt.wait_for_staging())
                 out["overlapped_s"].append(call + out["residual_s"][-1])
-                ckpt.wait()
+                waiter = threading.Thread(target=ckpt.wait)
+                waiter.start()
+                beside = []
+                while waiter.is_alive():
+                    beside.append(_seconds(overlap_with))
+                waiter.join()
+                out["write_steps_s"].append(beside)
         out["bytes"] = _bytes_in(committed(folder)[-1])
     finally:
         ckpt.close()
@@ -163,7 +171,7 @@ def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench"
     Returns {"preset", "params", "state_bytes", "compute_alone_s", "modes": {mode: {"bytes",
     "blocked_s", "done_s" (one per repeat), "first_s", "steady_s", "done_steady_s" (medians
     after the first), and for async modes "staging_s", "overlapped_s", "residual_s",
-    "compute_s"}}}. The first async_process save spawns the writer process (in `done_s[0]`)."""
+    "compute_s", "write_steps_s"}}}. The first async_process save spawns the writer process (in `done_s[0]`)."""
     unknown = [m for m in modes if m not in SAVE_MODES]
     if unknown or repeats < 1:
         raise TitanliteError(f"blocking_times: modes must be among {SAVE_MODES} (got {unknown}) and "
