@@ -141,11 +141,8 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
             out["call_s"].append(ckpt.save(state, next(steps)).blocked_s)
             out["staging_s"].append(ckpt.wait_for_staging())
             out["blocked_s"].append(time.perf_counter() - start)
-            if mode == "sync":  # committed when save() returned; wait() prunes the previous one
-                out["done_s"].append(out["blocked_s"][-1])
-            ckpt.wait()
-            if mode != "sync":  # written, committed, and (in the commit thread) the previous one pruned
-                out["done_s"].append(time.perf_counter() - start)
+            ckpt.wait()  # async: written, committed and the previous one pruned; sync: only that pruning
+            out["done_s"].append(out["blocked_s"][-1] if mode == "sync" else time.perf_counter() - start)
             if mode != "sync" and overlap_with is not None:
                 call = ckpt.save(state, next(steps)).blocked_s
                 out["compute_s"].append(_seconds(overlap_with))
