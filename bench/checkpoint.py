@@ -91,7 +91,7 @@ BALANCE_TARGET, READ_TARGET, ASYNC_COST_TARGET = 1.1, 1.1, 0.25
 
 
 def byte_checkpoint(preset: str, folder: Path, sync_blocked_s: float, async_rows: dict,
-                    compute_alone_s: float, sync_rate: float, bandwidth: float) -> list[str]:
+                    sync_rate: float, bandwidth: float) -> list[str]:
     """ByteCheckpoint's I/O techniques measured here, as ratios beside the published figures."""
     import torch
     from torch.distributed.checkpoint import DefaultSavePlanner
@@ -136,9 +136,10 @@ def byte_checkpoint(preset: str, folder: Path, sync_blocked_s: float, async_rows
     lines.append(f"  staging storages allocated per async save: {new} (the 2nd and later: "
                  f"{verdict(not any(new[1:]))} none)")
     for mode, r in async_rows.items():
-        # every step that ran beside the save: the one beside the copy, then those until the write committed
-        extra = _median([sum(t - compute_alone_s for t in [first, *later])
-                         for first, later in zip(r["compute_s"], r["write_steps_s"])])
+        # every step that ran beside the save (the one beside the copy, then those until the write committed)
+        # against as many steps right after it with no save in flight: this machine's speed drifts over a run
+        extra = _median([sum([first, *later]) - (1 + len(later)) * _median(alone)
+                         for first, later, alone in zip(r["compute_s"], r["write_steps_s"], r["alone_steps_s"])])
         cost = (_median(r["overlapped_s"]) + max(0.0, extra)) / sync_blocked_s
         steps = _median([1 + len(later) for later in r["write_steps_s"]])
         lines.append(f"  async total cost / sync blocking, {mode:13}: {cost:.2f} (blocking {_median(r['overlapped_s']):.3f} s "
@@ -223,7 +224,7 @@ def main() -> None:
         sync = result["modes"]["sync"]
         rows = {m: r for m, r in result["modes"].items() if "overlapped_s" in r}
         try:
-            for line in byte_checkpoint(args.preset, folder, sync["steady_s"], rows, result["compute_alone_s"],
+            for line in byte_checkpoint(args.preset, folder, sync["steady_s"], rows,
                                         sync["bytes"] / sync["steady_s"], bandwidth):
                 print(line, flush=True)
         finally:

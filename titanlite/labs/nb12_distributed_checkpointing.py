@@ -130,10 +130,11 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
     overlapped (async, with overlap_with): a forward+backward runs between the two, as the
     trainer's next step does, and only what is left of the staging is waited for (residual);
     then forward+backwards run on until the write has committed (write_steps_s: their seconds,
-    a list per save), as training goes on beside a background write."""
+    a list per save), as training goes on beside a background write, and as many again with no save
+    in flight (alone_steps_s): the machine's speed a moment later, to compare them with."""
     ckpt = Checkpointer(folder, mode=mode, keep_latest_k=1)
     out = {k: [] for k in ("blocked_s", "call_s", "staging_s", "done_s", "overlapped_s", "residual_s",
-                           "compute_s", "write_steps_s")}
+                           "compute_s", "write_steps_s", "alone_steps_s")}
     steps = iter(range(1, 2 * repeats + 1))
     try:
         for _ in range(repeats):
@@ -155,6 +156,7 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
                     beside.append(_seconds(overlap_with))
                 waiter.join()
                 out["write_steps_s"].append(beside)
+                out["alone_steps_s"].append([_seconds(overlap_with) for _ in range(min(1 + len(beside), 12))])
         out["bytes"] = _bytes_in(committed(folder)[-1])
     finally:
         ckpt.close()
@@ -168,7 +170,7 @@ def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench"
     Returns {"preset", "params", "state_bytes", "compute_alone_s", "modes": {mode: {"bytes",
     "blocked_s", "done_s" (one per repeat), "first_s", "steady_s", "done_steady_s" (medians
     after the first), and for async modes "staging_s", "overlapped_s", "residual_s",
-    "compute_s", "write_steps_s"}}}. The first async_process save spawns the writer process (in `done_s[0]`)."""
+    "compute_s", "write_steps_s", "alone_steps_s"}}}. The first async_process save spawns the writer process (in `done_s[0]`)."""
     unknown = [m for m in modes if m not in SAVE_MODES]
     if unknown or repeats < 1:
         raise TitanliteError(f"blocking_times: modes must be among {SAVE_MODES} (got {unknown}) and "
