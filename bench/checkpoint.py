@@ -145,6 +145,14 @@ def byte_checkpoint(preset: str, folder: Path, sync_blocked_s: float, async_rows
         lines.append(f"  async total cost / sync blocking, {mode:13}: {cost:.2f} (blocking {_median(r['overlapped_s']):.3f} s "
                      f"+ the slowdown of the {steps:.0f} steps beside the copy and the write {extra:.3f} s; "
                      f"target <= {ASYNC_COST_TARGET}: {verdict(cost <= ASYNC_COST_TARGET)})")
+        if r.get("cpu_beside_s") and r["cpu_beside_s"][0]:  # where the slowdown comes from (Linux: /proc)
+            # per save: the CPU seconds of the steps beside the write, then of as many steps alone
+            beside, alone = ({k: _median([c[k] for c in cpu]) for k in cpu[0]}
+                             for cpu in (r["cpu_beside_s"], r["cpu_alone_s"]))
+            added = beside["trainer"] - alone["trainer"] + beside["writer"] - alone["writer"]
+            lines.append(f"    CPU s beside the save / the same steps alone: trainer {beside['trainer']:.2f} / "
+                         f"{alone['trainer']:.2f}, writer process {beside['writer']:.2f} / {alone['writer']:.2f}: the "
+                         f"save adds {added:.2f} CPU s, on a machine of {os.cpu_count()} cores")
     lines.append(f"  DCP sync MB/s / disk MB/s: {sync_rate / bandwidth:.2f} (target >= {BANDWIDTH_CLOSE}: "
                  f"{verdict(sync_rate / bandwidth >= BANDWIDTH_CLOSE)})")
     phases = cpu_seconds_per_phase(sd, folder / "phases")

@@ -35,5 +35,7 @@ def test_checkpoint_bench_reports_every_mode_and_the_targets(tmp_path):
     for row in ("torch.save + fsync", "DCP sync", "DCP async (thread)", "DCP async (process)",
                 "disk write bandwidth", "target <= 5%", "throughput / disk bandwidth"):
         assert row in r.stdout, (row, r.stdout)
+    if sys.platform.startswith("linux"):  # the CPU a save adds, read from /proc
+        assert "CPU s beside the save / the same steps alone" in r.stdout, r.stdout
     import json
     assert json.loads((tmp_path / "out.json").read_text())  # the measurements, for plots

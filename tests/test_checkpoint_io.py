@@ -342,3 +342,38 @@ def test_a_disk_error_seen_by_a_background_sync_fails_the_save_and_keeps_the_las
     fresh = {"w": torch.zeros(3 << 20)}
     assert ckpt.load(fresh) == 1 and torch.equal(fresh["w"], torch.ones(3 << 20))
     ckpt.close()
+
+
+def _burn(seconds: float, done) -> None:
+    import time
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+    done.set()
+    time.sleep(60)  # still running when measured: only live children are counted
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_cpu_seconds_counts_the_trainer_and_its_writer_process():
+    """The bench's account of an async save's CPU: this process's, and a child process's (DCP's writer)."""
+    import multiprocessing
+    import time
+
+    from titanlite.labs.nb12_distributed_checkpointing import _cpu_seconds
+    before = _cpu_seconds()
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    ctx = multiprocessing.get_context("spawn")
+    done = ctx.Event()
+    child = ctx.Process(target=_burn, args=(0.4, done), daemon=True)
+    child.start()
+    try:
+        assert done.wait(60)
+        after = _cpu_seconds()
+    finally:
+        child.kill()
+        child.join()
+    assert after["trainer"] - before["trainer"] >= 0.25
+    assert after["writer"] - before["writer"] >= 0.35  # the child's own, not this process's
+    assert _cpu_seconds()["writer"] - before["writer"] < 0.1  # a child that ended is no longer counted

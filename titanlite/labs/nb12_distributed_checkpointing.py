@@ -91,6 +91,20 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far by this process (every thread) and by its child processes that are still
+    running (DCP's writer process), read from /proc: Linux only, else {}."""
+    import multiprocessing
+
+    def used(pid):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    try:
+        return {"trainer": used(os.getpid()), "writer": sum(used(p.pid) for p in multiprocessing.active_children())}
+    except (OSError, ValueError):
+        return {}
+
+
 def _bytes_in(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
 
@@ -131,10 +145,11 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
     trainer's next step does, and only what is left of the staging is waited for (residual);
     then forward+backwards run on until the write has committed (write_steps_s: their seconds,
     a list per save), as training goes on beside a background write, and as many again with no save
-    in flight (alone_steps_s): the machine's speed a moment later, to compare them with."""
+    in flight (alone_steps_s): the machine's speed a moment later, to compare them with. cpu_beside_s /
+    cpu_alone_s: the CPU seconds of the trainer and of the writer process over those two stretches."""
     ckpt = Checkpointer(folder, mode=mode, keep_latest_k=1)
     out = {k: [] for k in ("blocked_s", "call_s", "staging_s", "done_s", "overlapped_s", "residual_s",
-                           "compute_s", "write_steps_s", "alone_steps_s")}
+                           "compute_s", "write_steps_s", "alone_steps_s", "cpu_beside_s", "cpu_alone_s")}
     steps = iter(range(1, 2 * repeats + 1))
     try:
         for _ in range(repeats):
@@ -145,6 +160,7 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
             ckpt.wait()  # async: written, committed and the previous one pruned; sync: only that pruning
             out["done_s"].append(out["blocked_s"][-1] if mode == "sync" else time.perf_counter() - start)
             if mode != "sync" and overlap_with is not None:
+                before = _cpu_seconds()
                 call = ckpt.save(state, next(steps)).blocked_s
                 out["compute_s"].append(_seconds(overlap_with))
                 out["residual_s"].append(ckpt.wait_for_staging())
@@ -156,7 +172,11 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
                     beside.append(_seconds(overlap_with))
                 waiter.join()
                 out["write_steps_s"].append(beside)
-                out["alone_steps_s"].append([_seconds(overlap_with) for _ in range(min(1 + len(beside), 12))])
+                middle = _cpu_seconds()
+                out["alone_steps_s"].append([_seconds(overlap_with) for _ in range(1 + len(beside))])
+                after = _cpu_seconds()
+                out["cpu_beside_s"].append({k: middle[k] - before[k] for k in before})
+                out["cpu_alone_s"].append({k: after[k] - middle[k] for k in middle})
         out["bytes"] = _bytes_in(committed(folder)[-1])
     finally:
         ckpt.close()
@@ -170,7 +190,7 @@ def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench"
     Returns {"preset", "params", "state_bytes", "compute_alone_s", "modes": {mode: {"bytes",
     "blocked_s", "done_s" (one per repeat), "first_s", "steady_s", "done_steady_s" (medians
     after the first), and for async modes "staging_s", "overlapped_s", "residual_s",
-    "compute_s", "write_steps_s", "alone_steps_s"}}}. The first async_process save spawns the writer process (in `done_s[0]`)."""
+    "compute_s", "write_steps_s", "alone_steps_s", "cpu_beside_s", "cpu_alone_s"}}}. The first async_process save spawns the writer process (in `done_s[0]`)."""
     unknown = [m for m in modes if m not in SAVE_MODES]
     if unknown or repeats < 1:
         raise TitanliteError(f"blocking_times: modes must be among {SAVE_MODES} (got {unknown}) and "
