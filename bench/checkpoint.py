@@ -142,17 +142,22 @@ def byte_checkpoint(preset: str, folder: Path, sync_blocked_s: float, async_rows
                          for first, later, alone in zip(r["compute_s"], r["write_steps_s"], r["alone_steps_s"])])
         cost = (_median(r["overlapped_s"]) + max(0.0, extra)) / sync_blocked_s
         steps = _median([1 + len(later) for later in r["write_steps_s"]])
-        lines.append(f"  async total cost / sync blocking, {mode:13}: {cost:.2f} (blocking {_median(r['overlapped_s']):.3f} s "
-                     f"+ the slowdown of the {steps:.0f} steps beside the copy and the write {extra:.3f} s; "
+        lines.append(f"  async total cost / sync blocking, {mode:13}: {cost:.2f} (blocking "
+                     f"{_median(r['overlapped_s']):.3f} s + the slowdown of the {steps:.0f} steps beside the copy "
+                     f"and the write {max(0.0, extra):.3f} s{' (measured below 0)' if extra < 0 else ''}; "
                      f"target <= {ASYNC_COST_TARGET}: {verdict(cost <= ASYNC_COST_TARGET)})")
         if r.get("cpu_beside_s") and r["cpu_beside_s"][0]:  # where the slowdown comes from (Linux: /proc)
             # per save: the CPU seconds of the steps beside the write, then of as many steps alone
             beside, alone = ({k: _median([c[k] for c in cpu]) for k in cpu[0]}
                              for cpu in (r["cpu_beside_s"], r["cpu_alone_s"]))
             added = beside["trainer"] - alone["trainer"] + beside["writer"] - alone["writer"]
-            lines.append(f"    CPU s beside the save / the same steps alone: trainer {beside['trainer']:.2f} / "
-                         f"{alone['trainer']:.2f}, writer process {beside['writer']:.2f} / {alone['writer']:.2f}: the "
-                         f"save adds {added:.2f} CPU s, on a machine of {os.cpu_count()} cores")
+            if mode == "async":  # the write thread's CPU is the trainer's
+                parts = f"trainer and its write thread {beside['trainer']:.2f} / {alone['trainer']:.2f}"
+            else:
+                parts = (f"trainer {beside['trainer']:.2f} / {alone['trainer']:.2f}, writer process "
+                         f"{beside['writer']:.2f} / {alone['writer']:.2f}")
+            lines.append(f"    CPU s beside the save / the same steps alone: {parts}: the save adds {added:.2f} CPU s, "
+                         f"on a machine of {os.cpu_count()} cores")
     lines.append(f"  DCP sync MB/s / disk MB/s: {sync_rate / bandwidth:.2f} (target >= {BANDWIDTH_CLOSE}: "
                  f"{verdict(sync_rate / bandwidth >= BANDWIDTH_CLOSE)})")
     phases = cpu_seconds_per_phase(sd, folder / "phases")

@@ -38,4 +38,8 @@ def test_checkpoint_bench_reports_every_mode_and_the_targets(tmp_path):
     if sys.platform.startswith("linux"):  # the CPU a save adds, read from /proc
         assert "CPU s beside the save / the same steps alone" in r.stdout, r.stdout
     import json
-    assert json.loads((tmp_path / "out.json").read_text())  # the measurements, for plots
+    result = json.loads((tmp_path / "out.json").read_text())  # the measurements, for plots
+    for mode in ("async", "async_process"):  # each save's steps beside it, then as many alone
+        r = result["modes"][mode]
+        assert len(r["write_steps_s"]) == len(r["alone_steps_s"]) == len(r["cpu_beside_s"]) == len(r["overlapped_s"])
+        assert all(len(alone) == 1 + len(beside) for beside, alone in zip(r["write_steps_s"], r["alone_steps_s"]))

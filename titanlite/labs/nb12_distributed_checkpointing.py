@@ -97,12 +97,15 @@ def _cpu_seconds() -> dict[str, float]:
     import multiprocessing
 
     def used(pid):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # no /proc (macOS), or a child that just ended
+            return None
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-    try:
-        return {"trainer": used(os.getpid()), "writer": sum(used(p.pid) for p in multiprocessing.active_children())}
-    except (OSError, ValueError):
+    if (trainer := used(os.getpid())) is None:
         return {}
+    children = (used(p.pid) for p in multiprocessing.active_children())
+    return {"trainer": trainer, "writer": sum(c for c in children if c is not None)}
 
 
 def _bytes_in(folder: Path) -> int:
@@ -175,8 +178,8 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
                 middle = _cpu_seconds()
                 out["alone_steps_s"].append([_seconds(overlap_with) for _ in range(1 + len(beside))])
                 after = _cpu_seconds()
-                out["cpu_beside_s"].append({k: middle[k] - before[k] for k in before})
-                out["cpu_alone_s"].append({k: after[k] - middle[k] for k in middle})
+                out["cpu_beside_s"].append({k: middle[k] - before[k] for k in before.keys() & middle.keys()})
+                out["cpu_alone_s"].append({k: after[k] - middle[k] for k in middle.keys() & after.keys()})
         out["bytes"] = _bytes_in(committed(folder)[-1])
     finally:
         ckpt.close()
@@ -190,7 +193,8 @@ def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench"
     Returns {"preset", "params", "state_bytes", "compute_alone_s", "modes": {mode: {"bytes",
     "blocked_s", "done_s" (one per repeat), "first_s", "steady_s", "done_steady_s" (medians
     after the first), and for async modes "staging_s", "overlapped_s", "residual_s",
-    "compute_s", "write_steps_s", "alone_steps_s", "cpu_beside_s", "cpu_alone_s"}}}. The first async_process save spawns the writer process (in `done_s[0]`)."""
+    "compute_s", "write_steps_s", "alone_steps_s", "cpu_beside_s", "cpu_alone_s"}}}. The first
+    async_process save spawns the writer process (in `done_s[0]`)."""
     unknown = [m for m in modes if m not in SAVE_MODES]
     if unknown or repeats < 1:
         raise TitanliteError(f"blocking_times: modes must be among {SAVE_MODES} (got {unknown}) and "
