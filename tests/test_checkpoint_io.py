@@ -344,11 +344,16 @@ def test_a_disk_error_seen_by_a_background_sync_fails_the_save_and_keeps_the_las
     ckpt.close()
 
 
-def _burn(seconds: float, done) -> None:
+def _spin(seconds: float) -> None:
+    """Use `seconds` of this process's CPU."""
     import time
     end = time.process_time() + seconds
     while time.process_time() < end:
         pass
+
+
+def _burn(seconds: float, done) -> None:
+    _spin(seconds)
     done.set()
     time.sleep(60)  # still running when measured: only live children are counted
 
@@ -357,13 +362,10 @@ def _burn(seconds: float, done) -> None:
 def test_cpu_seconds_counts_the_trainer_and_its_writer_process():
     """The bench's account of an async save's CPU: this process's, and a child process's (DCP's writer)."""
     import multiprocessing
-    import time
 
     from titanlite.labs.nb12_distributed_checkpointing import _cpu_seconds
     before = _cpu_seconds()
-    end = time.process_time() + 0.3
-    while time.process_time() < end:
-        pass
+    _spin(0.3)
     ctx = multiprocessing.get_context("spawn")
     done = ctx.Event()
     child = ctx.Process(target=_burn, args=(0.4, done), daemon=True)
