@@ -66,12 +66,16 @@ def targets(result: dict, bandwidth: float) -> list[str]:
                 f"{verdict(at_once <= ASYNC_TARGET):7}")
         if "overlapped_s" in r:
             hidden = _median(r["overlapped_s"]) / sync["steady_s"]
-            extra = max(0.0, _median(r["compute_s"]) - result["compute_alone_s"])
+            # the step beside the copy against the steps right after that save with none in flight
+            # (as the ByteCheckpoint lines below): this machine's step time drifts over a run
+            alone = [_median(a) for a in r["alone_steps_s"]] if r.get("alone_steps_s") \
+                else [result["compute_alone_s"]] * len(r["compute_s"])
+            extra = max(0.0, _median([c - a for c, a in zip(r["compute_s"], alone)]))
             paid = (_median(r["overlapped_s"]) + extra) / sync["steady_s"]
             line += (f" | in the trainer {hidden:6.1%} {verdict(hidden <= ASYNC_TARGET):7}"
                      f" | + the step's slowdown beside the copy {paid:6.1%} {verdict(paid <= ASYNC_TARGET)}"
                      f" (forward+backward {_median(r['compute_s']):.3f} s, alone "
-                     f"{result['compute_alone_s']:.3f} s)")
+                     f"{_median(alone):.3f} s)")
         lines.append(line)
     rate = sync["bytes"] / sync["steady_s"]
     lines.append(f"DCP sync throughput / disk bandwidth = {rate / 1e6:.0f} / {bandwidth / 1e6:.0f} MB/s = "
