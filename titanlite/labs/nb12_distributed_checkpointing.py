@@ -141,7 +141,8 @@ def _stderr_to(path: Path):
         os.close(saved)
 
 
-def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=None) -> dict:
+def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=None,
+              disk_beside: bool = False) -> dict:
     """`repeats` saves through a Checkpointer. blocked: the save() call plus wait_for_staging()
     right after it (the most an async save can stall training); done: until committed.
     overlapped (async, with overlap_with): a forward+backward runs between the two, as the
@@ -149,10 +150,12 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
     then forward+backwards run on until the write has committed (write_steps_s: their seconds,
     a list per save), as training goes on beside a background write, and as many again with no save
     in flight (alone_steps_s): the machine's speed a moment later, to compare them with. cpu_beside_s /
-    cpu_alone_s: the CPU seconds of the trainer and of the writer process over those two stretches."""
+    cpu_alone_s: the CPU seconds of the trainer and of the writer process over those two stretches.
+    disk_beside (sync): after each save, the disk's bandwidth for as many bytes (disk_bps)."""
     ckpt = Checkpointer(folder, mode=mode, keep_latest_k=1)
     out = {k: [] for k in ("blocked_s", "call_s", "staging_s", "done_s", "overlapped_s", "residual_s",
-                           "compute_s", "write_steps_s", "alone_steps_s", "cpu_beside_s", "cpu_alone_s")}
+                           "compute_s", "write_steps_s", "alone_steps_s", "cpu_beside_s", "cpu_alone_s",
+                           "disk_bps")}
     steps = iter(range(1, 2 * repeats + 1))
     try:
         for _ in range(repeats):
@@ -162,6 +165,8 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
             out["blocked_s"].append(time.perf_counter() - start)
             ckpt.wait()  # async: written, committed and the previous one pruned; sync: only that pruning
             out["done_s"].append(out["blocked_s"][-1] if mode == "sync" else time.perf_counter() - start)
+            if mode == "sync" and disk_beside:  # this disk's speed swings within a run: the same moment
+                out["disk_bps"].append(disk_write_bandwidth(folder, max(8 << 20, _bytes_in(committed(folder)[-1]))))
             if mode != "sync" and overlap_with is not None:
                 before = _cpu_seconds()
                 call = ckpt.save(state, next(steps)).blocked_s
@@ -187,14 +192,15 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
 
 
 def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench",
-                   modes=SAVE_MODES, repeats: int = 3, overlap: bool = True, keep: bool = False) -> dict:
+                   modes=SAVE_MODES, repeats: int = 3, overlap: bool = True, keep: bool = False,
+                   disk_beside: bool = False) -> dict:
     """How long each way of saving stops training, on a `preset` model with its AdamW state.
 
     Returns {"preset", "params", "state_bytes", "compute_alone_s", "modes": {mode: {"bytes",
     "blocked_s", "done_s" (one per repeat), "first_s", "steady_s", "done_steady_s" (medians
     after the first), and for async modes "staging_s", "overlapped_s", "residual_s",
-    "compute_s", "write_steps_s", "alone_steps_s", "cpu_beside_s", "cpu_alone_s"}}}. The first
-    async_process save spawns the writer process (in `done_s[0]`)."""
+    "compute_s", "write_steps_s", "alone_steps_s", "cpu_beside_s", "cpu_alone_s"}, and with
+    disk_beside for "sync" "disk_bps"}}. The first async_process save spawns the writer process (in `done_s[0]`)."""
     unknown = [m for m in modes if m not in SAVE_MODES]
     if unknown or repeats < 1:
         raise TitanliteError(f"blocking_times: modes must be among {SAVE_MODES} (got {unknown}) and "
@@ -226,7 +232,7 @@ def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench"
                 with _stderr_to(folder / "checkpoint-process.log"):
                     r = _time_dcp(mode, state, folder / mode, repeats, step)
             else:
-                r = _time_dcp(mode, state, folder / mode, repeats, step)
+                r = _time_dcp(mode, state, folder / mode, repeats, step, disk_beside)
             r["first_s"] = r["blocked_s"][0]
             r["steady_s"] = statistics.median(r["blocked_s"][1:] or r["blocked_s"])
             r["done_steady_s"] = statistics.median(r["done_s"][1:] or r["done_s"])
