@@ -5,7 +5,7 @@
     TITANLITE_SMOKE=1 python bench/checkpoint.py   # debug preset, a few seconds
 
 One run measures, side by side on the same disk: its write bandwidth (random bytes, fsync;
-before and after the saves, and right after each DCP sync save, to which it is compared),
+before and after the saves, and between the DCP sync saves, to which those are compared),
 then the same training state (weights + AdamW moments after one step) saved with torch.save
 (+ fsync), DCP sync, DCP async (thread) and DCP async (process), all through titanlite's
 Checkpointer (atomic commit, CRC record). Per mode: bytes on disk, seconds training is
@@ -35,7 +35,7 @@ def table(result: dict, bandwidth: float) -> str:
     modes = result["modes"]
     sync = modes.get("sync")
     out = [f"{'mode':22} {'MiB/ckpt':>9} {'blocked 1st':>11} {'blocked':>9} {'in trainer':>10} "
-           f"{'committed':>9} {'MB/s':>7} {'vs disk':>7} {'vs sync':>7}"]
+           f"{'committed':>9} {'MB/s':>7} {'vs disk':>7} {'vs sync':>7}   (vs disk: the run's median disk)"]
     for mode, r in modes.items():
         rate = r["bytes"] / r["done_steady_s"]
         in_trainer = f"{_median(r['overlapped_s']):10.3f}" if "overlapped_s" in r else f"{'—':>10}"
@@ -52,16 +52,19 @@ def _median(xs):
 
 
 def sync_vs_disk(sync: dict, bandwidth: float) -> tuple[float, str]:
-    """DCP sync's MB/s over the disk's, and how it was paired. This disk's speed swings within a run
-    (424-746 MB/s in one): each save (after the first) is held against the disk written right after
-    it, as many bytes; without those pairs, against the run's median disk."""
+    """DCP sync's MB/s over the disk's, and how they were paired. This disk's speed swings by half
+    within a run, so each save after the first is held against the disk written just before it and
+    just after it (the mean of the two, as many bytes each; `disk_beside` in blocking_times); without
+    those, against the run's median disk."""
     run_wide = sync["bytes"] / sync["steady_s"] / bandwidth
-    pairs = list(zip(sync["blocked_s"], sync.get("disk_bps", [])))[1:]
+    disk = sync.get("disk_bytes_per_s", [])
+    pairs = [(sync["blocked_s"][i], (disk[i - 1] + disk[i]) / 2) for i in range(1, len(disk))]
     if not pairs:
         return run_wide, "against the run's median disk"
-    return (_median([sync["bytes"] / s / disk for s, disk in pairs]),
-            f"each save against the disk right after it, median of {len(pairs)}; against the run's "
-            f"median disk {run_wide:.2f}")
+    return (_median([sync["bytes"] / s / d for s, d in pairs]),
+            f"each save against the disk just before and after it, median of {len(pairs)}; the disk "
+            f"there {_median(disk) / 1e6:.0f} MB/s ({min(disk) / 1e6:.0f}-{max(disk) / 1e6:.0f}); against "
+            f"the run's median disk {run_wide:.2f}")
 
 
 def targets(result: dict, bandwidth: float) -> list[str]:

@@ -48,8 +48,8 @@ def disk_write_bandwidth(folder: str | Path, nbytes: int = 256 << 20, block: int
         start = time.perf_counter()
         with open(path, "wb") as f:
             flushing = None
-            for _ in range(nbytes // block):
-                f.write(data)
+            for n in [block] * (nbytes // block) + ([nbytes % block] if nbytes % block else []):
+                f.write(data[:n])
                 if flushing is None or not flushing.is_alive():
                     f.flush()
                     flushing = threading.Thread(target=getattr(os, "fdatasync", os.fsync), args=(f.fileno(),))
@@ -60,7 +60,7 @@ def disk_write_bandwidth(folder: str | Path, nbytes: int = 256 << 20, block: int
         seconds = time.perf_counter() - start
     finally:
         path.unlink(missing_ok=True)
-    return (nbytes // block) * block / seconds
+    return nbytes / seconds
 
 
 def training_state(preset: str = "small", seed: int = 0):
@@ -151,11 +151,11 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
     a list per save), as training goes on beside a background write, and as many again with no save
     in flight (alone_steps_s): the machine's speed a moment later, to compare them with. cpu_beside_s /
     cpu_alone_s: the CPU seconds of the trainer and of the writer process over those two stretches.
-    disk_beside (sync): after each save, the disk's bandwidth for as many bytes (disk_bps)."""
+    disk_beside (sync): after each save, the disk's bandwidth for as many bytes (disk_bytes_per_s)."""
     ckpt = Checkpointer(folder, mode=mode, keep_latest_k=1)
     out = {k: [] for k in ("blocked_s", "call_s", "staging_s", "done_s", "overlapped_s", "residual_s",
                            "compute_s", "write_steps_s", "alone_steps_s", "cpu_beside_s", "cpu_alone_s",
-                           "disk_bps")}
+                           "disk_bytes_per_s")}
     steps = iter(range(1, 2 * repeats + 1))
     try:
         for _ in range(repeats):
@@ -166,7 +166,8 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
             ckpt.wait()  # async: written, committed and the previous one pruned; sync: only that pruning
             out["done_s"].append(out["blocked_s"][-1] if mode == "sync" else time.perf_counter() - start)
             if mode == "sync" and disk_beside:  # this disk's speed swings within a run: the same moment
-                out["disk_bps"].append(disk_write_bandwidth(folder, max(8 << 20, _bytes_in(committed(folder)[-1]))))
+                nbytes = _bytes_in(committed(folder)[-1])
+                out["disk_bytes_per_s"].append(disk_write_bandwidth(folder, nbytes, min(nbytes, 8 << 20)))
             if mode != "sync" and overlap_with is not None:
                 before = _cpu_seconds()
                 call = ckpt.save(state, next(steps)).blocked_s
@@ -200,7 +201,7 @@ def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench"
     "blocked_s", "done_s" (one per repeat), "first_s", "steady_s", "done_steady_s" (medians
     after the first), and for async modes "staging_s", "overlapped_s", "residual_s",
     "compute_s", "write_steps_s", "alone_steps_s", "cpu_beside_s", "cpu_alone_s"}, and with
-    disk_beside for "sync" "disk_bps"}}. The first async_process save spawns the writer process (in `done_s[0]`)."""
+    disk_beside for "sync" "disk_bytes_per_s"}}. The first async_process save spawns the writer process (in `done_s[0]`)."""
     unknown = [m for m in modes if m not in SAVE_MODES]
     if unknown or repeats < 1:
         raise TitanliteError(f"blocking_times: modes must be among {SAVE_MODES} (got {unknown}) and "
