@@ -4,6 +4,7 @@ dedup plan), and a load under data parallelism reads each replicated byte once i
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 
@@ -346,7 +347,6 @@ def test_a_disk_error_seen_by_a_background_sync_fails_the_save_and_keeps_the_las
 
 def _spin(seconds: float) -> None:
     """Use `seconds` of this process's CPU."""
-    import time
     end = time.process_time() + seconds
     while time.process_time() < end:
         pass
