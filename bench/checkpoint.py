@@ -85,8 +85,7 @@ def targets(result: dict, bandwidth: float) -> list[str]:
             hidden = _median(r["overlapped_s"]) / sync["steady_s"]
             # the step beside the copy against the steps right after that save with none in flight
             # (as the ByteCheckpoint lines below): this machine's step time drifts over a run
-            alone = [_median(a) for a in r["alone_steps_s"]] if r.get("alone_steps_s") \
-                else [result["compute_alone_s"]] * len(r["compute_s"])
+            alone = [_median(a) for a in r["alone_steps_s"]]  # measured wherever overlapped_s is
             extra = max(0.0, _median([c - a for c, a in zip(r["compute_s"], alone)]))
             paid = (_median(r["overlapped_s"]) + extra) / sync["steady_s"]
             line += (f" | in the trainer {hidden:6.1%} {verdict(hidden <= ASYNC_TARGET):7}"
