@@ -13,6 +13,7 @@ of a shared, noisy machine shows in the table instead of hiding in a ratio.
 MFU is against the measured matmul peak of the dtype each variant's matmuls run in (fp32 for
 the baseline, bf16 for +bf16, ...): a bf16 variant is judged against what bf16 can do here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,16 +49,26 @@ def measure(variant: str, args) -> dict:
 
     from titanlite import hardware, memory, peaks
     from titanlite.tools.notebook import quiet_third_party
+
     quiet_third_party()  # before torchao is imported: its "Failed to load" lines are noise here
     from titanlite.config import load_config
     from titanlite.train import Trainer
 
     overrides = dict(VARIANTS[variant])
     micro = args.batch_size // overrides.pop("_micro_divisor", 1)
-    overrides.update({"model.preset": args.preset, "training.batch_size": micro,
-                      "training.seq_len": args.seq_len, "training.steps": args.warmup + args.steps,
-                      "eval.every": 0, "metrics.progress": False, "metrics.log_dir": args.log_dir,
-                      "metrics.run_name": f"ablation-{variant}", "metrics.overwrite": True})
+    overrides.update(
+        {
+            "model.preset": args.preset,
+            "training.batch_size": micro,
+            "training.seq_len": args.seq_len,
+            "training.steps": args.warmup + args.steps,
+            "eval.every": 0,
+            "metrics.progress": False,
+            "metrics.log_dir": args.log_dir,
+            "metrics.run_name": f"ablation-{variant}",
+            "metrics.overwrite": True,
+        }
+    )
     if args.threads:
         overrides["training.threads"] = args.threads
     trainer = Trainer(load_config(None, overrides))
@@ -76,18 +87,40 @@ def measure(variant: str, args) -> dict:
     tokens = trainer.global_batch * args.seq_len
     tps = tokens / step_s
     info = getattr(trainer.model, "fp8_info", None)
-    return {"variant": variant, "tokens_per_sec": tps, "step_s": step_s, "first_step_s": first_step_s,
-            "mfu": peaks.mfu(trainer.flops_per_token * tps, trainer.peak),
-            "peak_label": trainer.peak.label, "compute_dtype": str(trainer.compute_dtype),
-            "peak_memory_bytes": memory.peak_memory_bytes(trainer.device),
-            "device": hardware.device_name(trainer.device), "threads": torch.get_num_threads(),
-            "fp8_emulated": None if info is None else info.get("emulated")}
+    return {
+        "variant": variant,
+        "tokens_per_sec": tps,
+        "step_s": step_s,
+        "first_step_s": first_step_s,
+        "mfu": peaks.mfu(trainer.flops_per_token * tps, trainer.peak),
+        "peak_label": trainer.peak.label,
+        "compute_dtype": str(trainer.compute_dtype),
+        "peak_memory_bytes": memory.peak_memory_bytes(trainer.device),
+        "device": hardware.device_name(trainer.device),
+        "threads": torch.get_num_threads(),
+        "fp8_emulated": None if info is None else info.get("emulated"),
+    }
 
 
 def run_child(variant: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, "--preset", args.preset,
-           "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--log-dir", args.log_dir]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        variant,
+        "--preset",
+        args.preset,
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--log-dir",
+        args.log_dir,
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -100,25 +133,34 @@ def run_child(variant: str, args) -> dict:
 
 def table(rows: list[dict]) -> str:
     base = rows[0]
-    out = [f"{'variant':16} {'tokens/s':>10} {'vs base':>8} {'MFU':>7} {'peak MiB':>9} "
-           f"{'1st step s':>10}  matmul dtype / notes"]
+    out = [
+        f"{'variant':16} {'tokens/s':>10} {'vs base':>8} {'MFU':>7} {'peak MiB':>9} "
+        f"{'1st step s':>10}  matmul dtype / notes"
+    ]
     for r in rows:
         if "error" in r:
-            out.append(f"{r['variant']:16} {'—':>10} {'—':>8} {'—':>7} {'—':>9} {'—':>10}  failed: {r['error']}")
+            out.append(
+                f"{r['variant']:16} {'—':>10} {'—':>8} {'—':>7} {'—':>9} {'—':>10}  failed: {r['error']}"
+            )
             continue
         note = r["compute_dtype"].replace("torch.", "")
         if r.get("fp8_emulated"):
             note += ", FP8 emulated (no FP8 hardware: slower by design)"
         if r["mfu"] > 1:  # never let an impossible MFU pass silently
-            note += f"; MFU > 100%: the measured peak ({r['peak_label']}) is too low to judge against"
-        out.append(f"{r['variant']:16} {r['tokens_per_sec']:10,.0f} {r['tokens_per_sec'] / base['tokens_per_sec']:7.2f}x "
-                   f"{100 * r['mfu']:6.1f}% {r['peak_memory_bytes'] / 2**20:9,.0f} {r['first_step_s']:10.1f}  {note}")
+            note += (
+                f"; MFU > 100%: the measured peak ({r['peak_label']}) is too low to judge against"
+            )
+        out.append(
+            f"{r['variant']:16} {r['tokens_per_sec']:10,.0f} {r['tokens_per_sec'] / base['tokens_per_sec']:7.2f}x "
+            f"{100 * r['mfu']:6.1f}% {r['peak_memory_bytes'] / 2**20:9,.0f} {r['first_step_s']:10.1f}  {note}"
+        )
     return "\n".join(out)
 
 
 def main() -> None:
     from titanlite import is_smoke
     from titanlite.tools.notebook import quiet_third_party
+
     quiet_third_party()
 
     smoke = is_smoke()
@@ -151,8 +193,10 @@ def main() -> None:
             row["variant"] = "baseline (again)"
         rows.append(row)
     first = rows[0]
-    print(f"\n{first.get('device', '?')}, {first.get('threads', '?')} threads; preset {args.preset}, "
-          f"batch {args.batch_size} × seq {args.seq_len}; median of {args.steps} steps after {args.warmup} warm-up")
+    print(
+        f"\n{first.get('device', '?')}, {first.get('threads', '?')} threads; preset {args.preset}, "
+        f"batch {args.batch_size} × seq {args.seq_len}; median of {args.steps} steps after {args.warmup} warm-up"
+    )
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

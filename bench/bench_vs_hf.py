@@ -19,6 +19,7 @@ losses of both are printed as well: equal losses show that the two did the same 
     python bench/bench_vs_hf.py --preset small
     TITANLITE_SMOKE=1 python bench/bench_vs_hf.py      # ~20 s
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,8 @@ quiet_third_party()  # first: hides torchao's import noise before transformers l
 import torch
 import torch.nn.functional as F
 
-from titanlite.tools.export import to_hf_model
 from titanlite.models.llama import ModelArgs, build_model
+from titanlite.tools.export import to_hf_model
 
 # Batch shapes of configs/debug.toml and configs/small.toml: what the notebooks train with.
 DEFAULT_SHAPE = {"debug": (16, 128), "small": (16, 256)}
@@ -59,15 +60,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def batches(a, vocab_size: int, n: int = 4) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, str]:
+def batches(
+    a, vocab_size: int, n: int = 4
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, str]:
     """n (inputs, targets) batches, the vocabulary size they need, and where they came from."""
     if a.data == "pydoc":
         from titanlite.data import build_data
-        data = build_data("pydoc", vocab_size=vocab_size, seq_len=a.seq_len,
-                          batch_size=a.batch_size, seed=a.seed)
+
+        data = build_data(
+            "pydoc", vocab_size=vocab_size, seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed
+        )
         return [data.train.next_batch() for _ in range(n)], data.vocab_size, data.corpus_id
     g = torch.Generator().manual_seed(a.seed)
-    rows = [torch.randint(0, vocab_size, (a.batch_size, a.seq_len + 1), generator=g) for _ in range(n)]
+    rows = [
+        torch.randint(0, vocab_size, (a.batch_size, a.seq_len + 1), generator=g) for _ in range(n)
+    ]
     return [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows], vocab_size, "random"
 
 
@@ -95,15 +102,19 @@ def main(argv=None) -> dict:
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     data, vocab, source = batches(a, ModelArgs.preset(a.preset).vocab_size)
-    margs = ModelArgs.preset(a.preset, vocab_size=vocab,
-                             max_seq_len=max(a.seq_len, ModelArgs.preset(a.preset).max_seq_len))
+    margs = ModelArgs.preset(
+        a.preset,
+        vocab_size=vocab,
+        max_seq_len=max(a.seq_len, ModelArgs.preset(a.preset).max_seq_len),
+    )
     tl = build_model(margs).train()
     hf = to_hf_model(tl).train()
 
     steppers = {
         "titanlite": make_stepper(tl, list(tl.parameters()), data, vocab),
-        "HF Llama (sdpa)": make_stepper(lambda x: hf(input_ids=x, use_cache=False).logits,
-                                        list(hf.parameters()), data, vocab),
+        "HF Llama (sdpa)": make_stepper(
+            lambda x: hf(input_ids=x, use_cache=False).logits, list(hf.parameters()), data, vocab
+        ),
     }
     first = {name: step() for name, step in steppers.items()}
     for _ in range(a.warmup - 1):
@@ -113,20 +124,24 @@ def main(argv=None) -> dict:
     tok = a.batch_size * a.seq_len
     rates: dict[str, list[float]] = {name: [] for name in steppers}
     for i in range(a.steps):
-        for name in (list(steppers) if i % 2 == 0 else list(reversed(steppers))):
+        for name in list(steppers) if i % 2 == 0 else list(reversed(steppers)):
             t0 = time.perf_counter()
             steppers[name]()
             rates[name].append(tok / (time.perf_counter() - t0))
 
     med = {n: statistics.median(r) for n, r in rates.items()}
     ratio = med["titanlite"] / med["HF Llama (sdpa)"]
-    print(f"preset={a.preset} ({tl.num_params() / 1e6:.2f}M params, vocab {vocab}) "
-          f"batch={a.batch_size} seq_len={a.seq_len} data={source} threads={a.threads} "
-          f"timed_steps={a.steps}/model warmup={a.warmup} fp32 eager, torch {torch.__version__}")
+    print(
+        f"preset={a.preset} ({tl.num_params() / 1e6:.2f}M params, vocab {vocab}) "
+        f"batch={a.batch_size} seq_len={a.seq_len} data={source} threads={a.threads} "
+        f"timed_steps={a.steps}/model warmup={a.warmup} fp32 eager, torch {torch.__version__}"
+    )
     print(f"{'model':<18}{'loss@0':>9}{'median tok/s':>14}{'min':>9}{'max':>9}{'ms/step':>9}")
     for n, r in rates.items():
-        print(f"{n:<18}{first[n]:>9.4f}{med[n]:>14,.0f}{min(r):>9,.0f}{max(r):>9,.0f}"
-              f"{1000 * tok / med[n]:>9.1f}")
+        print(
+            f"{n:<18}{first[n]:>9.4f}{med[n]:>14,.0f}{min(r):>9,.0f}{max(r):>9,.0f}"
+            f"{1000 * tok / med[n]:>9.1f}"
+        )
     best = max(rates["titanlite"]) / max(rates["HF Llama (sdpa)"])
     # The best step is the least disturbed by neighbours: a second view when the box is busy.
     print(f"ratio titanlite / HF: {ratio:.2f}x (median tok/s), {best:.2f}x (best step)")

@@ -23,7 +23,9 @@ def _isolated_peak_cache(tmp_path_factory):
     old = os.environ.get("TITANLITE_CACHE_DIR")
     os.environ["TITANLITE_CACHE_DIR"] = str(cache)  # inherited by notebook kernels too
     import torch
+
     from titanlite import peaks
+
     peaks.matmul_peak(torch.device("cpu"), torch.float32)
     yield cache
     if old is None:
@@ -34,11 +36,20 @@ def _isolated_peak_cache(tmp_path_factory):
 
 def tiny_overrides(data_dir: Path, tmp_path: Path, **extra) -> dict:
     """A seconds-long debug run: small tokenizer, short sequences, logs in tmp_path."""
-    o = {"data.data_dir": str(data_dir), "data.vocab_size": 512, "training.steps": 12,
-         "training.batch_size": 4, "training.seq_len": 32, "scheduler.warmup_steps": 2,
-         "eval.every": 6, "eval.batches": 2, "eval.sample_tokens": 8,
-         "metrics.log_dir": str(tmp_path / "runs"), "metrics.run_name": "t",
-         "metrics.progress": False}
+    o = {
+        "data.data_dir": str(data_dir),
+        "data.vocab_size": 512,
+        "training.steps": 12,
+        "training.batch_size": 4,
+        "training.seq_len": 32,
+        "scheduler.warmup_steps": 2,
+        "eval.every": 6,
+        "eval.batches": 2,
+        "eval.sample_tokens": 8,
+        "metrics.log_dir": str(tmp_path / "runs"),
+        "metrics.run_name": "t",
+        "metrics.progress": False,
+    }
     o.update(extra)
     return o
 
@@ -50,9 +61,26 @@ def run_torchrun(script, *args, nproc: int = 2, timeout: float = 120):
     import sys
 
     from titanlite.tools.launcher import _free_port
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script), *map(str, args)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=timeout)
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        str(script),
+        *map(str, args),
+    ]
+    proc = subprocess.run(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

@@ -10,6 +10,7 @@ Everything the server and kernels write (settings, workspaces, runtime files, IP
 profile) goes into a scratch folder, so a run leaves nothing in $HOME or the repository, and a
 user's own kernelspecs or startup files cannot change what is tested.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,15 +28,24 @@ REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("TITANLITE_CHROMIUM", "/usr/bin/chromium")
 # Root in a container has no user namespaces for the sandbox; the rest stop Chromium from
 # phoning home (there is no network) and from doing GPU work there is no GPU for.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
 # windowingMode "none": JupyterLab otherwise detaches off-screen cells from the DOM, and the
 # test must see every cell's prompt and output. No news/update checks: there is no network.
 LAB_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
-    "@jupyterlab/apputils-extension/notification.jupyterlab-settings":
-        {"fetchNews": "false", "checkForUpdates": False},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
+        "fetchNews": "false",
+        "checkForUpdates": False,
+    },
 }
 
 
@@ -46,8 +56,10 @@ def browser_missing() -> str | None:
     except ImportError:
         return "the playwright Python package is missing: pip install playwright"
     if not Path(CHROMIUM).exists():
-        return (f"no Chromium at {CHROMIUM}: apt-get install chromium "
-                "(or set TITANLITE_CHROMIUM to a Chromium binary)")
+        return (
+            f"no Chromium at {CHROMIUM}: apt-get install chromium "
+            "(or set TITANLITE_CHROMIUM to a Chromium binary)"
+        )
     return None
 
 
@@ -79,11 +91,13 @@ class JupyterLabServer:
             env.pop(name, None)
         for name in ("config", "data", "runtime", "ipython"):
             (self.scratch / name).mkdir(parents=True, exist_ok=True)
-        env.update(JUPYTER_CONFIG_DIR=str(self.scratch / "config"),
-                   JUPYTER_DATA_DIR=str(self.scratch / "data"),
-                   JUPYTER_RUNTIME_DIR=str(self.scratch / "runtime"),
-                   IPYTHONDIR=str(self.scratch / "ipython"),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+        env.update(
+            JUPYTER_CONFIG_DIR=str(self.scratch / "config"),
+            JUPYTER_DATA_DIR=str(self.scratch / "data"),
+            JUPYTER_RUNTIME_DIR=str(self.scratch / "runtime"),
+            IPYTHONDIR=str(self.scratch / "ipython"),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        )
         env.update(self.extra_env)
         return env
 
@@ -92,36 +106,58 @@ class JupyterLabServer:
         for rel, values in LAB_SETTINGS.items():
             (settings / rel).parent.mkdir(parents=True, exist_ok=True)
             (settings / rel).write_text(json.dumps(values))
-        cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser",
-               "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
-               "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
-               f"--ServerApp.root_dir={self.root_dir}",
-               f"--LabApp.user_settings_dir={settings}",
-               f"--LabApp.workspaces_dir={self.scratch / 'workspaces'}",
-               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-               "--LabApp.extension_manager=readonly", "--ServerApp.terminals_enabled=False"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.root_dir}",
+            f"--LabApp.user_settings_dir={settings}",
+            f"--LabApp.workspaces_dir={self.scratch / 'workspaces'}",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LabApp.extension_manager=readonly",
+            "--ServerApp.terminals_enabled=False",
+        ]
         if os.geteuid() == 0:  # CI containers run as root; jupyter refuses without this
             cmd.append("--allow-root")
         log = open(self.log_path, "wb")
         # Own session (process group): on exit we can signal the server and every kernel it
         # started, and nothing outlives the test.
-        self.proc = subprocess.Popen(cmd, env=self._env(), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=self._env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 self.api("status")
                 return self
             except OSError:
                 time.sleep(0.3)
-        raise RuntimeError(f"jupyter lab did not answer in {self.startup_timeout_s}s:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"jupyter lab did not answer in {self.startup_timeout_s}s:\n{self.log_tail()}"
+        )
 
     def api(self, path: str, method: str = "GET"):
-        req = urllib.request.Request(f"{self.base}/api/{path}", method=method,
-                                     headers={"Authorization": f"token {self.token}"})
+        req = urllib.request.Request(
+            f"{self.base}/api/{path}",
+            method=method,
+            headers={"Authorization": f"token {self.token}"},
+        )
         with urllib.request.urlopen(req, timeout=5) as r:
             body = r.read()
         return json.loads(body) if body else None
@@ -177,8 +213,9 @@ class LabBrowser:
 
         self._pw = sync_playwright().start()
         try:
-            self.browser = self._pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                                    args=CHROMIUM_ARGS)
+            self.browser = self._pw.chromium.launch(
+                executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
+            )
         except BaseException:
             self._pw.stop()
             raise
@@ -209,8 +246,9 @@ def open_notebook(page, lab: JupyterLabServer, path: str, timeout_s: float = 90)
     page.goto(lab.url(f"lab/tree/{path}"), timeout=timeout_s * 1000)
     page.wait_for_selector(".jp-NotebookPanel .jp-CodeCell", timeout=timeout_s * 1000)
     accept_kernel_dialog(page)
-    page.wait_for_selector('.jp-Notebook-ExecutionIndicator[data-status="idle"]',
-                           timeout=timeout_s * 1000)
+    page.wait_for_selector(
+        '.jp-Notebook-ExecutionIndicator[data-status="idle"]', timeout=timeout_s * 1000
+    )
 
 
 def accept_kernel_dialog(page, wait_ms: int = 1500) -> None:
@@ -267,9 +305,10 @@ def wait_until_done(page, timeout_s: float, settle_s: float = 2.0) -> dict:
         elif time.monotonic() - idle_since >= settle_s:
             return snap
         time.sleep(0.25)
-    raise TimeoutError(f"notebook still running after {timeout_s:.0f}s: {summarize(snapshot(page))}")
+    raise TimeoutError(
+        f"notebook still running after {timeout_s:.0f}s: {summarize(snapshot(page))}"
+    )
 
 
 def summarize(snap: dict) -> str:
     return f"kernel {snap['status']}, prompts {[c['prompt'] for c in snap['cells']]}"
-

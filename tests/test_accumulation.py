@@ -1,8 +1,9 @@
 """Gradient accumulation: k micro-batches give exactly the big batch's gradient."""
+
 import pytest
 import torch
-
 from conftest import tiny_overrides
+
 from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.efficiency.accumulation import IGNORE_INDEX, count_targets, loss_sum, resolve_batch
@@ -54,23 +55,36 @@ def test_global_token_normalisation_is_unbiased_with_padding():
 
 def test_trainer_accumulation_matches_big_batch(data_dir, tmp_path):
     def losses(**extra):
-        cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{"training.steps": 4,
-                                                                      "eval.every": 0, **extra}))
+        cfg = load_config(
+            None,
+            tiny_overrides(data_dir, tmp_path, **{"training.steps": 4, "eval.every": 0, **extra}),
+        )
         trainer = Trainer(cfg)
         return trainer, trainer.fit().losses
+
     big_trainer, big = losses(**{"training.batch_size": 8, "metrics.run_name": "big"})
-    acc_trainer, acc = losses(**{"training.batch_size": 2, "training.global_batch_size": 8,
-                                 "metrics.run_name": "accumulated"})
-    assert acc_trainer.grad_accum_steps == 4 and acc_trainer.global_batch == big_trainer.global_batch
+    acc_trainer, acc = losses(
+        **{
+            "training.batch_size": 2,
+            "training.global_batch_size": 8,
+            "metrics.run_name": "accumulated",
+        }
+    )
+    assert (
+        acc_trainer.grad_accum_steps == 4 and acc_trainer.global_batch == big_trainer.global_batch
+    )
     assert acc == pytest.approx(big, rel=1e-5)
 
 
-@pytest.mark.parametrize("args, message", [
-    ((4, 1, 10, 1), "not a positive multiple of batch_size × data-parallel degree = 4 × 1 = 4"),
-    ((4, 1, 16, 3), "4 × 3 = 12"),
-    ((4, 3, 32, 1), "contradicts global_batch_size=32"),
-    ((4, 0, None, 1), "must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((4, 1, 10, 1), "not a positive multiple of batch_size × data-parallel degree = 4 × 1 = 4"),
+        ((4, 1, 16, 3), "4 × 3 = 12"),
+        ((4, 3, 32, 1), "contradicts global_batch_size=32"),
+        ((4, 0, None, 1), "must be at least 1"),
+    ],
+)
 def test_invalid_combinations_are_one_line(args, message):
     with pytest.raises(TitanliteError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve_batch(*args)

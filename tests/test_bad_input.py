@@ -7,6 +7,7 @@ stderr, no "Traceback", and the same hashes afterwards. Most cases call `titanli
 in this process (the CLI's code path, without a second torch import); a few run the real
 `python -m titanlite.tools.cli` to prove the process boundary too.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,8 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_overrides
+
 from titanlite import TitanliteError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,21 +34,32 @@ def snapshot(root: Path) -> dict:
     """Every file and folder under `root`: content hashes (folders as None)."""
     out = {}
     for p in sorted(root.rglob("*")):
-        out[str(p.relative_to(root))] = (hashlib.sha256(p.read_bytes()).hexdigest()
-                                         if p.is_file() else None)
+        out[str(p.relative_to(root))] = (
+            hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+        )
     return out
 
 
 # ----- one trained run with checkpoints, shared by the checkpoint cases ------------------------
 
+
 @pytest.fixture(scope="module")
 def trained(data_dir, tmp_path_factory):
     """A 4-step run saving checkpoints at steps 2 and 4 (tokenizer beside them)."""
     from titanlite.tools.cli import main
+
     home = tmp_path_factory.mktemp("trained")
-    o = tiny_overrides(data_dir, home, **{"training.steps": 4, "eval.every": 0,
-                                          "checkpoint.enable": True, "checkpoint.every": 2,
-                                          "checkpoint.keep_latest_k": 0})
+    o = tiny_overrides(
+        data_dir,
+        home,
+        **{
+            "training.steps": 4,
+            "eval.every": 0,
+            "checkpoint.enable": True,
+            "checkpoint.every": 2,
+            "checkpoint.keep_latest_k": 0,
+        },
+    )
     assert main(["train", *flags(o)]) == 0
     return home / "runs" / "t"
 
@@ -55,6 +67,7 @@ def trained(data_dir, tmp_path_factory):
 # ----- the cases --------------------------------------------------------------------------------
 # Each case: (id, setup(world) -> argv or a callable, kind). kind "cli": argv for cli.main;
 # "api": a callable that must raise TitanliteError; "proc": argv for a real subprocess.
+
 
 def _base(world: Path, data_dir: Path, **extra) -> list[str]:
     return flags(tiny_overrides(data_dir, world, **{"training.steps": 2, "eval.every": 0, **extra}))
@@ -138,7 +151,7 @@ def config_file_case(world: Path, kind: str) -> list[str]:
     elif kind == "bad-value":
         f.write_text("[optimizer]\nbeta1 = 1.5\n")
     elif kind == "wrong-type":
-        f.write_text("[training]\nsteps = \"many\"\n")
+        f.write_text('[training]\nsteps = "many"\n')
     elif kind == "unknown-key":
         f.write_text("[training]\nstesp = 3\n")
     elif kind == "a-folder":
@@ -147,8 +160,16 @@ def config_file_case(world: Path, kind: str) -> list[str]:
     return ["--config", str(f)]
 
 
-CONFIG_FILES = ["bad-toml", "missing", "not-a-table", "non-utf8", "bad-value", "wrong-type",
-                "unknown-key", "a-folder"]
+CONFIG_FILES = [
+    "bad-toml",
+    "missing",
+    "not-a-table",
+    "non-utf8",
+    "bad-value",
+    "wrong-type",
+    "unknown-key",
+    "a-folder",
+]
 
 
 def data_file_case(world: Path, kind: str) -> list[str]:
@@ -206,12 +227,16 @@ DAMAGE = [
 # Not a case: flipped bytes inside a shard's tensor data with --checkpoint.verify size. Nothing
 # but the CRC can see those (the values are just different numbers), which is why crc is the
 # default; "size" trades that check for speed.
-OTHER_MODEL = [("other-dim", ["--model.dim", "32"]), ("other-layers", ["--model.n_layers", "3"]),
-               ("other-vocab", ["--data.vocab_size", "600"])]
+OTHER_MODEL = [
+    ("other-dim", ["--model.dim", "32"]),
+    ("other-layers", ["--model.n_layers", "3"]),
+    ("other-vocab", ["--data.vocab_size", "600"]),
+]
 
 
 def run_cli(argv: list[str], capfd) -> tuple[int, str]:
     from titanlite.tools.cli import main
+
     capfd.readouterr()
     code = main(argv)
     return code, capfd.readouterr().err
@@ -233,8 +258,9 @@ def world(tmp_path):
     return w
 
 
-@pytest.mark.parametrize("argv, message", [c[1:] for c in CONFIG_VALUES],
-                         ids=[c[0] for c in CONFIG_VALUES])
+@pytest.mark.parametrize(
+    "argv, message", [c[1:] for c in CONFIG_VALUES], ids=[c[0] for c in CONFIG_VALUES]
+)
 def test_bad_config_values_on_the_command_line(world, data_dir, capfd, argv, message):
     base = _base(world, data_dir)
     before = snapshot(world)
@@ -304,8 +330,15 @@ def _damaged_outcome(case, trained, data_dir, tmp_path_factory, capfd):
     _damage(ckpts / "step-00000004" / file, how)
     # Resume in a run of its own, whose checkpoint folder is the damaged copy: the newest
     # checkpoint (step 4) is damaged; refusing beats silently training from step 2.
-    argv = ["train", *_base(world, data_dir, **{"training.steps": 6}), "--checkpoint.enable",
-            "--checkpoint.folder", str(ckpts), "--checkpoint.verify", verify]
+    argv = [
+        "train",
+        *_base(world, data_dir, **{"training.steps": 6}),
+        "--checkpoint.enable",
+        "--checkpoint.folder",
+        str(ckpts),
+        "--checkpoint.verify",
+        verify,
+    ]
     before = snapshot(world)
     code, err = run_cli(argv, capfd)
     _outcomes[case] = (code, err, before, snapshot(world))
@@ -313,14 +346,18 @@ def _damaged_outcome(case, trained, data_dir, tmp_path_factory, capfd):
 
 
 @pytest.mark.parametrize("case", [d[0] for d in DAMAGE])
-def test_damaged_checkpoints_are_refused_in_one_line(case, trained, data_dir, tmp_path_factory, capfd):
+def test_damaged_checkpoints_are_refused_in_one_line(
+    case, trained, data_dir, tmp_path_factory, capfd
+):
     code, err, _, _ = _damaged_outcome(case, trained, data_dir, tmp_path_factory, capfd)
     check(code, err, "damaged")
     assert "delete that step folder" in err
 
 
 @pytest.mark.parametrize("case", [d[0] for d in DAMAGE])
-def test_damaged_checkpoints_leave_the_disk_unchanged(case, trained, data_dir, tmp_path_factory, capfd):
+def test_damaged_checkpoints_leave_the_disk_unchanged(
+    case, trained, data_dir, tmp_path_factory, capfd
+):
     _, _, before, after = _damaged_outcome(case, trained, data_dir, tmp_path_factory, capfd)
     assert after == before
 
@@ -328,38 +365,54 @@ def test_damaged_checkpoints_leave_the_disk_unchanged(case, trained, data_dir, t
 @pytest.mark.parametrize("case, argv", OTHER_MODEL, ids=[c[0] for c in OTHER_MODEL])
 def test_checkpoint_of_another_model_is_refused(case, argv, trained, world, data_dir, capfd):
     ckpt = _ckpt_copy(world, trained) / "step-00000004"
-    code, err = run_cli(["train", *_base(world, data_dir), *argv, "--checkpoint.load", str(ckpt)],
-                        capfd)
+    code, err = run_cli(
+        ["train", *_base(world, data_dir), *argv, "--checkpoint.load", str(ckpt)], capfd
+    )
     check(code, err, "")
     assert "different model" in err or "does not fit" in err
 
 
-@pytest.mark.parametrize("case", ["record-not-json", "metadata-garbage", "shard-truncated",
-                                  "shard-flipped"])
+@pytest.mark.parametrize(
+    "case", ["record-not-json", "metadata-garbage", "shard-truncated", "shard-flipped"]
+)
 def test_export_of_a_damaged_checkpoint(case, trained, world, capfd):
     _, file, how, _ = next(d for d in DAMAGE if d[0] == case)
     step = _ckpt_copy(world, trained) / "step-00000004"
     _damage(step / file, how)
     before = snapshot(world)
-    code, err = run_cli(["export-checkpoint", str(step), str(world / "out.pt"), "--format", "torch"],
-                        capfd)
+    code, err = run_cli(
+        ["export-checkpoint", str(step), str(world / "out.pt"), "--format", "torch"], capfd
+    )
     check(code, err, "damaged")
     assert snapshot(world) == before
 
 
-@pytest.mark.parametrize("kind", ["target-is-folder", "target-under-file", "hf-under-file",
-                                  "hf-run-under-file"])
+@pytest.mark.parametrize(
+    "kind", ["target-is-folder", "target-under-file", "hf-under-file", "hf-run-under-file"]
+)
 def test_bad_export_targets(kind, trained, world, capfd):
     step = _ckpt_copy(world, trained) / "step-00000004"
     blocker = world / "a-file"
     blocker.write_text("precious\n")
     (world / "existing").mkdir()
-    argv = {"target-is-folder": ["export-checkpoint", str(step), str(world / "existing"),
-                                 "--format", "torch"],
-            "target-under-file": ["export-checkpoint", str(step), str(blocker / "m.pt"),
-                                  "--format", "torch"],
-            "hf-under-file": ["export-checkpoint", str(step), str(blocker / "hf")],
-            "hf-run-under-file": ["export-hf", str(trained), str(blocker / "hf")]}[kind]
+    argv = {
+        "target-is-folder": [
+            "export-checkpoint",
+            str(step),
+            str(world / "existing"),
+            "--format",
+            "torch",
+        ],
+        "target-under-file": [
+            "export-checkpoint",
+            str(step),
+            str(blocker / "m.pt"),
+            "--format",
+            "torch",
+        ],
+        "hf-under-file": ["export-checkpoint", str(step), str(blocker / "hf")],
+        "hf-run-under-file": ["export-hf", str(trained), str(blocker / "hf")],
+    }[kind]
     before = snapshot(world)
     code, err = run_cli(argv, capfd)
     check(code, err, str(world))
@@ -367,6 +420,7 @@ def test_bad_export_targets(kind, trained, world, capfd):
 
 
 # ----- the Python API: the same refusals as TitanliteError, nothing printed --------------------
+
 
 def _api_cases():
     from titanlite.config import Config, load_config
@@ -376,12 +430,15 @@ def _api_cases():
             c = Config()
             setattr(getattr(c, section), key, value)
             c.validate()
+
         return go
 
     def trainer_with(**o):
         def go(world, data_dir):
             from titanlite.train import Trainer
+
             Trainer(load_config(None, tiny_overrides(data_dir, world, **o)))
+
         return go
 
     return {
@@ -397,9 +454,17 @@ def _api_cases():
     }
 
 
-API_CASES = ["config-lr-nan", "config-steps-str", "config-betas-1", "config-threads-0",
-             "config-bool-int", "load-config-dict", "load-config-unknown", "trainer-tp-alone",
-             "trainer-missing-data"]
+API_CASES = [
+    "config-lr-nan",
+    "config-steps-str",
+    "config-betas-1",
+    "config-threads-0",
+    "config-bool-int",
+    "load-config-dict",
+    "load-config-unknown",
+    "trainer-tp-alone",
+    "trainer-missing-data",
+]
 
 
 @pytest.mark.parametrize("case", API_CASES)
@@ -429,19 +494,24 @@ LAUNCH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("nproc, overrides", [c[1:] for c in LAUNCH_CASES],
-                         ids=[c[0] for c in LAUNCH_CASES])
+@pytest.mark.parametrize(
+    "nproc, overrides", [c[1:] for c in LAUNCH_CASES], ids=[c[0] for c in LAUNCH_CASES]
+)
 def test_launcher_refuses_before_starting_processes(nproc, overrides, world, data_dir, capfd):
     from titanlite.config import load_config
     from titanlite.tools import launcher
+
     (world / "a-file").write_text("precious\n")
     o = tiny_overrides(data_dir, world)
     o.update({k: (str(world / v) if k == "metrics.log_dir" else v) for k, v in overrides.items()})
     before = snapshot(world)
     capfd.readouterr()
     with pytest.raises(TitanliteError) as e:
-        launcher.launch(load_config(None, {k: v for k, v in o.items() if k not in overrides}),
-                        nproc=nproc, overrides={k: o[k] for k in overrides})
+        launcher.launch(
+            load_config(None, {k: v for k, v in o.items() if k not in overrides}),
+            nproc=nproc,
+            overrides={k: o[k] for k in overrides},
+        )
     assert "\n" not in str(e.value)
     assert not [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
     assert snapshot(world) == before
@@ -449,13 +519,22 @@ def test_launcher_refuses_before_starting_processes(nproc, overrides, world, dat
 
 # ----- the real process boundary: a few cases as `python -m titanlite.tools.cli` ---------------------
 
+
 def titanlite(*args, timeout=60):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "titanlite.tools.cli", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "titanlite.tools.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-@pytest.mark.parametrize("kind", ["bad-value", "bad-toml", "damaged-checkpoint", "export-to-folder"])
+@pytest.mark.parametrize(
+    "kind", ["bad-value", "bad-toml", "damaged-checkpoint", "export-to-folder"]
+)
 def test_as_a_real_process(kind, world, data_dir, trained):
     base = _base(world, data_dir)
     if kind == "bad-value":
@@ -479,17 +558,30 @@ def test_as_a_real_process(kind, world, data_dir, trained):
 
 # ----- several ranks, one line per distinct error ---------------------------------------------
 
+
 def test_launcher_shows_each_distinct_rank_error_once(tmp_path, capfd):
     """Both ranks refuse the same bad input (only the first prints it) and rank 1 also hits an
     error of its own: the launcher raises the first and prints the other, one line each."""
     from titanlite.tools.launcher import _failure
-    blocks = [f"[{i}]:\n  time      : 2026-11-22_07:32:01\n  rank      : {r} (local_rank: {r})\n"
-              f"  exitcode  : 2 (pid: 1)\n  error_file: <N/A>\n" for i, r in enumerate((1, 0))]
-    (tmp_path / "launcher.log").write_text(f"Failures:\n{blocks[1]}----\nRoot Cause (first "
-                                           f"observed failure):\n{blocks[0]}====\n")
-    for attempt, lines in ((0, {0: ["old attempt"], 1: []}),
-                           (1, {0: ["data file x.txt is empty: add text"],
-                                1: ["data file x.txt is empty: add text", "rank 1 only"]})):
+
+    blocks = [
+        f"[{i}]:\n  time      : 2026-11-22_07:32:01\n  rank      : {r} (local_rank: {r})\n"
+        f"  exitcode  : 2 (pid: 1)\n  error_file: <N/A>\n"
+        for i, r in enumerate((1, 0))
+    ]
+    (tmp_path / "launcher.log").write_text(
+        f"Failures:\n{blocks[1]}----\nRoot Cause (first observed failure):\n{blocks[0]}====\n"
+    )
+    for attempt, lines in (
+        (0, {0: ["old attempt"], 1: []}),
+        (
+            1,
+            {
+                0: ["data file x.txt is empty: add text"],
+                1: ["data file x.txt is empty: add text", "rank 1 only"],
+            },
+        ),
+    ):
         for rank, errors in lines.items():
             log = tmp_path / "logs" / "job" / f"attempt_{attempt}" / str(rank) / "stderr.log"
             log.parent.mkdir(parents=True)
@@ -505,6 +597,7 @@ def test_ranks_of_one_torchrun_job_print_a_shared_error_once(tmp_path, monkeypat
     newline included); the same message from another rank of the same job is not repeated,
     a different one is, and another job (or attempt) prints its own."""
     from titanlite.tools import cli
+
     monkeypatch.setenv("TITANLITE_JOB_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id
     for rank, message in ((0, "bad value"), (1, "bad value"), (1, "rank 1's own")):
@@ -522,6 +615,7 @@ def test_launcher_job_whose_ranks_refuse_the_same_data_file(world, data_dir, cap
     rank reads the corpus). The notebook sees one line, and the stderr stays empty."""
     from titanlite.config import load_config
     from titanlite.tools import launcher
+
     empty = world / "empty.txt"
     empty.write_text("")
     cfg = load_config(None, tiny_overrides(data_dir, world, **{"data.dataset": f"file:{empty}"}))

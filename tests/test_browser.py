@@ -15,6 +15,7 @@ Another notebook (e.g. while 01 is being written):
 Needs Chromium (apt-get install chromium) and `pip install playwright`; without them the test
 skips, unless TITANLITE_REQUIRE_BROWSER=1 (CI) makes that a failure.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,15 +28,28 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works under --import-mode=importlib too
-from jupyter_browser import (REPO, JupyterLabServer, LabBrowser, browser_missing,  # noqa: E402
-                             open_notebook, run_all_cells, summarize, wait_until_done)
+from jupyter_browser import (  # noqa: E402
+    REPO,
+    JupyterLabServer,
+    LabBrowser,
+    browser_missing,
+    open_notebook,
+    run_all_cells,
+    summarize,
+    wait_until_done,
+)
 
-NOTEBOOK = Path(os.environ.get("TITANLITE_BROWSER_NOTEBOOK",
-                               REPO / "notebooks" / "01_baseline_training.ipynb"))
+NOTEBOOK = Path(
+    os.environ.get("TITANLITE_BROWSER_NOTEBOOK", REPO / "notebooks" / "01_baseline_training.ipynb")
+)
 RUN_TIMEOUT_S = float(os.environ.get("TITANLITE_BROWSER_TIMEOUT_S", 170))
 MIN_LIVE_UPDATES = 3
-WIDGET_ERRORS = ("Error displaying widget", "Error rendering", "Model not found",
-                 "Failed to load model class")
+WIDGET_ERRORS = (
+    "Error displaying widget",
+    "Error rendering",
+    "Model not found",
+    "Failed to load model class",
+)
 
 # Installed before JupyterLab's own scripts: every time a live-plot <img> gets a new src,
 # note when, and whether its cell was still running ("[*]" prompt) at that moment.
@@ -78,8 +92,11 @@ def _workspace(tmp_path: Path, notebook: Path) -> Path:
     folders linked beside it, so '../data' and '../configs' resolve as in the repo while
     outputs, checkpoints and runs/ land in the copy."""
     work = tmp_path / "work"
-    shutil.copytree(notebook.parent, work / "notebooks",
-                    ignore=shutil.ignore_patterns(".ipynb_checkpoints", "runs"))
+    shutil.copytree(
+        notebook.parent,
+        work / "notebooks",
+        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "runs"),
+    )
     for entry in REPO.iterdir():
         if not entry.name.startswith(".") and entry.name not in ("notebooks", "runs"):
             (work / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
@@ -92,7 +109,9 @@ def lab_and_browser(tmp_path):
     down (server with its kernels, browser with Playwright's driver) however the test ends."""
     _require_browser()
     if not NOTEBOOK.is_file():
-        pytest.fail(f"{NOTEBOOK} does not exist; write it or point TITANLITE_BROWSER_NOTEBOOK at one")
+        pytest.fail(
+            f"{NOTEBOOK} does not exist; write it or point TITANLITE_BROWSER_NOTEBOOK at one"
+        )
     work = _workspace(tmp_path, NOTEBOOK)
     lab = JupyterLabServer(work, env={"TITANLITE_SMOKE": "1"}, scratch=tmp_path / "jupyter")
     browser = LabBrowser()
@@ -114,7 +133,8 @@ def _kernel_is_this_venv(lab: JupyterLabServer) -> None:
     argv0 = specs["kernelspecs"][specs["default"]]["spec"]["argv"][0]
     bare = {"python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
     assert argv0 in bare or Path(argv0).resolve().is_relative_to(Path(sys.prefix).resolve()), (
-        f"default kernel runs {argv0}, not this environment's python ({sys.executable})")
+        f"default kernel runs {argv0}, not this environment's python ({sys.executable})"
+    )
 
 
 def _spread_out(times: list[float], min_gap_s: float = 0.2) -> int:
@@ -142,8 +162,11 @@ def test_live_plot_updates_in_jupyterlab(lab_and_browser, tmp_path):
         opened_s = time.monotonic() - t0
         run_all_cells(page)
         # Run All has started once some prompt leaves "[ ]"; before that, "idle" means nothing.
-        page.wait_for_function("""() => [...document.querySelectorAll('.jp-NotebookPanel .jp-InputArea-prompt')]
-                                  .some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))""", timeout=30_000)
+        page.wait_for_function(
+            """() => [...document.querySelectorAll('.jp-NotebookPanel .jp-InputArea-prompt')]
+                                  .some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))""",
+            timeout=30_000,
+        )
         snap = wait_until_done(page, timeout_s=RUN_TIMEOUT_S)
         live = page.evaluate("() => window.__tlLive")
         plot_sizes = page.evaluate("""() => [...document.querySelectorAll('img.titanlite-live-plot')]
@@ -153,10 +176,12 @@ def test_live_plot_updates_in_jupyterlab(lab_and_browser, tmp_path):
         page.screenshot(path=str(tmp_path / "jupyterlab-done.png"))
         running = sorted(c["t"] for c in live["changes"] if c["running"])
         gaps = sorted(b - a for a, b in zip(running, running[1:]))
-        print(f"\nJupyterLab + notebook open in {opened_s:.1f}s, all cells done in "
-              f"{time.monotonic() - t0:.1f}s; {len(running)} live-plot frames while running "
-              f"(median {gaps[len(gaps) // 2] if gaps else float('nan'):.2f}s apart); "
-              f"screenshot {tmp_path / 'jupyterlab-done.png'}")
+        print(
+            f"\nJupyterLab + notebook open in {opened_s:.1f}s, all cells done in "
+            f"{time.monotonic() - t0:.1f}s; {len(running)} live-plot frames while running "
+            f"(median {gaps[len(gaps) // 2] if gaps else float('nan'):.2f}s apart); "
+            f"screenshot {tmp_path / 'jupyterlab-done.png'}"
+        )
 
         problems = []
         for i, cell in enumerate(snap["cells"]):
@@ -171,8 +196,10 @@ def test_live_plot_updates_in_jupyterlab(lab_and_browser, tmp_path):
         if snap["status"] != "idle":
             problems.append(f"kernel is {snap['status']}, not idle")
         if not plot_sizes:
-            problems.append("no img.titanlite-live-plot on the page: create the LivePlot in a "
-                            "cell of this notebook (widget mode displays it there)")
+            problems.append(
+                "no img.titanlite-live-plot on the page: create the LivePlot in a "
+                "cell of this notebook (widget mode displays it there)"
+            )
         elif min(w for w, _ in plot_sizes) < 100:
             problems.append(f"a live plot image did not decode (natural sizes {plot_sizes})")
         if live["maxPerCell"] > 1:
@@ -184,10 +211,13 @@ def test_live_plot_updates_in_jupyterlab(lab_and_browser, tmp_path):
         # The first src is the plot appearing; updates are the changes after it.
         best = max((_spread_out(ts[1:]) for ts in per_cell.values()), default=0)
         if plot_sizes and best < MIN_LIVE_UPDATES:
-            problems.append(f"the live plot changed at only {best} distinct moments while its cell "
-                            f"ran (need {MIN_LIVE_UPDATES}); frames: {live['changes']}")
-        assert not problems, "\n".join(problems + [summarize(snap), "browser console errors:",
-                                                   *console_errors[-10:]])
+            problems.append(
+                f"the live plot changed at only {best} distinct moments while its cell "
+                f"ran (need {MIN_LIVE_UPDATES}); frames: {live['changes']}"
+            )
+        assert not problems, "\n".join(
+            problems + [summarize(snap), "browser console errors:", *console_errors[-10:]]
+        )
     except BaseException:
         shot = tmp_path / "jupyterlab-failure.png"
         try:
@@ -201,7 +231,10 @@ def test_live_plot_updates_in_jupyterlab(lab_and_browser, tmp_path):
 # What a student's first Run All of a notebook must never show (issue 25): an error, matplotlib's
 # text stand-in for a figure that did not render, a live widget left behind (a saved notebook would
 # show "model not found"), a status line with a message glued onto it.
-FIRST_RUN_NOTEBOOKS = {"15_hyperparameter_search": 240, "16_capstone": 420}  # notebook -> seconds allowed
+FIRST_RUN_NOTEBOOKS = {
+    "15_hyperparameter_search": 240,
+    "16_capstone": 420,
+}  # notebook -> seconds allowed
 # Every text a live plot's status line shows while the notebook runs (a long compile must say so).
 STATUS_JS = """
 window.__tlStatus = [];
@@ -235,8 +268,11 @@ def test_first_run_all_in_a_fresh_kernel_on_a_laptop_screen(name, tmp_path):
         t0 = time.monotonic()
         open_notebook(page, lab, f"notebooks/{notebook.name}")
         run_all_cells(page)
-        page.wait_for_function("""() => [...document.querySelectorAll('.jp-NotebookPanel .jp-InputArea-prompt')]
-                                  .some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))""", timeout=30_000)
+        page.wait_for_function(
+            """() => [...document.querySelectorAll('.jp-NotebookPanel .jp-InputArea-prompt')]
+                                  .some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))""",
+            timeout=30_000,
+        )
         snap = wait_until_done(page, timeout_s=FIRST_RUN_NOTEBOOKS[name])
         plots = page.evaluate("""() => [...document.querySelectorAll('img.titanlite-live-plot')].map(i => {
             const area = i.closest('.jp-OutputArea-output') || i.parentElement;
@@ -249,8 +285,10 @@ def test_first_run_all_in_a_fresh_kernel_on_a_laptop_screen(name, tmp_path):
         glued = page.evaluate("""() => [...document.querySelectorAll('.jp-OutputArea-output')]
             .map(e => e.textContent).filter(t => / elapsed/.test(t) && /titanlite:/.test(t))""")
         page.screenshot(path=str(tmp_path / f"{name}.png"), full_page=True)
-        print(f"\n{name}: Run All done in {time.monotonic() - t0:.0f} s; live plots {plots}; "
-              f"screenshot {tmp_path / f'{name}.png'}")
+        print(
+            f"\n{name}: Run All done in {time.monotonic() - t0:.0f} s; live plots {plots}; "
+            f"screenshot {tmp_path / f'{name}.png'}"
+        )
         problems = []
         for i, cell in enumerate(snap["cells"]):
             if not cell["empty"] and not re.fullmatch(r"\[\d+\]:", cell["prompt"].strip()):
@@ -267,7 +305,9 @@ def test_first_run_all_in_a_fresh_kernel_on_a_laptop_screen(name, tmp_path):
             problems.append(f"kernel is {snap['status']}, not idle")
         problems += [f"a message glued onto a status line: {text[-300:]}" for text in glued]
         statuses = page.evaluate("() => window.__tlStatus")
-        if name == "16_capstone" and not any(re.search(r"compiling .* elapsed", t) for t in statuses):
+        if name == "16_capstone" and not any(
+            re.search(r"compiling .* elapsed", t) for t in statuses
+        ):
             problems.append(f"the status line never named the compile phase: {statuses[:20]}")
         if not plots:
             problems.append("no live plot ended as an img.titanlite-live-plot")
@@ -277,7 +317,9 @@ def test_first_run_all_in_a_fresh_kernel_on_a_laptop_screen(name, tmp_path):
             if p["natural"] < 100:
                 problems.append(f"a live plot image did not decode: {p}")
             elif p["shown"] < 0.75 * p["natural"] or p["shown"] > p["room"] + 1:
-                problems.append(f"a live plot does not fit a laptop's output area at a readable size: {p}")
+                problems.append(
+                    f"a live plot does not fit a laptop's output area at a readable size: {p}"
+                )
         assert not problems, "\n".join(problems + [summarize(snap)])
     finally:
         try:

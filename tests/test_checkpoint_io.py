@@ -1,34 +1,45 @@
 """Where a checkpoint's bytes go (issue 24): a save spreads them evenly over the ranks (DCP's
 dedup plan), and a load under data parallelism reads each replicated byte once in the job
 (resilience/balanced_io.py) instead of once per rank, into the same state. Byte counts, not timings."""
+
 from __future__ import annotations
 
 import sys
 import time
 
 import pytest
-
 from conftest import tiny_overrides
+
 from titanlite.config import load_config
 from titanlite.tools.checkpoint_io import balance, bytes_written_per_rank, data_bytes
 from titanlite.tools.launcher import launch, launch_function
 
-LAYOUTS = {"ddp2": (2, {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}),
-           "ddp4": (4, {"parallel.dp_replicate": 4, "parallel.dp_shard": 1}),
-           "hsdp2x2": (4, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2})}
+LAYOUTS = {
+    "ddp2": (2, {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}),
+    "ddp4": (4, {"parallel.dp_replicate": 4, "parallel.dp_shard": 1}),
+    "hsdp2x2": (4, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}),
+}
 
 
 def test_bytes_per_rank_come_from_dcps_file_names(tmp_path):
-    for name, size in {"__0_0.distcp": 300, "__0_1.distcp": 20, "__1_0.distcp": 310, ".metadata": 999,
-                       "titanlite.json": 50}.items():
+    for name, size in {
+        "__0_0.distcp": 300,
+        "__0_1.distcp": 20,
+        "__1_0.distcp": 310,
+        ".metadata": 999,
+        "titanlite.json": 50,
+    }.items():
         (tmp_path / name).write_bytes(b"x" * size)
     assert bytes_written_per_rank(tmp_path) == {0: 320, 1: 310} and data_bytes(tmp_path) == 630
     assert balance({0: 320, 1: 310}) == pytest.approx(320 / 315)
 
 
 def _saved_run(data_dir, tmp_path, nproc, layout):
-    o = tiny_overrides(data_dir, tmp_path, **{"training.steps": 1, "eval.every": 0, "checkpoint.enable": True,
-                                              **layout})
+    o = tiny_overrides(
+        data_dir,
+        tmp_path,
+        **{"training.steps": 1, "eval.every": 0, "checkpoint.enable": True, **layout},
+    )
     result = launch(load_config(None, o), nproc, timeout_s=600)
     (step,) = sorted((result.run_dir / "checkpoints").glob("step-????????"))
     return o, step
@@ -49,9 +60,15 @@ def test_read_once_loading_reads_each_replicated_byte_once_into_the_same_state(d
     size = data_bytes(step)
     runs = {}
     for read_once in (False, True):
-        runs[read_once] = launch_function("titanlite.tools.checkpoint_io:load_bytes", nproc=2,
-                                          log_dir=str(tmp_path / f"load-{read_once}"), timeout_s=600,
-                                          overrides=o, step_dir=str(step), read_once=read_once)
+        runs[read_once] = launch_function(
+            "titanlite.tools.checkpoint_io:load_bytes",
+            nproc=2,
+            log_dir=str(tmp_path / f"load-{read_once}"),
+            timeout_s=600,
+            overrides=o,
+            step_dir=str(step),
+            read_once=read_once,
+        )
     every_rank = sum(r["bytes_read"] for r in runs[False])
     once = sum(r["bytes_read"] for r in runs[True])
     assert every_rank >= 1.9 * size  # DCP's default: each rank reads it all
@@ -71,6 +88,7 @@ def test_the_commit_takes_each_files_crc_from_the_bytes_written(tmp_path, monkey
     from titanlite.resilience import checkpoint_files
     from titanlite.resilience.checkpoint import Checkpointer
     from titanlite.resilience.checkpoint_files import verify
+
     read_back, real = [], checkpoint_files.crc32
     monkeypatch.setattr(checkpoint_files, "crc32", lambda f: read_back.append(f.name) or real(f))
     torch.manual_seed(0)
@@ -92,6 +110,7 @@ def test_a_reused_stager_allocates_staging_memory_only_for_the_first_save(tmp_pa
     import torch
 
     from titanlite.tools.checkpoint_io import staging_reuse
+
     state = {"model": {"w": torch.randn(200, 50), "b": torch.randn(5)}, "step": 1}
     first, *later = staging_reuse(state, tmp_path / "ck", saves=3)
     assert first >= 2 and later == [0, 0]
@@ -105,16 +124,24 @@ def test_dcps_save_order_can_pile_bytes_on_one_rank_and_the_balanced_planner_doe
 
     from titanlite.resilience.balanced_io import BalancedSavePlanner
     from titanlite.tools.checkpoint_io import planned_bytes_per_rank
-    sd = {"model": {"small.0": torch.zeros(1000), "embed": torch.zeros(512, 64), **{f"small.{i}": torch.zeros(900)
-                                                                                   for i in range(1, 12)},
-                    "out": torch.zeros(512, 64)}}
+
+    sd = {
+        "model": {
+            "small.0": torch.zeros(1000),
+            "embed": torch.zeros(512, 64),
+            **{f"small.{i}": torch.zeros(900) for i in range(1, 12)},
+            "out": torch.zeros(512, 64),
+        }
+    }
     dcp_order = planned_bytes_per_rank(sd, 2, DefaultSavePlanner)
     balanced = planned_bytes_per_rank(sd, 2, BalancedSavePlanner)
     assert sum(dcp_order) == sum(balanced)
     assert balance(dict(enumerate(dcp_order))) > 1.1 and balance(dict(enumerate(balanced))) <= 1.02
 
 
-def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_writes(tmp_path, monkeypatch):
+def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_writes(
+    tmp_path, monkeypatch
+):
     """ByteCheckpoint's ping-pong pool. Save 1 is written whole (until one write has finished DCP may
     still be starting its writer process: saves do not overlap yet). Save 2's write is held up; save 3
     stages at once into a second stager (training does not wait for save 2's write), its write starts
@@ -130,9 +157,12 @@ def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_wr
     from titanlite.resilience.checkpoint import Checkpointer
 
     made, make_stager = [], checkpoint.make_stager
-    monkeypatch.setattr(checkpoint, "make_stager", lambda *a, **kw: made.append(make_stager(*a, **kw)) or made[-1])
+    monkeypatch.setattr(
+        checkpoint, "make_stager", lambda *a, **kw: made.append(make_stager(*a, **kw)) or made[-1]
+    )
     release, started, running, most = threading.Event(), [], [0], [0]
     from titanlite.resilience.checkpoint_files import RawWriter
+
     write_data = RawWriter.write_data
 
     def held_write(self, plan, planner):
@@ -146,6 +176,7 @@ def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_wr
             return write_data(self, plan, planner)
         finally:
             running[0] -= 1
+
     monkeypatch.setattr(RawWriter, "write_data", held_write)
 
     folder = tmp_path / "ck"
@@ -160,7 +191,9 @@ def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_wr
 
     try:
         save(1)
-        save(2)  # save 1 has committed before save 2 began: no overlap before a first finished write
+        save(
+            2
+        )  # save 1 has committed before save 2 began: no overlap before a first finished write
         assert len(made) == 1 and (folder / "step-00000001").is_dir()
         save(3)
         # Save 2 is still held: save 3 was staged (copied) into a buffer of its own, and waits to write.
@@ -189,6 +222,7 @@ def test_a_save_of_a_step_in_flight_waits_for_it_instead_of_writing_over_it(tmp_
     import torch
 
     from titanlite.resilience.checkpoint import Checkpointer
+
     ckpt = Checkpointer(tmp_path / "ck", mode="async", keep_latest_k=0)
     state = {"w": torch.zeros(1 << 16)}
     try:
@@ -206,12 +240,25 @@ def test_a_save_of_a_step_in_flight_waits_for_it_instead_of_writing_over_it(tmp_
 
 def _every_kind_of_entry():
     import torch
+
     torch.manual_seed(0)
     big = torch.randn(10, 12)
-    return {"model": {"w": torch.randn(64, 48), "bf16": torch.randn(9, 5).bfloat16(), "t": torch.randn(6, 4).t(),
-                      "narrow": big[2:5], "empty": torch.empty(0, 3)},
-            "optimizer": {"step": torch.tensor(3.0), "ids": torch.arange(11), "mask": torch.rand(13) > 0.5,
-                          "lr": 0.25, "groups": [{"betas": (0.9, 0.95)}]}}
+    return {
+        "model": {
+            "w": torch.randn(64, 48),
+            "bf16": torch.randn(9, 5).bfloat16(),
+            "t": torch.randn(6, 4).t(),
+            "narrow": big[2:5],
+            "empty": torch.empty(0, 3),
+        },
+        "optimizer": {
+            "step": torch.tensor(3.0),
+            "ids": torch.arange(11),
+            "mask": torch.rand(13) > 0.5,
+            "lr": 0.25,
+            "groups": [{"betas": (0.9, 0.95)}],
+        },
+    }
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -223,6 +270,7 @@ def test_tensors_are_stored_as_their_bytes_and_load_back_exactly(tmp_path, mode)
 
     from titanlite.resilience.checkpoint import Checkpointer
     from titanlite.resilience.checkpoint_files import RAW
+
     state = _every_kind_of_entry()
     ckpt = Checkpointer(tmp_path, mode=mode)
     ckpt.save(state, 1)
@@ -230,24 +278,39 @@ def test_tensors_are_stored_as_their_bytes_and_load_back_exactly(tmp_path, mode)
     step = tmp_path / "step-00000001"
     meta = FileSystemReader(step).read_metadata()
     data = (step / "__0_0.distcp").read_bytes()
-    flat = {"model.w": state["model"]["w"], "model.bf16": state["model"]["bf16"], "model.t": state["model"]["t"],
-            "model.narrow": state["model"]["narrow"], "optimizer.ids": state["optimizer"]["ids"]}
+    flat = {
+        "model.w": state["model"]["w"],
+        "model.bf16": state["model"]["bf16"],
+        "model.t": state["model"]["t"],
+        "model.narrow": state["model"]["narrow"],
+        "optimizer.ids": state["optimizer"]["ids"],
+    }
     for name, tensor in flat.items():
-        (index, info), = [(i, s) for i, s in meta.storage_data.items() if i.fqn == name]
+        ((index, info),) = [(i, s) for i, s in meta.storage_data.items() if i.fqn == name]
         assert list(info.transform_descriptors) == [RAW]
         want = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        assert data[info.offset:info.offset + info.length] == want, name
-    fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
-             "optimizer": {"step": torch.tensor(0.0), "ids": torch.zeros(11, dtype=torch.int64),
-                           "mask": torch.zeros(13, dtype=torch.bool), "lr": None, "groups": [{"betas": None}]}}
+        assert data[info.offset : info.offset + info.length] == want, name
+    fresh = {
+        "model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+        "optimizer": {
+            "step": torch.tensor(0.0),
+            "ids": torch.zeros(11, dtype=torch.int64),
+            "mask": torch.zeros(13, dtype=torch.bool),
+            "lr": None,
+            "groups": [{"betas": None}],
+        },
+    }
     loader = Checkpointer(tmp_path)
     assert loader.load(fresh) == 1
     loader.close()
     for part in ("model", "optimizer"):
         for key, value in state[part].items():
             got = fresh[part][key]
-            assert (torch.equal(got, value) and got.dtype == value.dtype) if isinstance(value, torch.Tensor) \
-                else got == value, key
+            assert (
+                (torch.equal(got, value) and got.dtype == value.dtype)
+                if isinstance(value, torch.Tensor)
+                else got == value
+            ), key
 
 
 def test_a_checkpoint_written_by_dcps_own_writer_still_loads(tmp_path):
@@ -258,16 +321,27 @@ def test_a_checkpoint_written_by_dcps_own_writer_still_loads(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from titanlite.resilience.checkpoint_files import dcp_load
+
     state = _every_kind_of_entry()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
-    fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
-             "optimizer": {"step": torch.tensor(0.0), "ids": torch.zeros(11, dtype=torch.int64),
-                           "mask": torch.zeros(13, dtype=torch.bool), "lr": None, "groups": [{"betas": None}]}}
+    fresh = {
+        "model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+        "optimizer": {
+            "step": torch.tensor(0.0),
+            "ids": torch.zeros(11, dtype=torch.int64),
+            "mask": torch.zeros(13, dtype=torch.bool),
+            "lr": None,
+            "groups": [{"betas": None}],
+        },
+    }
     dcp_load(fresh, tmp_path, crc_checked=True, no_dist=True)
     assert all(torch.equal(fresh["model"][k], v) for k, v in state["model"].items())
-    assert torch.equal(fresh["optimizer"]["ids"], state["optimizer"]["ids"]) and fresh["optimizer"]["lr"] == 0.25
+    assert (
+        torch.equal(fresh["optimizer"]["ids"], state["optimizer"]["ids"])
+        and fresh["optimizer"]["lr"] == 0.25
+    )
 
 
 def test_dcps_own_reader_refuses_raw_tensors_instead_of_misreading_them(tmp_path):
@@ -275,14 +349,19 @@ def test_dcps_own_reader_refuses_raw_tensors_instead_of_misreading_them(tmp_path
     import torch.distributed.checkpoint as dcp
 
     from titanlite.resilience.checkpoint import Checkpointer
+
     ckpt = Checkpointer(tmp_path)
     ckpt.save({"w": torch.randn(8)}, 1)
     ckpt.close()
-    with pytest.raises(BaseException, match="titanlite.raw"):  # DCP's CheckpointException is a BaseException
+    with pytest.raises(
+        BaseException, match="titanlite.raw"
+    ):  # DCP's CheckpointException is a BaseException
         dcp.load({"w": torch.zeros(8)}, checkpoint_id=tmp_path / "step-00000001", no_dist=True)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread CPU priority is a Linux call")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="per-thread CPU priority is a Linux call"
+)
 def test_an_async_writer_yields_the_cpu_to_training_and_a_sync_save_does_not(tmp_path, monkeypatch):
     """An async save's writer thread lowers its own priority (nice 19): on a CPU the training step keeps
     the cores. A sync save writes on training's own thread, which must keep its priority."""
@@ -292,15 +371,20 @@ def test_an_async_writer_yields_the_cpu_to_training_and_a_sync_save_does_not(tmp
     import torch
 
     from titanlite.resilience.checkpoint import Checkpointer
+
     calls, set_priority = [], os.setpriority
-    monkeypatch.setattr(os, "setpriority", lambda which, who, prio: calls.append((who, prio)) or set_priority(which, who, prio))
+    monkeypatch.setattr(
+        os,
+        "setpriority",
+        lambda which, who, prio: calls.append((who, prio)) or set_priority(which, who, prio),
+    )
     for mode in ("sync", "async"):
         ckpt = Checkpointer(tmp_path / mode, mode=mode)
         ckpt.save({"w": torch.randn(64)}, 1)
         ckpt.close()
         if mode == "sync":
             assert calls == []
-    (who, prio), = calls
+    ((who, prio),) = calls
     assert prio == 19 and who != threading.main_thread().native_id
 
 
@@ -311,6 +395,7 @@ def test_a_save_works_on_a_system_without_fdatasync(tmp_path, monkeypatch):
     import torch
 
     from titanlite.resilience.checkpoint import Checkpointer
+
     monkeypatch.delattr(os, "fdatasync", raising=False)
     state = {"w": torch.randn(3 << 20)}  # 12 MiB
     ckpt = Checkpointer(tmp_path)
@@ -320,7 +405,9 @@ def test_a_save_works_on_a_system_without_fdatasync(tmp_path, monkeypatch):
     ckpt.close()
 
 
-def test_a_disk_error_seen_by_a_background_sync_fails_the_save_and_keeps_the_last_good_one(tmp_path, monkeypatch):
+def test_a_disk_error_seen_by_a_background_sync_fails_the_save_and_keeps_the_last_good_one(
+    tmp_path, monkeypatch
+):
     """Linux reports a write error to one fsync caller only: if the writer's background sync got it, the
     final fsync returns fine. The save must still fail, uncommitted, and the previous checkpoint load."""
     import errno
@@ -330,13 +417,17 @@ def test_a_disk_error_seen_by_a_background_sync_fails_the_save_and_keeps_the_las
 
     from titanlite.resilience.checkpoint import Checkpointer
     from titanlite.resilience.checkpoint_files import committed
+
     ckpt = Checkpointer(tmp_path, keep_latest_k=1)
     ckpt.save({"w": torch.ones(3 << 20)}, 1)
 
     def failing(fd):
         raise OSError(errno.EIO, "Input/output error")
+
     monkeypatch.setattr(os, "fdatasync", failing, raising=False)
-    with pytest.raises(BaseException, match="Input/output error"):  # DCP's CheckpointException is a BaseException
+    with pytest.raises(
+        BaseException, match="Input/output error"
+    ):  # DCP's CheckpointException is a BaseException
         ckpt.save({"w": torch.zeros(3 << 20)}, 2)
     monkeypatch.undo()
     assert [p.name for p in committed(tmp_path)] == ["step-00000001"]
@@ -364,6 +455,7 @@ def test_cpu_seconds_counts_the_trainer_and_its_writer_process():
     import multiprocessing
 
     from titanlite.labs.nb12_distributed_checkpointing import _cpu_seconds
+
     before = _cpu_seconds()
     _spin(0.3)
     ctx = multiprocessing.get_context("spawn")
@@ -378,4 +470,6 @@ def test_cpu_seconds_counts_the_trainer_and_its_writer_process():
         child.join()
     assert after["trainer"] - before["trainer"] >= 0.25
     assert after["writer"] - before["writer"] >= 0.35  # the child's own, not this process's
-    assert _cpu_seconds()["writer"] - before["writer"] < 0.1  # a child that ended is no longer counted
+    assert (
+        _cpu_seconds()["writer"] - before["writer"] < 0.1
+    )  # a child that ended is no longer counted

@@ -1,14 +1,21 @@
 """Activation checkpointing: the same math, fewer saved activations, the same names."""
+
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import tiny_overrides
+
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.tools.activation_memory import activation_memory_estimate, checkpointed_blocks, saved_activation_bytes, saved_tensors_hook_bytes, tokens_for
 from titanlite.efficiency.activation_checkpoint import apply_ac
 from titanlite.models.llama import ModelArgs, build_model
+from titanlite.tools.activation_memory import (
+    activation_memory_estimate,
+    checkpointed_blocks,
+    saved_activation_bytes,
+    saved_tensors_hook_bytes,
+    tokens_for,
+)
 from titanlite.train import Trainer
 
 # Three layers, so that "selective" with every=2 leaves a block unwrapped between two wrapped.
@@ -51,6 +58,7 @@ def test_wrapping_keeps_names_and_shares_parameters(tmp_path):
     assert model.output.weight is model.tok_embeddings.weight  # still tied
     # Weights saved from a checkpointed model load into a plain one, and back.
     from safetensors.torch import load_model, save_model
+
     save_model(model, str(tmp_path / "m.safetensors"))
     fresh = build_model(ARGS, "cpu")
     load_model(fresh, str(tmp_path / "m.safetensors"))
@@ -98,12 +106,15 @@ def test_saved_tensor_hooks_alone_miss_the_sac_cache():
     assert saved_tensors_hook_bytes(op, tokens) < saved_activation_bytes(op, tokens)
 
 
-@pytest.mark.parametrize("mode, every, message", [
-    ("ful", 2, r"'ful' is not one of none, full, selective, op \(did you mean: full"),
-    ("selctive", 2, r"did you mean: selective"),
-    ("full", 0, r"every must be a positive integer, got 0"),
-    ("selective", -1, r"every must be a positive integer, got -1"),
-])
+@pytest.mark.parametrize(
+    "mode, every, message",
+    [
+        ("ful", 2, r"'ful' is not one of none, full, selective, op \(did you mean: full"),
+        ("selctive", 2, r"did you mean: selective"),
+        ("full", 0, r"every must be a positive integer, got 0"),
+        ("selective", -1, r"every must be a positive integer, got -1"),
+    ],
+)
 def test_bad_input_is_one_clear_line(mode, every, message):
     with pytest.raises(TitanliteError, match=message) as e:
         apply_ac(build_model(ARGS), mode, every=every)
@@ -121,22 +132,43 @@ def test_applying_twice_is_refused():
 def test_trainer_runs_every_mode_with_the_same_losses(data_dir, tmp_path):
     losses = {}
     for mode in ("none", "full", "selective", "op"):
-        cfg = load_config(None, tiny_overrides(data_dir, tmp_path / mode, **{
-            "training.steps": 3, "eval.every": 0, "model.n_layers": 3,
-            "activation_checkpoint.mode": mode}))
+        cfg = load_config(
+            None,
+            tiny_overrides(
+                data_dir,
+                tmp_path / mode,
+                **{
+                    "training.steps": 3,
+                    "eval.every": 0,
+                    "model.n_layers": 3,
+                    "activation_checkpoint.mode": mode,
+                },
+            ),
+        )
         trainer = Trainer(cfg)
         losses[mode] = trainer.fit().losses
-        assert len(checkpointed_blocks(trainer.model)) == {"none": 0, "full": 3, "selective": 2,
-                                                           "op": 3}[mode]
+        assert (
+            len(checkpointed_blocks(trainer.model))
+            == {"none": 0, "full": 3, "selective": 2, "op": 3}[mode]
+        )
     assert losses["full"] == losses["selective"] == losses["op"] == losses["none"]
 
 
 def test_op_mode_saves_fp8_matmuls_and_tensor_parallel_reduce_scatters():
     # torchtitan's _save_list: recomputing these would redo an FP8 matmul or a collective.
     from torch.utils.checkpoint import CheckpointPolicy
+
     from titanlite.efficiency.activation_checkpoint import save_matmuls_policy
-    for op in (torch.ops.aten._scaled_mm.default, torch.ops._c10d_functional.reduce_scatter_tensor.default,
-               torch.ops.aten.mm.default):
+
+    for op in (
+        torch.ops.aten._scaled_mm.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        torch.ops.aten.mm.default,
+    ):
         assert save_matmuls_policy(None, op) == CheckpointPolicy.MUST_SAVE, op
-    for op in (torch.ops.aten.mul.Tensor, torch.ops.aten.silu.default, torch.ops.aten.rsqrt.default):
+    for op in (
+        torch.ops.aten.mul.Tensor,
+        torch.ops.aten.silu.default,
+        torch.ops.aten.rsqrt.default,
+    ):
         assert save_matmuls_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op

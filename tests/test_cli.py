@@ -1,19 +1,24 @@
 """The command line: a real run end to end, and bad input as one line + exit status 2."""
+
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def titanlite(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "titanlite", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "titanlite", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def flags(overrides: dict) -> list[str]:
@@ -21,8 +26,12 @@ def flags(overrides: dict) -> list[str]:
 
 
 def test_train_then_export_to_hugging_face(data_dir, tmp_path):
-    r = titanlite("train", "--config", "configs/debug.toml",
-                  *flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 5})))
+    r = titanlite(
+        "train",
+        "--config",
+        "configs/debug.toml",
+        *flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 5})),
+    )
     assert r.returncode == 0, r.stderr
     assert "done: 5 steps" in r.stdout and "MFU" in r.stdout
     assert "Failed to load" not in r.stdout + r.stderr  # torchao's CPU noise stays hidden
@@ -30,20 +39,24 @@ def test_train_then_export_to_hugging_face(data_dir, tmp_path):
     r = titanlite("export-hf", str(run_dir), str(tmp_path / "hf"))
     assert r.returncode == 0, r.stderr
     from transformers import LlamaForCausalLM
+
     assert LlamaForCausalLM.from_pretrained(tmp_path / "hf").config.vocab_size == 512
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--training.stesp", "5"], "unknown config key 'training.stesp'"),
-    (["--training.steps", "many"], "training.steps must be an integer"),
-    (["--training.steps", "0"], "training.steps must be positive"),
-    (["--training.batch_size", "-1"], "training.batch_size must be positive"),
-    (["--training.seq_len", "4096"], "exceeds the model's maximum"),
-    (["--model.vocab_size", "64"], "but the model's vocab_size is 64"),
-    (["--data.dataset", "file", "--data.path", "missing.txt"], "missing.txt"),
-    (["--training.device", "mps" if sys.platform != "darwin" else "cuda"], "requested"),
-    (["--config", "nope.toml"], "config file 'nope.toml' does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.stesp", "5"], "unknown config key 'training.stesp'"),
+        (["--training.steps", "many"], "training.steps must be an integer"),
+        (["--training.steps", "0"], "training.steps must be positive"),
+        (["--training.batch_size", "-1"], "training.batch_size must be positive"),
+        (["--training.seq_len", "4096"], "exceeds the model's maximum"),
+        (["--model.vocab_size", "64"], "but the model's vocab_size is 64"),
+        (["--data.dataset", "file", "--data.path", "missing.txt"], "missing.txt"),
+        (["--training.device", "mps" if sys.platform != "darwin" else "cuda"], "requested"),
+        (["--config", "nope.toml"], "config file 'nope.toml' does not exist"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, args, message):
     base = flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 2}))
     r = titanlite("train", *base, *args)
@@ -86,12 +99,20 @@ def test_a_torchrun_worker_imports_the_trainer_once(data_dir, tmp_path):
     """`torchrun -m titanlite train`: train.py is loaded once, as titanlite.train (the old
     `-m titanlite.train` loaded it twice: as __main__ and as titanlite.train, two Trainers)."""
     from conftest import run_torchrun
+
     probe = tmp_path / "probe.py"
     probe.write_text(WORKER_PROBE)
     report = tmp_path / "report.json"
-    run_torchrun(probe, report, "train", "--config", ROOT / "configs/debug.toml",
-                 *flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 2, "eval.every": 0})),
-                 nproc=1, timeout=300)
+    run_torchrun(
+        probe,
+        report,
+        "train",
+        "--config",
+        ROOT / "configs/debug.toml",
+        *flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 2, "eval.every": 0})),
+        nproc=1,
+        timeout=300,
+    )
     seen = json.loads(report.read_text())
     assert seen == {"copies": ["titanlite.train"], "code": 0, "main": "titanlite.__main__"}
     assert (tmp_path / "runs" / "t" / "model.safetensors").is_file()  # the run itself finished
@@ -101,6 +122,7 @@ def test_train_help_lists_every_section_and_key_with_its_default_and_comment():
     import dataclasses
 
     from titanlite.config import Config
+
     r = titanlite("train", "--help")
     assert r.returncode == 0, r.stderr
     for section in dataclasses.fields(Config):
@@ -108,7 +130,10 @@ def test_train_help_lists_every_section_and_key_with_its_default_and_comment():
         for f in dataclasses.fields(getattr(Config(), section.name)):
             assert f"--{section.name}.{f.name} " in r.stdout, f"{section.name}.{f.name} missing"
     assert "--training.steps 200" in r.stdout and "optimizer steps" in r.stdout  # trailing comment
-    assert "--training.dtype float32" in r.stdout and "parameter (and optimizer state) dtype" in r.stdout  # comment above
+    assert (
+        "--training.dtype float32" in r.stdout
+        and "parameter (and optimizer state) dtype" in r.stdout
+    )  # comment above
     assert "--scheduler.decay cosine" in r.stdout and "one of cosine, linear, constant" in r.stdout
     assert "--eval.prompt 'The '" in r.stdout  # a default with a space shows it
 
@@ -119,16 +144,27 @@ def test_every_listed_default_is_accepted_back_as_an_override():
 
     from titanlite.config import Config, load_config
     from titanlite.tools.config_help import overrides_help
+
     pairs = re.findall(r"^    (--\S+) ('[^']*'|\S+)", overrides_help(), re.M)
-    args = [a for flag, value in pairs for a in (flag, value.strip("'") if value.startswith("'") else value)]
+    args = [
+        a
+        for flag, value in pairs
+        for a in (flag, value.strip("'") if value.startswith("'") else value)
+    ]
     assert len(pairs) > 80 and load_config(None, args) == Config()
 
 
-@pytest.mark.parametrize("typo, line", [
-    ("trian", "titanlite: error: unknown command 'trian': did you mean 'train'?"),
-    ("export-ckeckpoint", "titanlite: error: unknown command 'export-ckeckpoint': did you mean 'export-checkpoint'?"),
-    ("zzz", "titanlite: error: unknown command 'zzz': use one of train, peaks"),
-])
+@pytest.mark.parametrize(
+    "typo, line",
+    [
+        ("trian", "titanlite: error: unknown command 'trian': did you mean 'train'?"),
+        (
+            "export-ckeckpoint",
+            "titanlite: error: unknown command 'export-ckeckpoint': did you mean 'export-checkpoint'?",
+        ),
+        ("zzz", "titanlite: error: unknown command 'zzz': use one of train, peaks"),
+    ],
+)
 def test_an_unknown_command_is_one_line_with_the_nearest_one(typo, line):
     r = titanlite(typo, "--config", "configs/debug.toml")
     assert r.returncode == 2 and r.stdout == ""
@@ -143,53 +179,83 @@ def test_export_checkpoint_help_is_a_full_sentence():
     assert "Write a distributed checkpoint" in r.stdout and "step-N folder" in r.stdout
 
 
-@pytest.mark.parametrize("launcher", [[], ["-m", "torch.distributed.run", "--nproc-per-node", "1"]],
-                         ids=["python", "torchrun"])
+@pytest.mark.parametrize(
+    "launcher",
+    [[], ["-m", "torch.distributed.run", "--nproc-per-node", "1"]],
+    ids=["python", "torchrun"],
+)
 def test_the_trainer_module_is_not_a_program(launcher, tmp_path):
     """`python -m titanlite.train` (torchtitan's spelling, and this project's before) used to
     exit 0 having trained nothing; it, and torchrun's `-m titanlite.train`, now fail with one
     line naming the entry."""
     cmd = [sys.executable, *launcher, "-m", "titanlite.train", "--config", "configs/debug.toml"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1],
-                       env={**__import__("os").environ, "TORCHELASTIC_ERROR_FILE": str(tmp_path / "e.json")})
+    r = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[1],
+        env={**__import__("os").environ, "TORCHELASTIC_ERROR_FILE": str(tmp_path / "e.json")},
+    )
     assert r.returncode != 0
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "python -m titanlite train" in ln]
-    assert lines and lines[0].startswith("titanlite.train is a module, not a program"), r.stderr[-2000:]
+    assert lines and lines[0].startswith("titanlite.train is a module, not a program"), r.stderr[
+        -2000:
+    ]
     if not launcher:
         assert r.stderr.strip().splitlines() == lines[:1]  # the one line, nothing else
 
 
 def _tree(folder: Path) -> dict:
     import hashlib
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
-def test_a_second_run_under_the_same_name_is_refused_and_the_first_is_left_byte_for_byte(data_dir, tmp_path):
+def test_a_second_run_under_the_same_name_is_refused_and_the_first_is_left_byte_for_byte(
+    data_dir, tmp_path
+):
     """Issue 25: training twice under one run name replaced the first run's weights and run.json and
     appended its records to the first run's metrics (steps 1-3, then 1-5). Now the second start is
     refused in one line naming the fix, the first run's files untouched; asking to overwrite works."""
-    base = flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 3, "eval.every": 0,
-                                                       "metrics.run_name": "exp"}))
+    base = flags(
+        tiny_overrides(
+            data_dir, tmp_path, **{"training.steps": 3, "eval.every": 0, "metrics.run_name": "exp"}
+        )
+    )
     r = titanlite("train", *base)
     assert r.returncode == 0, r.stderr
     run_dir = tmp_path / "runs" / "exp"
     first = _tree(run_dir)
     assert {"run.json", "metrics.jsonl", "model.safetensors"} <= set(first)
-    for extra, why in ((["--training.steps", "5", "--optimizer.lr", "0.01"], "different optimizer.lr 0.003 → 0.01"),
-                       (["--training.steps", "5"], "no committed checkpoint to resume")):
+    for extra, why in (
+        (
+            ["--training.steps", "5", "--optimizer.lr", "0.01"],
+            "different optimizer.lr 0.003 → 0.01",
+        ),
+        (["--training.steps", "5"], "no committed checkpoint to resume"),
+    ):
         r = titanlite("train", *base, *extra)
         assert r.returncode == 2, (r.stdout, r.stderr)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-        assert lines[0].startswith(f"titanlite: error: run folder '{run_dir}' holds another run ({why}")
+        assert lines[0].startswith(
+            f"titanlite: error: run folder '{run_dir}' holds another run ({why}"
+        )
         assert "choose another --metrics.run_name, or add --metrics.overwrite true" in lines[0]
         assert _tree(run_dir) == first  # byte for byte: nothing replaced, nothing appended
     r = titanlite("train", *base, "--training.steps", "5", "--metrics.overwrite", "true")
     assert r.returncode == 0, r.stderr
     assert f"titanlite: metrics.overwrite: deleting the run in {run_dir}" in r.stdout
-    steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if json.loads(ln).get("kind") == "train"]
+    steps = [
+        json.loads(ln)["step"]
+        for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(ln).get("kind") == "train"
+    ]
     assert steps == [1, 2, 3, 4, 5]  # one run's records, not two runs mixed
 
 
@@ -200,18 +266,29 @@ def test_every_entry_point_refuses_another_run_and_a_resume_goes_on(data_dir, tm
     from titanlite.errors import TitanliteError
     from titanlite.tools.launcher import launch
     from titanlite.train import Trainer
-    o = tiny_overrides(data_dir, tmp_path, **{"training.steps": 2, "eval.every": 0, "checkpoint.enable": True})
+
+    o = tiny_overrides(
+        data_dir, tmp_path, **{"training.steps": 2, "eval.every": 0, "checkpoint.enable": True}
+    )
     Trainer(load_config(None, o)).fit()
     run_dir = tmp_path / "runs" / "t"
     first = _tree(run_dir)
-    history = Trainer(load_config(None, {**o, "training.steps": 3})).fit()  # same settings, more steps: resumes
+    history = Trainer(
+        load_config(None, {**o, "training.steps": 3})
+    ).fit()  # same settings, more steps: resumes
     assert history.resumed_from is not None and [r["step"] for r in history.train] == [3]
     resumed = _tree(run_dir)
     with pytest.raises(TitanliteError, match=r"holds another run \(different optimizer\.lr"):
         Trainer(load_config(None, {**o, "training.steps": 4, "optimizer.lr": 0.01})).fit()
-    with pytest.raises(TitanliteError, match=r"holds another run \(different data\.vocab_size 512 → 600"):
-        launch(load_config(None, {**o, "data.vocab_size": 600}), 2, overrides={"parallel.dp_shard": 2})
-    assert _tree(run_dir) == resumed and set(first) <= set(resumed)  # refused twice, nothing written
+    with pytest.raises(
+        TitanliteError, match=r"holds another run \(different data\.vocab_size 512 → 600"
+    ):
+        launch(
+            load_config(None, {**o, "data.vocab_size": 600}), 2, overrides={"parallel.dp_shard": 2}
+        )
+    assert _tree(run_dir) == resumed and set(first) <= set(
+        resumed
+    )  # refused twice, nothing written
 
 
 def test_done_line_gives_the_runs_median_and_notes_settings_without_effect(data_dir, tmp_path):
@@ -221,11 +298,17 @@ def test_done_line_gives_the_runs_median_and_notes_settings_without_effect(data_
     r = titanlite("train", *flags(o), "--checkpoint.every", "2", "--float8.recipe", "rowwise")
     assert r.returncode == 0, r.stderr
     notes = [ln for ln in r.stdout.splitlines() if ln.startswith("titanlite: note:")]
-    assert notes == ["titanlite: note: --checkpoint.every 2 has no effect without --checkpoint.enable true",
-                     "titanlite: note: --float8.recipe rowwise has no effect without --float8.enable true",
-                     "titanlite: note: --eval.batches 2 has no effect without --eval.every N"]
+    assert notes == [
+        "titanlite: note: --checkpoint.every 2 has no effect without --checkpoint.enable true",
+        "titanlite: note: --float8.recipe rowwise has no effect without --float8.enable true",
+        "titanlite: note: --eval.batches 2 has no effect without --eval.every N",
+    ]
     import statistics
-    records = [json.loads(ln) for ln in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
+
+    records = [
+        json.loads(ln)
+        for ln in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()
+    ]
     train = [x for x in records if x.get("kind") == "train"]
     done = next(ln for ln in r.stdout.splitlines() if ln.startswith("done:"))
     speed = statistics.median(x["tokens_per_sec"] for x in train)
@@ -233,14 +316,24 @@ def test_done_line_gives_the_runs_median_and_notes_settings_without_effect(data_
     assert f"median over 4 logged steps {speed:,.0f} tokens/s, MFU {100 * mfu:.2f}%" in done, done
 
 
-@pytest.mark.parametrize("args, first", [
-    (["--steps", "5"], "did you mean: training.steps, profile.steps"),   # the likeliest first
-    (["--lr", "0.1"], "did you mean: optimizer.lr"),
-    (["--seed", "1"], "did you mean: training.seed"),
-    (["--data.path", "x.txt"], "--data.path is not used by --data.dataset pydoc: drop it, or add --data.dataset file"),
-])
-def test_errors_use_the_command_line_spelling_and_the_closest_key_first(data_dir, tmp_path, args, first):
-    r = titanlite("train", *flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 2})), *args)
+@pytest.mark.parametrize(
+    "args, first",
+    [
+        (["--steps", "5"], "did you mean: training.steps, profile.steps"),  # the likeliest first
+        (["--lr", "0.1"], "did you mean: optimizer.lr"),
+        (["--seed", "1"], "did you mean: training.seed"),
+        (
+            ["--data.path", "x.txt"],
+            "--data.path is not used by --data.dataset pydoc: drop it, or add --data.dataset file",
+        ),
+    ],
+)
+def test_errors_use_the_command_line_spelling_and_the_closest_key_first(
+    data_dir, tmp_path, args, first
+):
+    r = titanlite(
+        "train", *flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 2})), *args
+    )
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and first in lines[0], r.stderr

@@ -4,6 +4,7 @@ issue. One 2-process gloo run (torchrun) measures everything; the tests assert o
 This file is also the worker: torchrun runs it as a script (`python -m torch.distributed.run
 ... test_comm_and_scratch_ddp.py OUT_DIR`) and each rank writes OUT_DIR/rank<r>.json.
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,18 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import run_torchrun
 
 WORLD = 2
 VOCAB, SEQ, MICRO = 256, 16, 2
 SMALL_CAP_MB = 0.02  # ~21 kB: the debug Llama splits into several buckets
-STEPS = 3            # DDP rebuilds its buckets after the first step: look at two more
+STEPS = 3  # DDP rebuilds its buckets after the first step: look at two more
 
 
 # ----------------------------------------------------------------------------- the worker
 def _llama(seed: int, dtype=torch.float32):
     from titanlite.models.llama import ModelArgs, build_model
+
     torch.manual_seed(seed)
     return build_model(ModelArgs.preset("debug", vocab_size=VOCAB, max_seq_len=SEQ)).to(dtype)
 
@@ -48,27 +49,35 @@ def _all_reduce_bytes(cc) -> list[int]:
 
 def _ddp_bucket_sizes(ddp) -> list[int]:
     # The reducer's own buckets (flat buffers), read back from C++.
-    return [b.buffer().numel() * b.buffer().element_size()
-            for b in ddp.reducer._get_zeros_like_grad_buckets()]
+    return [
+        b.buffer().numel() * b.buffer().element_size()
+        for b in ddp.reducer._get_zeros_like_grad_buckets()
+    ]
 
 
 def _scratch_vs_ddp(rank: int, cap_mb: float) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     from titanlite.tools.comm import CommCounter
     from titanlite.tools.scratch_ddp import ScratchDataParallel
 
     local = _llama(seed=rank)  # replicas start different: only the broadcast equalises them
     ddp = DDP(copy.deepcopy(local), bucket_cap_mb=cap_mb)
     scratch = ScratchDataParallel(copy.deepcopy(local), bucket_cap_mb=cap_mb)
-    out = {"num_params": sum(p.numel() for p in local.parameters()),
-           "buffer_bytes": sum(b.numel() * b.element_size() for b in local.buffers()),
-           "scratch_buckets": scratch.num_buckets, "scratch_bucket_sizes": scratch.bucket_sizes,
-           "start_equal": all(torch.equal(a, b) for a, b in
-                              zip(ddp.module.parameters(), scratch.module.parameters())),
-           "start_moved": any(not torch.equal(a, b) for a, b in
-                              zip(local.parameters(), scratch.module.parameters())),
-           "steps": []}
+    out = {
+        "num_params": sum(p.numel() for p in local.parameters()),
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in local.buffers()),
+        "scratch_buckets": scratch.num_buckets,
+        "scratch_bucket_sizes": scratch.bucket_sizes,
+        "start_equal": all(
+            torch.equal(a, b) for a, b in zip(ddp.module.parameters(), scratch.module.parameters())
+        ),
+        "start_moved": any(
+            not torch.equal(a, b) for a, b in zip(local.parameters(), scratch.module.parameters())
+        ),
+        "steps": [],
+    }
     opt_d = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     opt_s = torch.optim.AdamW(scratch.parameters(), lr=1e-2)
     for step in range(STEPS):
@@ -90,10 +99,13 @@ def _scratch_vs_ddp(rank: int, cap_mb: float) -> dict:
             "scratch_all_reduce_bytes": _all_reduce_bytes(cc_scratch),
             "scratch_summary": cc_scratch.summary(),
         }
-        opt_d.step(); opt_s.step()
-        opt_d.zero_grad(); opt_s.zero_grad()
-        record["weights_bitwise"] = all(torch.equal(a, b) for a, b in
-                                        zip(ddp.parameters(), scratch.parameters()))
+        opt_d.step()
+        opt_s.step()
+        opt_d.zero_grad()
+        opt_s.zero_grad()
+        record["weights_bitwise"] = all(
+            torch.equal(a, b) for a, b in zip(ddp.parameters(), scratch.parameters())
+        )
         # Replicas must stay equal across ranks: compare a checksum with the other rank's.
         checksum = torch.stack([p.double().sum() for p in scratch.parameters()]).sum().reshape(1)
         both = [torch.zeros(1, dtype=torch.float64) for _ in range(WORLD)]
@@ -108,6 +120,7 @@ def _accumulation(rank: int, accum: int = 2) -> dict:
     the whole global batch (all ranks' micro-batches) at once. float64, so the only
     difference is the summation order."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     from titanlite.tools.comm import CommCounter
     from titanlite.tools.scratch_ddp import ScratchDataParallel
 
@@ -117,7 +130,9 @@ def _accumulation(rank: int, accum: int = 2) -> dict:
     y = torch.cat([batches[key][1] for key in sorted(batches)])
     _loss(reference, x, y).backward()
 
-    scratch = ScratchDataParallel(_llama(seed=rank, dtype=torch.float64), bucket_cap_mb=SMALL_CAP_MB)
+    scratch = ScratchDataParallel(
+        _llama(seed=rank, dtype=torch.float64), bucket_cap_mb=SMALL_CAP_MB
+    )
     ddp = DDP(_llama(seed=rank, dtype=torch.float64), bucket_cap_mb=SMALL_CAP_MB)
     counts = {}
     for name, model in (("scratch", scratch), ("ddp", ddp)):
@@ -130,31 +145,41 @@ def _accumulation(rank: int, accum: int = 2) -> dict:
             (_loss(model, *batches[rank, accum - 1]) / accum).backward()
             if name == "scratch":
                 model.sync_gradients()
-        counts[name] = {"no_sync_ops": [e.op for e in during_no_sync.events],
-                        "last_all_reduces": len(_all_reduce_bytes(last))}
+        counts[name] = {
+            "no_sync_ops": [e.op for e in during_no_sync.events],
+            "last_all_reduces": len(_all_reduce_bytes(last)),
+        }
     ref = [p.grad for p in reference.parameters()]
     sg = [p.grad for p in scratch.parameters()]
     dg = [p.grad for p in ddp.parameters()]
-    return {"counts": counts, "scratch_buckets": scratch.num_buckets,
-            "max_rel_err": max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(sg, ref)),
-            "max_abs_err": max((a - b).abs().max().item() for a, b in zip(sg, ref)),
-            "scratch_vs_ddp_bitwise": all(torch.equal(a, b) for a, b in zip(sg, dg))}
+    return {
+        "counts": counts,
+        "scratch_buckets": scratch.num_buckets,
+        "max_rel_err": max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(sg, ref)),
+        "max_abs_err": max((a - b).abs().max().item() for a, b in zip(sg, ref)),
+        "scratch_vs_ddp_bitwise": all(torch.equal(a, b) for a, b in zip(sg, dg)),
+    }
 
 
 def _fsdp2(rank: int) -> dict:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     from titanlite.tools.comm import CommCounter
 
     mesh = init_device_mesh("cpu", (WORLD,))
     out = {}
     for reshard in (True, False):  # ZeRO-3 (re-gather in backward) vs ZeRO-2 (keep gathered)
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
-                              nn.Linear(64, 32))
-        full_bytes = [sum(p.numel() * p.element_size() for p in m.parameters())
-                      for m in model if isinstance(m, nn.Linear)]
+        model = nn.Sequential(
+            nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32)
+        )
+        full_bytes = [
+            sum(p.numel() * p.element_size() for p in m.parameters())
+            for m in model
+            if isinstance(m, nn.Linear)
+        ]
         for m in model:
             if isinstance(m, nn.Linear):
                 fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
@@ -166,17 +191,22 @@ def _fsdp2(rank: int) -> dict:
         with CommCounter() as bwd:
             y.square().sum().backward()
         out[f"reshard_{reshard}"] = {
-            "full_bytes": full_bytes, "local_bytes": local_bytes,
-            "forward": fwd.summary(), "backward": bwd.summary(),
+            "full_bytes": full_bytes,
+            "local_bytes": local_bytes,
+            "forward": fwd.summary(),
+            "backward": bwd.summary(),
             "forward_all_gather_bytes": [e.bytes for e in fwd.events if e.op == "all_gather"],
-            "backward_reduce_scatter_bytes": [e.bytes for e in bwd.events
-                                              if e.op == "reduce_scatter"]}
+            "backward_reduce_scatter_bytes": [
+                e.bytes for e in bwd.events if e.op == "reduce_scatter"
+            ],
+        }
     return out
 
 
 def _plain_collectives(rank: int) -> dict:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
+
     from titanlite.tools.comm import CommCounter
 
     t = torch.full((1000,), float(rank))
@@ -187,25 +217,32 @@ def _plain_collectives(rank: int) -> dict:
         dist.reduce_scatter_tensor(torch.empty(500), t)
         funcol.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD))
     from titanlite.tools.scratch_ddp import allreduce_mean_
+
     tensors = [torch.full((3,), float(rank)), torch.full((5,), 2.0 * rank)]
     with CommCounter() as unbucketed:
         allreduce_mean_(tensors)
-    return {"events": [[e.op, e.bytes, e.group_size, e.bus_bytes] for e in cc.events],
-            "table": cc.table(), "total_bytes": cc.total_bytes,
-            "mean": [t.tolist() for t in tensors],
-            "unbucketed_bytes": [e.bytes for e in unbucketed.events if e.op == "all_reduce"]}
+    return {
+        "events": [[e.op, e.bytes, e.group_size, e.bus_bytes] for e in cc.events],
+        "table": cc.table(),
+        "total_bytes": cc.total_bytes,
+        "mean": [t.tolist() for t in tensors],
+        "unbucketed_bytes": [e.bytes for e in unbucketed.events if e.op == "all_reduce"],
+    }
 
 
 def _worker(out_dir: str) -> None:
     import torch.distributed as dist
+
     warnings.simplefilter("ignore", FutureWarning)  # deprecation notes of collective names
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = {"one_bucket": _scratch_vs_ddp(rank, 25.0),
-              "small_buckets": _scratch_vs_ddp(rank, SMALL_CAP_MB),
-              "accumulation": _accumulation(rank),
-              "fsdp2": _fsdp2(rank),
-              "plain": _plain_collectives(rank)}
+    result = {
+        "one_bucket": _scratch_vs_ddp(rank, 25.0),
+        "small_buckets": _scratch_vs_ddp(rank, SMALL_CAP_MB),
+        "accumulation": _accumulation(rank),
+        "fsdp2": _fsdp2(rank),
+        "plain": _plain_collectives(rank),
+    }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # nobody tears down the group while the other rank still uses it
     dist.destroy_process_group()
@@ -299,11 +336,13 @@ def test_fsdp2_collective_volume(runs):
 
 def test_plain_and_functional_collectives_are_counted(runs):
     n, size = WORLD, 1000 * 4
-    expected = [["all_reduce", size, n, size * 2 * (n - 1) / n],
-                ["broadcast", size, n, size],
-                ["all_gather", n * size, n, n * size * (n - 1) / n],
-                ["reduce_scatter", size, n, size * (n - 1) / n],
-                ["all_reduce", size, n, size * 2 * (n - 1) / n]]
+    expected = [
+        ["all_reduce", size, n, size * 2 * (n - 1) / n],
+        ["broadcast", size, n, size],
+        ["all_gather", n * size, n, n * size * (n - 1) / n],
+        ["reduce_scatter", size, n, size * (n - 1) / n],
+        ["all_reduce", size, n, size * 2 * (n - 1) / n],
+    ]
     for run in runs:
         assert run["plain"]["events"] == expected
         assert run["plain"]["total_bytes"] == sum(e[1] for e in expected)
@@ -315,5 +354,6 @@ def test_plain_and_functional_collectives_are_counted(runs):
 
 if __name__ == "__main__":
     from titanlite.distributed.env import exit_worker
+
     _worker(sys.argv[1])
     exit_worker(0)

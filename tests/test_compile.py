@@ -6,6 +6,7 @@ trainer's own shapes (debug preset, vocab 512, batch 4 × 32 tokens): the traine
 reuses the same compiled block instead of compiling again. The graph-break tests come last
 because torch._dynamo.explain resets Dynamo's caches.
 """
+
 import copy
 
 import pytest
@@ -13,13 +14,18 @@ import torch
 import torch._dynamo
 import torch._inductor.config
 import torch.nn.functional as F
-
 from conftest import tiny_overrides
+
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.efficiency.compile import CompileFallbackWarning, apply_compile, compile_support, is_compiled
-from titanlite.tools.compile_report import graph_break_report, time_first_call
+from titanlite.efficiency.compile import (
+    CompileFallbackWarning,
+    apply_compile,
+    compile_support,
+    is_compiled,
+)
 from titanlite.models.llama import ModelArgs, build_model
+from titanlite.tools.compile_report import graph_break_report, time_first_call
 from titanlite.train import Trainer
 
 ARGS = ModelArgs.preset("debug", vocab_size=512)  # what the trainer builds from tiny_overrides
@@ -28,8 +34,10 @@ BATCH, SEQ = 4, 32
 
 def batch(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g),
-            torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g))
+    return (
+        torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g),
+        torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g),
+    )
 
 
 def loss_and_grads(model, x, y):
@@ -68,8 +76,13 @@ def test_compiled_loss_and_gradients_match_eager(results, scope):
     assert grads.keys() == eager_grads.keys()
     for name, g in grads.items():
         scale = eager_grads[name].abs().max()
-        torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-5 * scale.item(),
-                                   msg=lambda m: f"{scope} gradient of {name}: {m}")
+        torch.testing.assert_close(
+            g,
+            eager_grads[name],
+            rtol=1e-4,
+            atol=1e-5 * scale.item(),
+            msg=lambda m: f"{scope} gradient of {name}: {m}",
+        )
 
 
 def test_regional_compiles_one_block_graph_reused_by_every_layer(results):
@@ -83,14 +96,21 @@ def test_compiled_in_place_keeps_the_plain_state_dict(models, scope):
     assert all(torch.equal(compiled[k], eager[k]) for k in eager)
     assert is_compiled(models[scope]) and not is_compiled(models["eager"])
     expected = [f"layers.{i}" for i in range(ARGS.n_layers)] if scope == "regional" else [""]
-    assert [n for n, m in models[scope].named_modules()
-            if getattr(m, "_compiled_call_impl", None) is not None] == expected
+    assert [
+        n
+        for n, m in models[scope].named_modules()
+        if getattr(m, "_compiled_call_impl", None) is not None
+    ] == expected
 
 
 def test_trainer_trains_with_compile_and_matches_eager(data_dir, tmp_path, models):
     def run(enable):
-        extra = {"compile.enable": enable, "training.steps": 4, "eval.every": 4,
-                 "metrics.run_name": f"compile-{enable}"}
+        extra = {
+            "compile.enable": enable,
+            "training.steps": 4,
+            "eval.every": 4,
+            "metrics.run_name": f"compile-{enable}",
+        }
         trainer = Trainer(load_config(None, tiny_overrides(data_dir, tmp_path, **extra)))
         return trainer, trainer.fit()
 
@@ -102,8 +122,11 @@ def test_trainer_trains_with_compile_and_matches_eager(data_dir, tmp_path, model
 
 
 def test_unknown_scope_is_one_line_with_a_suggestion():
-    with pytest.raises(TitanliteError, match=r"'regonal' is not one of regional, model "
-                                             r"\(did you mean: regional\?\)") as e:
+    with pytest.raises(
+        TitanliteError,
+        match=r"'regonal' is not one of regional, model "
+        r"\(did you mean: regional\?\)",
+    ) as e:
         apply_compile(build_model(ARGS), scope="regonal")
     assert "\n" not in str(e.value)
 
@@ -158,23 +181,33 @@ def test_the_trial_compiles_a_real_block_so_a_toy_that_compiles_proves_nothing()
     assert is_compiled(apply_compile(build_model(ARGS), backend=fails_on_attention))
     # With it, block 0 is compiled for real on a batch of that shape, and fails here.
     model = build_model(ARGS)
-    with pytest.warns(CompileFallbackWarning, match="block 0 on a 4x32 batch.*no scaled_dot_product"):
+    with pytest.warns(
+        CompileFallbackWarning, match="block 0 on a 4x32 batch.*no scaled_dot_product"
+    ):
         apply_compile(model, backend=fails_on_attention, example_shape=(BATCH, SEQ))
     assert not is_compiled(model)
     assert all(p.grad is None for p in model.parameters())  # the trial ran on a copy
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_the_trial_traces_the_graph_training_runs_so_step_one_compiles_nothing_new(data_dir, tmp_path,
-                                                                                  precision, monkeypatch):
+def test_the_trial_traces_the_graph_training_runs_so_step_one_compiles_nothing_new(
+    data_dir, tmp_path, precision, monkeypatch
+):
     # The trial runs block 0 as the model will (its autocast too): Dynamo then reuses the
     # trial's graph for every block at step 1 instead of tracing and compiling a second one,
     # which on a cold cache halves the compile time of a run.
     from torch._dynamo.utils import counters
 
     from titanlite.efficiency import compile_trial
-    extra = {"compile.enable": True, "training.mixed_precision": precision, "training.steps": 1,
-             "eval.every": 0, "eval.sample_every": 0, "metrics.run_name": f"trial-{precision}"}
+
+    extra = {
+        "compile.enable": True,
+        "training.mixed_precision": precision,
+        "training.steps": 1,
+        "eval.every": 0,
+        "eval.sample_every": 0,
+        "metrics.run_name": f"trial-{precision}",
+    }
     cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **extra))
     torch._dynamo.reset()
     compile_trial._TRIALS.clear()  # this process's earlier trials would skip this one's
@@ -191,6 +224,7 @@ def test_a_trial_is_remembered_for_the_process_and_failures_too(tmp_path):
     from torch._dynamo.utils import counters
 
     from titanlite.efficiency import compile_trial
+
     block, shape = build_model(ARGS).layers["0"], (BATCH, SEQ)
     compile_trial._TRIALS.clear()
     torch._dynamo.reset()
@@ -209,8 +243,13 @@ def test_a_trial_is_remembered_for_the_process_and_failures_too(tmp_path):
 
 
 def test_a_model_that_cannot_compile_trains_eagerly_in_the_trainer_and_says_why(data_dir, tmp_path):
-    extra = {"compile.enable": True, "compile.backend": "fails_on_attention", "training.steps": 3,
-             "eval.every": 0, "metrics.run_name": "compile-fails"}
+    extra = {
+        "compile.enable": True,
+        "compile.backend": "fails_on_attention",
+        "training.steps": 3,
+        "eval.every": 0,
+        "metrics.run_name": "compile-fails",
+    }
     with pytest.warns(CompileFallbackWarning) as caught:
         trainer = Trainer(load_config(None, tiny_overrides(data_dir, tmp_path, **extra)))
     message = str(caught[0].message)
@@ -223,6 +262,7 @@ def test_a_model_that_cannot_compile_trains_eagerly_in_the_trainer_and_says_why(
 
 def test_a_missing_cpp_compiler_is_detected_before_any_compile():
     from torch._inductor.cpp_builder import cpp_compiler_search
+
     try:
         with torch._inductor.config.patch({"cpp.cxx": (None, "/no/such/g++")}):
             support = compile_support("cpu")
@@ -239,6 +279,7 @@ def test_time_first_call_separates_compile_from_steady_state():
     # compile, the steady steps none. (Comparing the two times directly is not a test on a busy
     # machine: one stalled steady step outlasts Dynamo's tracing of this small model.)
     import time
+
     compiled_at = []
 
     def slow_backend(gm, example_inputs):
@@ -252,12 +293,15 @@ def test_time_first_call_separates_compile_from_steady_state():
     start = time.perf_counter()
     t = time_first_call(model, x, y, steps=3, cold=True)
     first_call_ended = start + t["first_call_s"]
-    assert compiled_at and all(c < first_call_ended for c in compiled_at), "steady steps compiled nothing"
+    assert compiled_at and all(c < first_call_ended for c in compiled_at), (
+        "steady steps compiled nothing"
+    )
     assert t["first_call_s"] >= 0.5 * len(compiled_at) and t["steady_s"] > 0
     assert t["compile_s"] == pytest.approx(max(0.0, t["first_call_s"] - t["steady_s"]))
 
 
 # ----- graph breaks (last: explain() resets Dynamo) ------------------------------------------
+
 
 def test_a_block_and_the_model_trace_without_graph_breaks(models):
     block = models["eager"].layers["0"]

@@ -3,24 +3,26 @@
 The 8-process 3D run (pp 2 × dp_shard 2 × tp 2) is the issue's acceptance test: on a 2-core CI
 machine it is slow (the ranks take turns), so it uses the smallest model and three steps.
 """
+
 from __future__ import annotations
 
 import pytest
+from conftest import tiny_overrides
 
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.tools.launcher import launch
 from titanlite.distributed.mesh import ParallelDims
+from titanlite.tools.launcher import launch
 from titanlite.train import Trainer
-
-from conftest import tiny_overrides
 
 STEPS = 3
 MODEL = {"model.n_layers": 4, "model.tie_embeddings": False}  # PP needs a layer per stage
 
 
 def _overrides(data_dir, tmp_path, **extra):
-    o = tiny_overrides(data_dir, tmp_path, **{"training.steps": STEPS, "eval.every": 0, **MODEL, **extra})
+    o = tiny_overrides(
+        data_dir, tmp_path, **{"training.steps": STEPS, "eval.every": 0, **MODEL, **extra}
+    )
     o.pop("metrics.run_name")
     return o
 
@@ -29,16 +31,26 @@ def _overrides(data_dir, tmp_path, **extra):
 def reference(data_dir, tmp_path_factory):
     """One process, global batch 8."""
     tmp = tmp_path_factory.mktemp("ref")
-    o = tiny_overrides(data_dir, tmp, **{"training.steps": STEPS, "eval.every": 0, **MODEL,
-                                         "training.batch_size": 8})
+    o = tiny_overrides(
+        data_dir,
+        tmp,
+        **{"training.steps": STEPS, "eval.every": 0, **MODEL, "training.batch_size": 8},
+    )
     return Trainer(load_config(None, o)).fit().losses
 
 
-@pytest.mark.parametrize("nproc,layout", [
-    (4, {"parallel.tp": 2, "parallel.dp_shard": 2, "training.batch_size": 4}),  # FSDP × TP
-    (4, {"parallel.pp": 2, "parallel.dp_shard": 2, "training.batch_size": 4}),  # FSDP × PP
-    (8, {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 2, "training.batch_size": 4}),  # 3D
-], ids=["fsdp2xtp2", "fsdp2xpp2", "3d-pp2-fsdp2-tp2"])
+@pytest.mark.parametrize(
+    "nproc,layout",
+    [
+        (4, {"parallel.tp": 2, "parallel.dp_shard": 2, "training.batch_size": 4}),  # FSDP × TP
+        (4, {"parallel.pp": 2, "parallel.dp_shard": 2, "training.batch_size": 4}),  # FSDP × PP
+        (
+            8,
+            {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 2, "training.batch_size": 4},
+        ),  # 3D
+    ],
+    ids=["fsdp2xtp2", "fsdp2xpp2", "3d-pp2-fsdp2-tp2"],
+)
 def test_composed_layouts_train_like_one_process(nproc, layout, data_dir, tmp_path, reference):
     cfg = load_config(None, _overrides(data_dir, tmp_path))
     result = launch(cfg, nproc=nproc, overrides=layout, timeout_s=400)
@@ -50,18 +62,26 @@ def test_composed_layouts_train_like_one_process(nproc, layout, data_dir, tmp_pa
 
 def test_bad_layouts_are_one_clear_line(data_dir, tmp_path):
     cfg = load_config(None, _overrides(data_dir, tmp_path))
-    with pytest.raises(TitanliteError, match=r"pp × dp_replicate × dp_shard × tp = 2 × 1 × 3 × 2 = 12, but 8"):
+    with pytest.raises(
+        TitanliteError, match=r"pp × dp_replicate × dp_shard × tp = 2 × 1 × 3 × 2 = 12, but 8"
+    ):
         launch(cfg, nproc=8, overrides={"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 3})
     with pytest.raises(TitanliteError, match=r"tensor-parallel degree 3 .*does not divide"):
         launch(cfg, nproc=3, overrides={"parallel.tp": 3})
     with pytest.raises(TitanliteError, match=r"8 pipeline stages, but the model has 4 layers"):
         launch(cfg, nproc=8, overrides={"parallel.pp": 8})
-    with pytest.raises(TitanliteError, match=r"needs at least as many micro-batches as pipeline ranks"):
+    with pytest.raises(
+        TitanliteError, match=r"needs at least as many micro-batches as pipeline ranks"
+    ):
         launch(cfg, nproc=4, overrides={"parallel.pp": 4, "parallel.pp_microbatches": 2})
     with pytest.raises(TitanliteError, match=r"tied embeddings cannot span pipeline stages"):
         launch(cfg, nproc=2, overrides={"parallel.pp": 2, "model.tie_embeddings": True})
     with pytest.raises(TitanliteError, match=r"with FSDP .*not DDP"):
-        launch(cfg, nproc=4, overrides={"parallel.tp": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 1})
+        launch(
+            cfg,
+            nproc=4,
+            overrides={"parallel.tp": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 1},
+        )
 
 
 def test_the_rank_grid_matches_the_groups():

@@ -2,6 +2,7 @@
 in one line, a folder that is not a student edition; `titanlite progress` streams each notebook's
 results with a progress bar, grades a folder from its exercise cells alone (`--checks`), shows
 whole messages and no kernel noise."""
+
 import json
 import os
 import shutil
@@ -13,8 +14,17 @@ import nbformat
 import pytest
 
 from titanlite.errors import TitanliteError
-from titanlite.tools.course import (STAMP, checks_only, format_table, is_check_cell, is_solution_cell,
-                                    progress, read_results, student_edition, work_hash)
+from titanlite.tools.course import (
+    STAMP,
+    checks_only,
+    format_table,
+    is_check_cell,
+    is_solution_cell,
+    progress,
+    read_results,
+    student_edition,
+    work_hash,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -29,7 +39,9 @@ def _source(tmp_path, *names) -> Path:
 
 
 def _tree(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def _answer(nb, name: str, code: str):
@@ -50,15 +62,20 @@ def test_student_edition_replaces_only_what_the_student_did_not_change(tmp_path)
     first = student_edition(src, out)
     assert sorted(first.written) == [NB02, NB13, NB16] and not first.kept
     nb = nbformat.read(out / NB02, 4)
-    assert nb.metadata[STAMP]["edition"] == "student" and nb.metadata[STAMP]["sha256"] == work_hash(nb)
+    assert nb.metadata[STAMP]["edition"] == "student" and nb.metadata[STAMP]["sha256"] == work_hash(
+        nb
+    )
     assert "### BEGIN SOLUTION" not in json.dumps(nb)
 
     again = student_edition(src, out)  # nothing changed anywhere: nothing rewritten
     assert sorted(again.unchanged) == [NB02, NB13, NB16] and not (again.written or again.refreshed)
 
     # The student answers in 02 and only runs 13 (outputs, no edit); 16 is deleted by accident.
-    mine = _answer(nbformat.read(out / NB02, 4), "02_accum_steps",
-                   "def accum_steps(global_batch, micro_batch, dp):\n    return global_batch // (micro_batch * dp)")
+    mine = _answer(
+        nbformat.read(out / NB02, 4),
+        "02_accum_steps",
+        "def accum_steps(global_batch, micro_batch, dp):\n    return global_batch // (micro_batch * dp)",
+    )
     nbformat.write(mine, out / NB02)
     ran = nbformat.read(out / NB13, 4)
     ran.cells[1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="ran\n")]
@@ -66,7 +83,9 @@ def test_student_edition_replaces_only_what_the_student_did_not_change(tmp_path)
     (out / NB16).unlink()
     (out / "runs").mkdir()  # what running the notebooks leaves beside them
     (out / "runs" / "metrics.jsonl").write_text("{}\n")
-    (out / "scratch.ipynb").write_text(json.dumps(nbformat.v4.new_notebook()))  # a student's own notebook
+    (out / "scratch.ipynb").write_text(
+        json.dumps(nbformat.v4.new_notebook())
+    )  # a student's own notebook
     before = (out / NB02).read_bytes()
 
     # The instructor changes every notebook's first cell (a new release, pulled).
@@ -81,7 +100,10 @@ def test_student_edition_replaces_only_what_the_student_did_not_change(tmp_path)
     assert (out / "runs" / "metrics.jsonl").exists() and (out / "scratch.ipynb").exists()
     summary = report.summary()
     assert f"kept 1 notebook(s) you changed, untouched: {NB02}" in summary
-    assert f"mv {out / NB02} {out / '02_gradient_accumulation.mine.ipynb'}" in summary and "make student" in summary
+    assert (
+        f"mv {out / NB02} {out / '02_gradient_accumulation.mine.ipynb'}" in summary
+        and "make student" in summary
+    )
 
 
 def test_an_edition_written_before_hashes_is_stamped_not_replaced(tmp_path):
@@ -92,7 +114,11 @@ def test_an_edition_written_before_hashes_is_stamped_not_replaced(tmp_path):
         nb = json.loads((out / name).read_text())
         del nb["metadata"][STAMP]
         (out / name).write_text(json.dumps(nb, indent=1))
-    edited = _answer(nbformat.read(out / NB13, 4), "13_young", "def young_interval_by_hand(c, m):\n    return 1.0")
+    edited = _answer(
+        nbformat.read(out / NB13, 4),
+        "13_young",
+        "def young_interval_by_hand(c, m):\n    return 1.0",
+    )
     nbformat.write(edited, out / NB13)
     edited_bytes = (out / NB13).read_bytes()
     report = student_edition(src, out)
@@ -101,14 +127,17 @@ def test_an_edition_written_before_hashes_is_stamped_not_replaced(tmp_path):
     assert (out / NB13).read_bytes() == edited_bytes
 
 
-@pytest.mark.parametrize("where, says", [
-    ("notebooks", "it is the instructor's notebooks folder"),
-    (".", "it is a folder that holds"),
-    ("notebooks/student", "inside the instructor's"),
-    ("repo", "holds .git: it looks like a repository"),
-    ("other", "holds files that are not a student edition (e.g. 'notes.txt')"),
-    ("afile", "is a file, not a folder"),
-])
+@pytest.mark.parametrize(
+    "where, says",
+    [
+        ("notebooks", "it is the instructor's notebooks folder"),
+        (".", "it is a folder that holds"),
+        ("notebooks/student", "inside the instructor's"),
+        ("repo", "holds .git: it looks like a repository"),
+        ("other", "holds files that are not a student edition (e.g. 'notes.txt')"),
+        ("afile", "is a file, not a folder"),
+    ],
+)
 def test_student_edition_refuses_a_folder_that_is_not_an_edition_in_one_line(tmp_path, where, says):
     src = _source(tmp_path, NB02)
     course = src.parent
@@ -137,8 +166,14 @@ def _clone(tmp_path) -> Path:
 
 def _course(clone: Path, *args):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([PYTHON, "-m", "titanlite.tools.course", *args], cwd=clone, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [PYTHON, "-m", "titanlite.tools.course", *args],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_the_course_command_into_the_clone_itself_deletes_nothing(tmp_path):
@@ -149,7 +184,9 @@ def test_the_course_command_into_the_clone_itself_deletes_nothing(tmp_path):
         done = _course(clone, *args)
         assert done.returncode == 2 and done.stdout == "", done
         errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and ("cannot go into" in errors[0] or "not a student edition" in errors[0]), done.stderr
+        assert len(errors) == 1 and (
+            "cannot go into" in errors[0] or "not a student edition" in errors[0]
+        ), done.stderr
     assert _tree(clone) == before
 
 
@@ -157,13 +194,19 @@ def test_the_course_command_twice_keeps_the_students_answer(tmp_path):
     clone = _clone(tmp_path)
     done = _course(clone)
     assert done.returncode == 0 and "student edition in student/: 2 new" in done.stdout, done
-    mine = _answer(nbformat.read(clone / "student" / NB02, 4), "02_accum_steps",
-                   "def accum_steps(g, m, dp):\n    return g // (m * dp)")
+    mine = _answer(
+        nbformat.read(clone / "student" / NB02, 4),
+        "02_accum_steps",
+        "def accum_steps(g, m, dp):\n    return g // (m * dp)",
+    )
     nbformat.write(mine, clone / "student" / NB02)
     answer = (clone / "student" / NB02).read_bytes()
     done = _course(clone)
     assert done.returncode == 0 and (clone / "student" / NB02).read_bytes() == answer
-    assert f"kept 1 notebook(s) you changed, untouched: {NB02}" in done.stdout and "make student" in done.stdout
+    assert (
+        f"kept 1 notebook(s) you changed, untouched: {NB02}" in done.stdout
+        and "make student" in done.stdout
+    )
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
@@ -180,26 +223,46 @@ def test_make_student_prints_how_to_open_it_and_keeps_answers(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0 and "make lab-student" in done.stdout, done
-    mine = _answer(nbformat.read(clone / "student" / NB13, 4), "13_young", "def young_interval_by_hand(c, m):\n    return 2.0")
+    mine = _answer(
+        nbformat.read(clone / "student" / NB13, 4),
+        "13_young",
+        "def young_interval_by_hand(c, m):\n    return 2.0",
+    )
     nbformat.write(mine, clone / "student" / NB13)
     answer = (clone / "student" / NB13).read_bytes()
     done = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0 and (clone / "student" / NB13).read_bytes() == answer, done
     assert "kept 1 notebook(s) you changed" in done.stdout
-    lab = subprocess.run(["make", "-n", "-C", str(clone), "lab-student", f"VENV={venv}", "-o", str(installed)],
-                         capture_output=True, text=True, timeout=60)
-    assert "jupyter lab" in lab.stdout and "configs/jupyterlab" in lab.stdout and "student/" in lab.stdout, lab
+    lab = subprocess.run(
+        ["make", "-n", "-C", str(clone), "lab-student", f"VENV={venv}", "-o", str(installed)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        "jupyter lab" in lab.stdout
+        and "configs/jupyterlab" in lab.stdout
+        and "student/" in lab.stdout
+    ), lab
 
 
 # ----- progress ---------------------------------------------------------------------------------
+
 
 def _with_outputs(tmp_path, outputs: dict[str, list]) -> Path:
     """A notebook whose check cells carry the given outputs (as a student's saved copy does)."""
     nb = nbformat.v4.new_notebook()
     for name, outs in outputs.items():
         cell = nbformat.v4.new_code_cell(f'check("{name}", f)')
-        cell.metadata["nbgrader"] = {"grade": True, "grade_id": f"{name}_check", "locked": True,
-                                     "points": 1, "schema_version": 3, "solution": False, "task": False}
+        cell.metadata["nbgrader"] = {
+            "grade": True,
+            "grade_id": f"{name}_check",
+            "locked": True,
+            "points": 1,
+            "schema_version": 3,
+            "solution": False,
+            "task": False,
+        }
         cell.outputs = [nbformat.v4.new_output("stream", name=n, text=t) for n, t in outs]
         cell.execution_count = 1 if outs else None
         nb.cells.append(cell)
@@ -211,17 +274,29 @@ def _with_outputs(tmp_path, outputs: dict[str, list]) -> Path:
 
 def test_progress_reads_saved_outputs_and_wraps_whole_messages(tmp_path):
     long = "the loss is 3.0000001, expected 3.0000002 " + "because " * 30 + "[seed 123456789]"
-    folder = _with_outputs(tmp_path, {
-        "a": [("stdout", "✓ a: passed - equals the real one\n")],
-        "b": [("stderr", f"ExerciseError: b: {long}\n")],
-        "c": [("stderr", "ExerciseError: c: not attempted yet - replace ...\n")],
-        "d": []})
+    folder = _with_outputs(
+        tmp_path,
+        {
+            "a": [("stdout", "✓ a: passed - equals the real one\n")],
+            "b": [("stderr", f"ExerciseError: b: {long}\n")],
+            "c": [("stderr", "ExerciseError: c: not attempted yet - replace ...\n")],
+            "d": [],
+        },
+    )
     results = progress(folder, run=False)
-    assert [(r.exercise, r.status) for r in results] == [("a", "pass"), ("b", "fail"),
-                                                         ("c", "not attempted"), ("d", "not run")]
+    assert [(r.exercise, r.status) for r in results] == [
+        ("a", "pass"),
+        ("b", "fail"),
+        ("c", "not attempted"),
+        ("d", "not run"),
+    ]
     table = format_table(results, width=80)
-    assert table.endswith("1 of 4 exercises pass") and all(len(line) <= 80 for line in table.splitlines())
-    assert " ".join(table.split()).count("[seed 123456789]") == 1, "the whole message, wrapped, never cut"
+    assert table.endswith("1 of 4 exercises pass") and all(
+        len(line) <= 80 for line in table.splitlines()
+    )
+    assert " ".join(table.split()).count("[seed 123456789]") == 1, (
+        "the whole message, wrapped, never cut"
+    )
     assert read_results(nbformat.read(folder / "99_lab.ipynb", 4), "x")[0].notebook == "x"
     with pytest.raises(TitanliteError, match="no notebooks"):
         progress(tmp_path / "nowhere", run=False)
@@ -231,7 +306,9 @@ def test_checks_mode_keeps_the_exercise_cells_and_the_imports_only():
     nb = nbformat.read(ROOT / "notebooks" / "05_torch_compile.ipynb", 4)
     small = checks_only(nb)
     setup = small.cells[0].source
-    assert "notebook_setup()" in setup and "import torch" in setup and "Trainer" in setup  # imports only
+    assert (
+        "notebook_setup()" in setup and "import torch" in setup and "Trainer" in setup
+    )  # imports only
     kept = small.cells[1:]
     assert all(is_solution_cell(c) or is_check_cell(c) for c in kept) and len(kept) == 4
     assert not any("Trainer(" in c.source or "fit(" in c.source for c in small.cells)
@@ -242,10 +319,18 @@ def _student_folder(tmp_path) -> Path:
     out = tmp_path / "student"
     student_edition(_source(tmp_path, NB02, NB13), out)
     nb = nbformat.read(out / NB13, 4)
-    _answer(nb, "13_cluster_mtbf", "def cluster_mtbf_by_hand(n_instances, rate_per_hour):\n"
-                                   "    return 3600.0 / (n_instances * rate_per_hour)")
-    _answer(nb, "13_young", "import math\n\ndef young_interval_by_hand(ckpt_cost_s, mtbf_s):\n"
-                            "    return math.sqrt(ckpt_cost_s * mtbf_s)")
+    _answer(
+        nb,
+        "13_cluster_mtbf",
+        "def cluster_mtbf_by_hand(n_instances, rate_per_hour):\n"
+        "    return 3600.0 / (n_instances * rate_per_hour)",
+    )
+    _answer(
+        nb,
+        "13_young",
+        "import math\n\ndef young_interval_by_hand(ckpt_cost_s, mtbf_s):\n"
+        "    return math.sqrt(ckpt_cost_s * mtbf_s)",
+    )
     nbformat.write(nb, out / NB13)
     nb = nbformat.read(out / NB02, 4)
     _answer(nb, "02_accum_steps", "def accum_steps(global_batch, micro_batch, dp)\n    return 1")
@@ -256,11 +341,14 @@ def _student_folder(tmp_path) -> Path:
 @pytest.mark.slow
 def test_progress_checks_grades_a_folder_from_its_exercise_cells(tmp_path, monkeypatch, capfd):
     from titanlite.tools.cli import main
+
     monkeypatch.setenv("MPLBACKEND", "Agg")
     out = _student_folder(tmp_path)
     assert main(["progress", str(out), "--checks"]) == 0
     printed, errors = capfd.readouterr()
-    rows = {line.split()[1]: line for line in printed.splitlines() if line.startswith(("02_", "13_"))}
+    rows = {
+        line.split()[1]: line for line in printed.splitlines() if line.startswith(("02_", "13_"))
+    }
     assert rows["13_cluster_mtbf"].split()[2] == "pass"
     assert "fail" in rows["13_young"] and "the interval for" in " ".join(printed.split())
     assert "your answer's cell raised SyntaxError" in rows["02_accum_steps"]
@@ -274,13 +362,18 @@ def test_progress_checks_grades_a_folder_from_its_exercise_cells(tmp_path, monke
 def test_progress_runs_both_editions_in_full(tmp_path, monkeypatch, capsys):
     """`titanlite progress` on notebook 02: the instructor's passes, the student's is not attempted."""
     from titanlite.tools.cli import main
+
     monkeypatch.setenv("MPLBACKEND", "Agg")
     student_edition(ROOT / "notebooks", tmp_path / "student")
     assert main(["progress", str(tmp_path / "student"), "--only", "02"]) == 0
     out = capsys.readouterr().out
-    assert "02_accum_steps        not attempted" in out and out.strip().endswith("0 of 2 exercises pass")
+    assert "02_accum_steps        not attempted" in out and out.strip().endswith(
+        "0 of 2 exercises pass"
+    )
     seen = []
-    results = progress(ROOT / "notebooks", only="02", on_notebook=lambda name, rs, s: seen.append((name, len(rs))))
+    results = progress(
+        ROOT / "notebooks", only="02", on_notebook=lambda name, rs, s: seen.append((name, len(rs)))
+    )
     assert [r.status for r in results] == ["pass"] * 2 and seen == [("02_gradient_accumulation", 2)]
 
 
@@ -293,4 +386,7 @@ def test_a_dead_kernel_fails_every_check_of_its_notebook_in_one_line(tmp_path, m
     nbformat.write(nb, out / NB13)
     results = progress(out, checks=True)
     assert [r.status for r in results] == ["fail", "fail"], results
-    assert all(r.detail.startswith("not checked: DeadKernelError") and "\n" not in r.detail for r in results)
+    assert all(
+        r.detail.startswith("not checked: DeadKernelError") and "\n" not in r.detail
+        for r in results
+    )

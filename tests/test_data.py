@@ -3,6 +3,7 @@
 Every cache goes to a temporary TITANLITE_DATA_DIR, so these tests neither read nor write
 the repository's data/ folder, and nothing touches the network.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -11,14 +12,23 @@ import threading
 import pytest
 import torch
 
-from titanlite.errors import TitanliteError
 from titanlite.data import (
-    DataBundle, StatefulBatchSampler, TokenBatches, build_data, corpus_id, default_data_dir,
-    get_tokenizer, load_corpus, pydoc_corpus, split_train_val,
+    DataBundle,
+    StatefulBatchSampler,
+    TokenBatches,
+    build_data,
+    corpus,
+    corpus_id,
+    default_data_dir,
+    get_tokenizer,
+    load_corpus,
+    pydoc_corpus,
+    split_train_val,
 )
-from titanlite.data import corpus, tokenizer as tokenizer_module
-from titanlite.tools import corpora as remote
+from titanlite.data import tokenizer as tokenizer_module
 from titanlite.data.tokenizer import EOS, tokenizer_hash, train_bpe, wrap
+from titanlite.errors import TitanliteError
+from titanlite.tools import corpora as remote
 
 TRICKY_TEXT = "héllo wörld 🚀\r\n\tdef f(x):\n    return 4242  # ok  \n\n<b>tag</b> 'quoted'"
 
@@ -61,13 +71,14 @@ def one_line_error(excinfo, *needles):
 
 # --- corpora -----------------------------------------------------------------------------
 
+
 def test_pydoc_corpus_is_real_deterministic_and_cached(shared_dir):
     first = pydoc_corpus(data_dir=shared_dir)  # parses the stdlib and caches the pages
     second = pydoc_corpus(data_dir=shared_dir)  # reads the cache
     assert first == second
     rendered = [corpus._render_module(m, f) for m, f in corpus._stdlib_sources()[:12]]
     fresh = [page for page in rendered if page]
-    assert first[79:79 + len(fresh)] == fresh  # the cache holds exactly what parsing gives
+    assert first[79 : 79 + len(fresh)] == fresh  # the cache holds exactly what parsing gives
     assert first[:79] == pydoc_corpus(include_stdlib=False)
     assert len(first) > 200 and sum(map(len, first)) > 1_000_000
     assert first[0].startswith("assert\n") and "assert_stmt" in first[0]
@@ -92,6 +103,7 @@ def test_limits_and_corpus_id_track_the_content(topics):
 
 
 # --- tokenizer ---------------------------------------------------------------------------
+
 
 def test_tokenizer_round_trips_and_loads_from_cache(topics, data_dir):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -144,6 +156,7 @@ def test_parallel_ranks_train_the_tokenizer_once(topics, monkeypatch):
 
 # --- sampler -----------------------------------------------------------------------------
 
+
 def draw(sampler, steps):
     return [sampler.next_indices() for _ in range(steps)]
 
@@ -172,7 +185,7 @@ def test_epoch_wrap_around_starts_a_fresh_shuffle():
     stream = sum(draw(sampler, 6), [])  # 3 epochs
     expected = torch.cat([sampler.order(e)[:6] for e in range(3)]).tolist()
     assert stream == expected  # each epoch's leftover window sits that epoch out
-    assert all(len(set(stream[i:i + 6])) == 6 for i in (0, 6, 12))
+    assert all(len(set(stream[i : i + 6])) == 6 for i in (0, 6, 12))
     assert len({tuple(sampler.order(e).tolist()) for e in range(3)}) == 3
     assert (sampler.epoch, sampler.position, sampler.steps) == (3, 0, 6)
     tiny = StatefulBatchSampler(2, 5)  # fewer windows than one step: each step repeats them
@@ -219,11 +232,14 @@ def test_resume_with_fewer_ranks_keeping_the_global_batch():
     assert one.next_indices() == after[0] + after[1]
 
 
-@pytest.mark.parametrize("change, needle", [
-    (dict(seed=99), "seed=0"),
-    (dict(num_windows=31), "30 windows"),
-    (dict(batch_size=3), "global batch"),
-])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (dict(seed=99), "seed=0"),
+        (dict(num_windows=31), "30 windows"),
+        (dict(batch_size=3), "global batch"),
+    ],
+)
 def test_incompatible_state_is_refused(change, needle):
     state = StatefulBatchSampler(30, 2, world_size=2).state_dict()
     settings = dict(num_windows=30, batch_size=2, world_size=2, seed=0) | change
@@ -253,6 +269,7 @@ def test_eval_batches_are_fixed_and_leave_training_alone():
 
 
 # --- build_data --------------------------------------------------------------------------
+
 
 def test_build_data_end_to_end_and_cached(tmp_path, data_dir):
     folder = small_text_folder(tmp_path)
@@ -292,6 +309,7 @@ def test_split_falls_back_to_the_tail_for_a_single_document():
 
 
 # --- downloads and Hugging Face datasets -------------------------------------------------
+
 
 def test_tinyshakespeare_download_checks_the_checksum(tmp_path, data_dir):
     source = tmp_path / "input.txt"
@@ -337,16 +355,24 @@ def test_a_fetched_tinyshakespeare_trains_offline(tmp_path, data_dir, monkeypatc
     source = tmp_path / "input.txt"
     source.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40)
     monkeypatch.setattr(remote, "TINYSHAKESPEARE_URL", source.as_uri())
-    monkeypatch.setattr(remote, "TINYSHAKESPEARE_SHA256", hashlib.sha256(source.read_bytes()).hexdigest())
-    monkeypatch.setattr(remote.tinyshakespeare, "__defaults__", (None, source.as_uri(),
-                                                                remote.TINYSHAKESPEARE_SHA256))
+    monkeypatch.setattr(
+        remote, "TINYSHAKESPEARE_SHA256", hashlib.sha256(source.read_bytes()).hexdigest()
+    )
+    monkeypatch.setattr(
+        remote.tinyshakespeare,
+        "__defaults__",
+        (None, source.as_uri(), remote.TINYSHAKESPEARE_SHA256),
+    )
     with pytest.raises(TitanliteError) as excinfo:
         load_corpus("tinyshakespeare", data_dir=data_dir)
-    one_line_error(excinfo, "'tinyshakespeare' is fetched once before training", "`titanlite train`")
+    one_line_error(
+        excinfo, "'tinyshakespeare' is fetched once before training", "`titanlite train`"
+    )
     remote.fetch("tinyshakespeare", data_dir=data_dir)
     source.unlink()  # no "network" from here on
     assert load_corpus("tinyshakespeare", data_dir=data_dir) == [
-        "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40]
+        "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40
+    ]
 
 
 def test_hf_loader_without_datasets_says_how_to_install(monkeypatch):
@@ -358,19 +384,26 @@ def test_hf_loader_without_datasets_says_how_to_install(monkeypatch):
 
 # --- errors and settings -----------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, needles", [
-    (dict(dataset="pydocs"), ["unknown dataset 'pydocs'", "did you mean: pydoc"]),
-    (dict(dataset="file:/no/such/corpus.txt"), ["does not exist", "/no/such/corpus.txt"]),
-    (dict(dataset="missing.txt"), ["does not exist"]),
-    (dict(batch_size=0), ["batch_size must be a positive integer"]),
-    (dict(seq_len=-1), ["seq_len must be a positive integer"]),
-    (dict(rank=2, world_size=2), ["rank must be an integer in [0, world_size=2)"]),
-    (dict(world_size=0), ["world_size must be a positive integer"]),
-    (dict(val_fraction=0.0), ["val_fraction must be in (0, 0.5]"]),
-    (dict(tokenizer="/no/such/tokenizer"), ["no tokenizer at /no/such/tokenizer"]),
-    (dict(vocab_size=100), ["vocab_size must be an integer >= 259"]),
-    (dict(dataset="pydoc", path="x.txt"), ["--data.path is not used by --data.dataset pydoc", "--data.dataset file"]),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, needles",
+    [
+        (dict(dataset="pydocs"), ["unknown dataset 'pydocs'", "did you mean: pydoc"]),
+        (dict(dataset="file:/no/such/corpus.txt"), ["does not exist", "/no/such/corpus.txt"]),
+        (dict(dataset="missing.txt"), ["does not exist"]),
+        (dict(batch_size=0), ["batch_size must be a positive integer"]),
+        (dict(seq_len=-1), ["seq_len must be a positive integer"]),
+        (dict(rank=2, world_size=2), ["rank must be an integer in [0, world_size=2)"]),
+        (dict(world_size=0), ["world_size must be a positive integer"]),
+        (dict(val_fraction=0.0), ["val_fraction must be in (0, 0.5]"]),
+        (dict(tokenizer="/no/such/tokenizer"), ["no tokenizer at /no/such/tokenizer"]),
+        (dict(vocab_size=100), ["vocab_size must be an integer >= 259"]),
+        (
+            dict(dataset="pydoc", path="x.txt"),
+            ["--data.path is not used by --data.dataset pydoc", "--data.dataset file"],
+        ),
+    ],
+)
 def test_bad_settings_give_one_clear_line(kwargs, needles, tmp_path):
     if "tokenizer" in kwargs or "vocab_size" in kwargs:
         kwargs = dict(kwargs, dataset=f"file:{small_text_folder(tmp_path, 2)}")

@@ -1,6 +1,7 @@
 """`titanlite doctor`: which checks apply is a function of the device's facts (tested here for
 GPUs and Macs this machine does not have), and the whole self-check runs on this CPU in smoke
 scale, passes, and leaves a report that parses."""
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,9 @@ def by_name(facts):
 
 def test_two_gpus_run_the_two_process_items_on_nccl_and_fp8_for_real():
     steps = by_name(H100_PAIR)
-    assert steps["2 processes"].args["backend"] == "nccl" and steps["2 processes"].args["on"] == "cuda"
+    assert (
+        steps["2 processes"].args["backend"] == "nccl" and steps["2 processes"].args["on"] == "cuda"
+    )
     assert "fp8 (real)" in steps and steps["fp8 (real)"].args == {"real": True}
     assert all(steps[f"train {m}"].skip is None for m in ("fp32", "bf16", "fp16"))
     assert "bf16 autocast probe" not in steps
@@ -46,13 +49,24 @@ def test_a_gpu_without_bf16_skips_it_with_the_reason():
 def test_a_mac_probes_bf16_autocast_emulates_fp8_and_uses_gloo():
     steps = by_name(MAC)
     assert "bf16 autocast probe" in steps and "fp8 (emulated)" in steps
-    assert steps["2 processes"].args["backend"] == "gloo" and "MPS" in steps["2 processes"].args["why"]
+    assert (
+        steps["2 processes"].args["backend"] == "gloo" and "MPS" in steps["2 processes"].args["why"]
+    )
 
 
 def test_a_cpu_gets_every_check_with_gloo():
     names = [p.name for p in plan(CPU)]
-    assert names == ["device", "matmul peaks", "attention kernel", "train fp32", "train bf16",
-                     "train fp16", "compile", "fp8 (emulated)", "2 processes"]
+    assert names == [
+        "device",
+        "matmul peaks",
+        "attention kernel",
+        "train fp32",
+        "train bf16",
+        "train fp16",
+        "compile",
+        "fp8 (emulated)",
+        "2 processes",
+    ]
     assert by_name(CPU)["2 processes"].args["backend"] == "gloo"
 
 
@@ -63,13 +77,29 @@ def test_doctor_runs_here_in_smoke_scale_passes_and_writes_a_report(tmp_path, ca
     assert report["passed"] and report["failed"] == [] and report["smoke"]
     statuses = {c["name"]: c["status"] for c in report["checks"]}
     assert set(statuses.values()) <= {"pass", "skipped"}
-    for name in ("device", "matmul float32", "attention kernel", "train fp32", "compile",
-                 "fp8 (emulated)", "2-process DDP", "2-process FSDP, bf16 params",
-                 "async checkpoint save", "kill-and-resume drill"):
+    for name in (
+        "device",
+        "matmul float32",
+        "attention kernel",
+        "train fp32",
+        "compile",
+        "fp8 (emulated)",
+        "2-process DDP",
+        "2-process FSDP, bf16 params",
+        "async checkpoint save",
+        "kill-and-resume drill",
+    ):
         assert statuses.get(name) == "pass", (name, statuses)
-    assert report["checks"][[c["name"] for c in report["checks"]].index("train fp32")]["data"]["tokens_per_sec"] > 0
+    assert (
+        report["checks"][[c["name"] for c in report["checks"]].index("train fp32")]["data"][
+            "tokens_per_sec"
+        ]
+        > 0
+    )
     md = (out / "report.md").read_text()
-    assert md.startswith("# titanlite doctor") and md.count("| pass |") == list(statuses.values()).count("pass")
+    assert md.startswith("# titanlite doctor") and md.count("| pass |") == list(
+        statuses.values()
+    ).count("pass")
     assert "nothing failed" in capsys.readouterr().out
 
 
@@ -82,28 +112,49 @@ def test_doctor_refuses_unknown_arguments(argv):
 
 def test_throughput_leaves_out_the_warm_up_and_says_the_spread():
     from titanlite.tools.doctor import throughput, timing_plan
-    records = [{"step": s, "tokens_per_sec": r} for s, r in enumerate([100, 9000, 15000, 14000, 16000, 15500], 1)]
+
+    records = [
+        {"step": s, "tokens_per_sec": r}
+        for s, r in enumerate([100, 9000, 15000, 14000, 16000, 15500], 1)
+    ]
     t = throughput(records, warmup=2, log_every=1)
-    assert t["tokens_per_sec"] == 15250 and t["tokens_per_sec_range"] == [14000, 16000] and t["timed_records"] == 4
+    assert (
+        t["tokens_per_sec"] == 15250
+        and t["tokens_per_sec_range"] == [14000, 16000]
+        and t["timed_records"] == 4
+    )
     # On CUDA a record covers log_every steps: the first interval holds warm-up steps and is left out.
     cuda = timing_plan("cuda", smoke=True)
     steps = cuda["warmup"] + cuda["timed"]
     assert steps % cuda["log_every"] == 0 and cuda["log_every"] == 10
-    logged = [{"step": s, "tokens_per_sec": 1.0 if s == 10 else 5.0} for s in range(10, steps + 1, 10)]
-    assert throughput(logged, cuda["warmup"], cuda["log_every"])["tokens_per_sec_range"] == [5.0, 5.0]
+    logged = [
+        {"step": s, "tokens_per_sec": 1.0 if s == 10 else 5.0} for s in range(10, steps + 1, 10)
+    ]
+    assert throughput(logged, cuda["warmup"], cuda["log_every"])["tokens_per_sec_range"] == [
+        5.0,
+        5.0,
+    ]
     assert timing_plan("cpu", smoke=True)["warmup"] >= 2
 
 
 def test_on_a_gpu_unlogged_steps_run_under_torchs_sync_detector(data_dir, tmp_path, monkeypatch):
     """Mocked on the CPU: the detector is set to "error" for each unlogged step and off after it."""
     from conftest import tiny_overrides
+
     from titanlite.config import load_config
     from titanlite.tools.host_syncs import CudaSyncDebug
     from titanlite.train import Trainer
+
     modes, made = [], []
     monkeypatch.setattr("torch.cuda.set_sync_debug_mode", modes.append)
-    trainer = Trainer(load_config(None, tiny_overrides(data_dir, tmp_path, **{
-        "training.steps": 6, "metrics.log_every": 3, "eval.every": 0})))
+    trainer = Trainer(
+        load_config(
+            None,
+            tiny_overrides(
+                data_dir, tmp_path, **{"training.steps": 6, "metrics.log_every": 3, "eval.every": 0}
+            ),
+        )
+    )
     trainer.fit(watchers=[lambda run: made.append(CudaSyncDebug(run)) or made[-1]])
     assert made[0].checked == 4  # steps 1, 2, 4, 5
     assert modes[:6] == ["error", 0, "error", 0, 0, "error"] and modes[-1] == 0

@@ -2,6 +2,7 @@
 mistake listed here, at every seed of a sweep, each with its one-line message; a failure's
 message is one line (a crash: its type, first line, the student's line and the seed); the
 student edition's stub is "not attempted"; notebooks carry nbgrader's metadata."""
+
 import json
 import math
 import os
@@ -17,10 +18,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanlite.tools.course import BEGIN, END, is_check_cell, is_solution_cell, strip_solution, strip_solutions, stripper, student_edition, student_notebook
 from titanlite.errors import TitanliteError
-from titanlite.labs.exercises.grading import ExerciseError
 from titanlite.labs.exercises import EXERCISES, check
+from titanlite.labs.exercises.grading import ExerciseError
+from titanlite.tools.course import (
+    BEGIN,
+    END,
+    is_check_cell,
+    is_solution_cell,
+    strip_solution,
+    strip_solutions,
+    stripper,
+    student_edition,
+    student_notebook,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -51,12 +62,22 @@ def _define(source: str, fn: str):
 
 # ----- classic mistakes: (what the mistake is, the wrong function, a fragment its message must hold) --
 
+
 def _ce_sum(lg, t, **kw):
     return F.cross_entropy(lg.flatten(0, 1), t.flatten(), **kw)
 
 
-def _lr(step, warmup, total, floor, *, warm=lambda s, w: (s + 1) / w, p=lambda s, w, t: (s - w) / (t - w),
-        floor_on=True, cosine=True):
+def _lr(
+    step,
+    warmup,
+    total,
+    floor,
+    *,
+    warm=lambda s, w: (s + 1) / w,
+    p=lambda s, w, t: (s - w) / (t - w),
+    floor_on=True,
+    cosine=True,
+):
     if step < warmup:
         return warm(step, warmup)
     q = min(1.0, p(step, warmup, total))
@@ -64,8 +85,18 @@ def _lr(step, warmup, total, floor, *, warm=lambda s, w: (s + 1) / w, p=lambda s
     return floor + (1 - floor) * shape if floor_on else shape
 
 
-def _scaler(grads, scale, tracker, interval, *, bad=lambda g: not torch.isfinite(g).all(), late=False,
-            reset_on_skip=True, reset_on_growth=True, only_first=False):
+def _scaler(
+    grads,
+    scale,
+    tracker,
+    interval,
+    *,
+    bad=lambda g: not torch.isfinite(g).all(),
+    late=False,
+    reset_on_skip=True,
+    reset_on_growth=True,
+    only_first=False,
+):
     found = any(bad(g) for g in (grads[:1] if only_first else grads))
     if found:
         return True, scale * 0.5, 0 if reset_on_skip else tracker
@@ -128,11 +159,14 @@ def _buckets(params, cap, *, by_dtype=True, strict=False, open_first=False):
         size = sum(q.numel() * q.element_size() for q in bucket)
         if size > cap or (size == cap and not strict):
             closed.append(open_buckets.pop(key))
-    return list(open_buckets.values()) + closed if open_first else closed + list(open_buckets.values())
+    return (
+        list(open_buckets.values()) + closed if open_first else closed + list(open_buckets.values())
+    )
 
 
 def _allreduce(grads, cap, *, per_tensor=False, one=False, op="mean"):
     from titanlite.tools.scratch_ddp import assign_buckets
+
     world = len(grads)
     stacked = [torch.stack([rank[i] for rank in grads]) for i in range(len(grads[0]))]
     averaged = [s.sum(0) if op == "sum" else s[0] if op == "rank0" else s.mean(0) for s in stacked]
@@ -142,8 +176,11 @@ def _allreduce(grads, cap, *, per_tensor=False, one=False, op="mean"):
 
 def _zero(n, w, stage, *, shard=lambda n, w: math.ceil(n / w), thresholds=(3, 2, 1), total=False):
     s = shard(n, w)
-    out = {"params": 4 * (s if stage >= thresholds[0] else n), "grads": 4 * (s if stage >= thresholds[1] else n),
-           "optimizer": 8 * (s if stage >= thresholds[2] else n)}
+    out = {
+        "params": 4 * (s if stage >= thresholds[0] else n),
+        "grads": 4 * (s if stage >= thresholds[1] else n),
+        "optimizer": 8 * (s if stage >= thresholds[2] else n),
+    }
     if total:
         out["total"] = sum(out.values())
     return out
@@ -169,7 +206,11 @@ def _groups_wrong_axis(shape, dim):
 
 
 def _commit(tmp, final, step, *, after=False, fsync=True, files=True, copy=False):
-    files_ = {f.name: [f.stat().st_size, zlib.crc32(f.read_bytes())] for f in sorted(tmp.iterdir())} if files else {}
+    files_ = (
+        {f.name: [f.stat().st_size, zlib.crc32(f.read_bytes())] for f in sorted(tmp.iterdir())}
+        if files
+        else {}
+    )
     if after:
         os.rename(tmp, final)
         tmp = final
@@ -186,13 +227,18 @@ def _commit(tmp, final, step, *, after=False, fsync=True, files=True, copy=False
 
 
 def _latest(folder, *, pattern="step-????????", record=True, pick=max):
-    found = [p for p in Path(folder).glob(pattern) if p.is_dir() and (not record or (p / "titanlite.json").is_file())]
+    found = [
+        p
+        for p in Path(folder).glob(pattern)
+        if p.is_dir() and (not record or (p / "titanlite.json").is_file())
+    ]
     return pick(found) if found else None
 
 
 def _bf16(b, f, *, centre=statistics.median, floor=0.2, symmetric=False, spreads="both"):
     def spread(xs):
         return (max(xs) - min(xs)) / statistics.median(xs)
+
     noise = {"both": max(spread(b), spread(f)), "bf16": spread(b), "none": 0.0}[spreads]
     band = max(floor, noise)
     ratio = centre(b) / centre(f)
@@ -212,7 +258,9 @@ def _best_lr(study, *, keep=lambda t: t.value is not None, better=lambda a, b: a
 
 
 def _saved(study, *, states=None, attrs=lambda a: a["token_budget"] - a.get("tokens_trained", 0)):
-    return sum(attrs(t.user_attrs) for t in study.trials if states is None or t.state.name in states)
+    return sum(
+        attrs(t.user_attrs) for t in study.trials if states is None or t.state.name in states
+    )
 
 
 def _carry_every_rung(rungs):
@@ -224,25 +272,58 @@ def _carry_every_rung(rungs):
     return out
 
 
-def _verdict(first, last, row, *, ratio_to=lambda a, b: a, band=lambda a, b: abs(a - b) / ((a + b) / 2)):
+def _verdict(
+    first, last, row, *, ratio_to=lambda a, b: a, band=lambda a, b: abs(a - b) / ((a + b) / 2)
+):
     ratio, d = row / ratio_to(first, last), band(first, last)
-    return "faster (beyond drift)" if ratio > 1 + d else "slower (beyond drift)" if ratio < 1 - d else "within drift"
+    return (
+        "faster (beyond drift)"
+        if ratio > 1 + d
+        else "slower (beyond drift)"
+        if ratio < 1 - d
+        else "within drift"
+    )
 
 
 MISTAKES = {
     "01_cross_entropy": [
-        ("padding counted as class 0", lambda lg, t: _ce_sum(lg, t.clamp(min=0), reduction="sum"), "the loss for"),
+        (
+            "padding counted as class 0",
+            lambda lg, t: _ce_sum(lg, t.clamp(min=0), reduction="sum"),
+            "the loss for",
+        ),
         ("the mean, not the sum", lambda lg, t: _ce_sum(lg, t), "expected"),
-        ("logits taken as log-probabilities", lambda lg, t: -(lg.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-                                                             * (t != -100)).sum(), "expected"),
-        ("targets shifted once more", lambda lg, t: _ce_sum(lg[:, :-1], t[:, 1:], reduction="sum"), "expected"),
-        ("a Python float", lambda lg, t: _ce_sum(lg, t, reduction="sum").item(), "should be a torch.Tensor"),
+        (
+            "logits taken as log-probabilities",
+            lambda lg, t: (
+                -(lg.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (t != -100)).sum()
+            ),
+            "expected",
+        ),
+        (
+            "targets shifted once more",
+            lambda lg, t: _ce_sum(lg[:, :-1], t[:, 1:], reduction="sum"),
+            "expected",
+        ),
+        (
+            "a Python float",
+            lambda lg, t: _ce_sum(lg, t, reduction="sum").item(),
+            "should be a torch.Tensor",
+        ),
     ],
     "01_lr_schedule": [
         ("no decay", lambda s, w, t, f: s / w if s < w else 1.0, "lr_factor(0"),
-        ("warm-up from 0", lambda s, w, t, f: _lr(s, w, t, f, warm=lambda s, w: s / w), "lr_factor(0"),
+        (
+            "warm-up from 0",
+            lambda s, w, t, f: _lr(s, w, t, f, warm=lambda s, w: s / w),
+            "lr_factor(0",
+        ),
         ("decay to 0", lambda s, w, t, f: _lr(s, w, t, f, floor_on=False), "lr_factor("),
-        ("decay measured from step 0", lambda s, w, t, f: _lr(s, w, t, f, p=lambda s, w, t: s / t), "lr_factor("),
+        (
+            "decay measured from step 0",
+            lambda s, w, t, f: _lr(s, w, t, f, p=lambda s, w, t: s / t),
+            "lr_factor(",
+        ),
         ("linear decay", lambda s, w, t, f: _lr(s, w, t, f, cosine=False), "lr_factor("),
     ],
     "02_accum_steps": [
@@ -251,42 +332,124 @@ MISTAKES = {
         ("micro-batch forgotten", lambda g, m, dp: g // dp, "accum_steps("),
     ],
     "02_global_token_loss": [
-        ("mean of means", lambda xs, ts: [_ce_sum(x, t, reduction="sum") / (t != -100).sum() / len(xs)
-                                          for x, t in zip(xs, ts)], "real tokens)"),
-        ("each by its own count", lambda xs, ts: [_ce_sum(x, t, reduction="sum") / (t != -100).sum()
-                                                  for x, t in zip(xs, ts)], "real tokens)"),
-        ("padding counted", lambda xs, ts: [_ce_sum(x, t, reduction="sum") / sum(u.numel() for u in ts)
-                                            for x, t in zip(xs, ts)], "real tokens)"),
-        ("detached", lambda xs, ts: [(_ce_sum(x, t, reduction="sum") / sum((u != -100).sum() for u in ts)).detach()
-                                     for x, t in zip(xs, ts)], "carries no gradient"),
+        (
+            "mean of means",
+            lambda xs, ts: [
+                _ce_sum(x, t, reduction="sum") / (t != -100).sum() / len(xs) for x, t in zip(xs, ts)
+            ],
+            "real tokens)",
+        ),
+        (
+            "each by its own count",
+            lambda xs, ts: [
+                _ce_sum(x, t, reduction="sum") / (t != -100).sum() for x, t in zip(xs, ts)
+            ],
+            "real tokens)",
+        ),
+        (
+            "padding counted",
+            lambda xs, ts: [
+                _ce_sum(x, t, reduction="sum") / sum(u.numel() for u in ts) for x, t in zip(xs, ts)
+            ],
+            "real tokens)",
+        ),
+        (
+            "detached",
+            lambda xs, ts: [
+                (_ce_sum(x, t, reduction="sum") / sum((u != -100).sum() for u in ts)).detach()
+                for x, t in zip(xs, ts)
+            ],
+            "carries no gradient",
+        ),
     ],
     "03_scaler_step": [
         ("never skips", lambda grads, s, tr, gi: (False, s, tr), "step "),
-        ("inf only, no nan", lambda g, s, tr, gi: _scaler(g, s, tr, gi, bad=lambda x: bool(torch.isinf(x).any())), "nan in grads"),
-        ("nan only, no inf", lambda g, s, tr, gi: _scaler(g, s, tr, gi, bad=lambda x: bool(torch.isnan(x).any())), "inf in grads"),
+        (
+            "inf only, no nan",
+            lambda g, s, tr, gi: _scaler(g, s, tr, gi, bad=lambda x: bool(torch.isinf(x).any())),
+            "nan in grads",
+        ),
+        (
+            "nan only, no inf",
+            lambda g, s, tr, gi: _scaler(g, s, tr, gi, bad=lambda x: bool(torch.isnan(x).any())),
+            "inf in grads",
+        ),
         ("grown one step late", lambda g, s, tr, gi: _scaler(g, s, tr, gi, late=True), "the new"),
-        ("tracker kept on a skip", lambda g, s, tr, gi: _scaler(g, s, tr, gi, reset_on_skip=False), "the new tracker"),
-        ("tracker kept after growing", lambda g, s, tr, gi: _scaler(g, s, tr, gi, reset_on_growth=False), "the new tracker"),
-        ("tracker never returned", lambda g, s, tr, gi: _scaler(g, s, tr, gi)[:2] + (tr,), "the new tracker"),
-        ("only grads[0] looked at", lambda g, s, tr, gi: _scaler(g, s, tr, gi, only_first=True), "skipped"),
+        (
+            "tracker kept on a skip",
+            lambda g, s, tr, gi: _scaler(g, s, tr, gi, reset_on_skip=False),
+            "the new tracker",
+        ),
+        (
+            "tracker kept after growing",
+            lambda g, s, tr, gi: _scaler(g, s, tr, gi, reset_on_growth=False),
+            "the new tracker",
+        ),
+        (
+            "tracker never returned",
+            lambda g, s, tr, gi: _scaler(g, s, tr, gi)[:2] + (tr,),
+            "the new tracker",
+        ),
+        (
+            "only grads[0] looked at",
+            lambda g, s, tr, gi: _scaler(g, s, tr, gi, only_first=True),
+            "skipped",
+        ),
     ],
     "03_autocast_policy": [
         ("never fp16", lambda d, c: "bf16" if d == "cuda" else "fp32", "expected 'fp16'"),
-        ("fp16 on MPS", lambda d, c: "fp16" if d == "mps" else "fp32" if d != "cuda" else "bf16" if c >= (8, 0) else "fp16",
-         "the default for mps"),
-        ("Ampere excluded", lambda d, c: "fp32" if d != "cuda" else "bf16" if c > (8, 0) else "fp16", "SM (8, 0)"),
+        (
+            "fp16 on MPS",
+            lambda d, c: (
+                "fp16"
+                if d == "mps"
+                else "fp32"
+                if d != "cuda"
+                else "bf16"
+                if c >= (8, 0)
+                else "fp16"
+            ),
+            "the default for mps",
+        ),
+        (
+            "Ampere excluded",
+            lambda d, c: "fp32" if d != "cuda" else "bf16" if c > (8, 0) else "fp16",
+            "SM (8, 0)",
+        ),
     ],
     "04_sac_policy": [
-        ("save everything", lambda ctx, op, *a, **k: __import__("torch.utils.checkpoint").utils.checkpoint.CheckpointPolicy.MUST_SAVE,
-         "the policy for"),
+        (
+            "save everything",
+            lambda ctx, op, *a, **k: (
+                __import__("torch.utils.checkpoint").utils.checkpoint.CheckpointPolicy.MUST_SAVE
+            ),
+            "the policy for",
+        ),
         ("PREFER_SAVE", lambda ctx, op, *a, **k: _sac(op, save="PREFER_SAVE"), "the policy for"),
-        ("recompute everything", lambda ctx, op, *a, **k: _sac(op, save="PREFER_RECOMPUTE"), "the policy for"),
+        (
+            "recompute everything",
+            lambda ctx, op, *a, **k: _sac(op, save="PREFER_RECOMPUTE"),
+            "the policy for",
+        ),
     ],
     "04_selective_blocks": [
         ("every block", lambda n, mode, every: list(range(n)), "blocks_to_checkpoint("),
-        ("every-th, 1-based", lambda n, mode, every: [] if mode == "none" else list(range(every - 1, n, every))
-         if mode == "selective" else list(range(n)), "'selective'"),
-        ("selective means all", lambda n, mode, every: [] if mode == "none" else list(range(n)), "'selective'"),
+        (
+            "every-th, 1-based",
+            lambda n, mode, every: (
+                []
+                if mode == "none"
+                else list(range(every - 1, n, every))
+                if mode == "selective"
+                else list(range(n))
+            ),
+            "'selective'",
+        ),
+        (
+            "selective means all",
+            lambda n, mode, every: [] if mode == "none" else list(range(n)),
+            "'selective'",
+        ),
     ],
     "05_no_graph_break": [
         (".item()", _scaled_sin_with_item, "graph"),
@@ -301,60 +464,132 @@ MISTAKES = {
         ("torch.compile(model)", lambda m: torch.compile(m), "OptimizedModule"),
         ("only the first block", _compile_first, "compiled in place"),
         ("a block's parts", _compile_parts, "compiled in place"),
-        ("nothing returned", lambda m: [b.compile() for b in m.layers.children()] and None, "return the model"),
+        (
+            "nothing returned",
+            lambda m: [b.compile() for b in m.layers.children()] and None,
+            "return the model",
+        ),
     ],
     "06_tensorwise_fp8": [
         ("no scaling", lambda x: x.to(torch.float8_e4m3fn).float(), "round trip"),
-        ("a float32 scale (448 / amax)", lambda x: _fp8(x, scale_fn=lambda x, fmax: fmax / x.abs().max()), "bit for bit"),
+        (
+            "a float32 scale (448 / amax)",
+            lambda x: _fp8(x, scale_fn=lambda x, fmax: fmax / x.abs().max()),
+            "bit for bit",
+        ),
         ("e5m2", lambda x: _fp8(x, scale_fn=_f64_scale, dtype=torch.float8_e5m2), "round trip"),
         ("float64 out", lambda x: _fp8(x, scale_fn=_f64_scale).double(), "dtype torch.float64"),
-        ("not scaled back", lambda x: _fp8(x, scale_fn=_f64_scale, dequant=lambda q, s: q), "round trip"),
+        (
+            "not scaled back",
+            lambda x: _fp8(x, scale_fn=_f64_scale, dequant=lambda q, s: q),
+            "round trip",
+        ),
     ],
     "06_fp8_dtype": [
         ("e4m3 everywhere", lambda role: torch.float8_e4m3fn, "'grad_output'"),
-        ("e5m2 for weights", lambda role: torch.float8_e4m3fn if role == "input" else torch.float8_e5m2, "'weight'"),
-        ("AMD's fnuz", lambda role: torch.float8_e5m2fnuz if role == "grad_output" else torch.float8_e4m3fnuz, "'input'"),
+        (
+            "e5m2 for weights",
+            lambda role: torch.float8_e4m3fn if role == "input" else torch.float8_e5m2,
+            "'weight'",
+        ),
+        (
+            "AMD's fnuz",
+            lambda role: torch.float8_e5m2fnuz if role == "grad_output" else torch.float8_e4m3fnuz,
+            "'input'",
+        ),
     ],
     "07_buckets": [
         ("one bucket", lambda ps, cap: [list(ps)], "bucket 0"),
-        ("one bucket for all dtypes", lambda ps, cap: _buckets(ps, cap, by_dtype=False), "with cap"),
+        (
+            "one bucket for all dtypes",
+            lambda ps, cap: _buckets(ps, cap, by_dtype=False),
+            "with cap",
+        ),
         ("closed only above the cap", lambda ps, cap: _buckets(ps, cap, strict=True), "with cap"),
         ("open buckets first", lambda ps, cap: _buckets(ps, cap, open_first=True), "with cap"),
     ],
     "07_bucketed_allreduce": [
-        ("one collective per tensor", lambda g, cap: _allreduce(g, cap, per_tensor=True), "(one per bucket)"),
+        (
+            "one collective per tensor",
+            lambda g, cap: _allreduce(g, cap, per_tensor=True),
+            "(one per bucket)",
+        ),
         ("one collective", lambda g, cap: _allreduce(g, cap, one=True), "(one per bucket)"),
         ("rank 0 only", lambda g, cap: ([t for t in g[0]], 1), "averaged over"),
         ("summed, not averaged", lambda g, cap: _allreduce(g, cap, op="sum"), "averaged over"),
     ],
     "08_zero_bytes": [
-        ("optimizer floored", lambda n, w, s: {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n // w}, "zero_bytes("),
+        (
+            "optimizer floored",
+            lambda n, w, s: {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n // w},
+            "zero_bytes(",
+        ),
         ("floor shards", lambda n, w, s: _zero(n, w, s, shard=lambda n, w: n // w), "zero_bytes("),
-        ("grads sharded from stage 1", lambda n, w, s: _zero(n, w, s, thresholds=(3, 1, 1)), "['grads']"),
-        ("params sharded from stage 2", lambda n, w, s: _zero(n, w, s, thresholds=(2, 2, 1)), "['params']"),
+        (
+            "grads sharded from stage 1",
+            lambda n, w, s: _zero(n, w, s, thresholds=(3, 1, 1)),
+            "['grads']",
+        ),
+        (
+            "params sharded from stage 2",
+            lambda n, w, s: _zero(n, w, s, thresholds=(2, 2, 1)),
+            "['params']",
+        ),
         ("a total", lambda n, w, s: _zero(n, w, s, total=True), "'total'"),
     ],
     "08_fsdp_shard": [
         ("numel // world", lambda shape, w, r: math.prod(shape) // w, "shard_numel("),
         ("array_split", _array_split, "shard_numel("),
-        ("ceil(numel / world)", lambda shape, w, r: math.ceil(math.prod(shape) / w), "shard_numel("),
+        (
+            "ceil(numel / world)",
+            lambda shape, w, r: math.ceil(math.prod(shape) / w),
+            "shard_numel(",
+        ),
     ],
     "09_tp_mlp": [
-        ("wrong dims", lambda g, u, d, tp, r: (g.chunk(tp, 1)[r], u.chunk(tp, 1)[r], d.chunk(tp, 0)[r]),
-         "rank 0's gate shard"),
-        ("strided rows", lambda g, u, d, tp, r: (g[r::tp], u[r::tp], d[:, r::tp]), "rank 0's gate shard"),
-        ("down split by rows", lambda g, u, d, tp, r: (g.chunk(tp, 0)[r], u.chunk(tp, 0)[r], d.chunk(tp, 0)[r]),
-         "rank 0's down shard"),
+        (
+            "wrong dims",
+            lambda g, u, d, tp, r: (g.chunk(tp, 1)[r], u.chunk(tp, 1)[r], d.chunk(tp, 0)[r]),
+            "rank 0's gate shard",
+        ),
+        (
+            "strided rows",
+            lambda g, u, d, tp, r: (g[r::tp], u[r::tp], d[:, r::tp]),
+            "rank 0's gate shard",
+        ),
+        (
+            "down split by rows",
+            lambda g, u, d, tp, r: (g.chunk(tp, 0)[r], u.chunk(tp, 0)[r], d.chunk(tp, 0)[r]),
+            "rank 0's down shard",
+        ),
     ],
     "09_block_comm": [
-        ("all-reduce always", lambda b, s, d, sp: {"all_reduce": 2 * b * s * d * 4}, "sequence_parallel=True"),
-        ("shard bytes", lambda b, s, d, sp: {"all_gather": b * s * d * 4, "reduce_scatter": b * s * d * 4} if sp
-         else {"all_reduce": 2 * b * s * d * 4}, "sequence_parallel=True"),
-        ("one all-reduce", lambda b, s, d, sp: {"all_reduce": b * s * d * 4}, "sequence_parallel=False"),
+        (
+            "all-reduce always",
+            lambda b, s, d, sp: {"all_reduce": 2 * b * s * d * 4},
+            "sequence_parallel=True",
+        ),
+        (
+            "shard bytes",
+            lambda b, s, d, sp: (
+                {"all_gather": b * s * d * 4, "reduce_scatter": b * s * d * 4}
+                if sp
+                else {"all_reduce": 2 * b * s * d * 4}
+            ),
+            "sequence_parallel=True",
+        ),
+        (
+            "one all-reduce",
+            lambda b, s, d, sp: {"all_reduce": b * s * d * 4},
+            "sequence_parallel=False",
+        ),
     ],
     "10_one_f_one_b": [
-        ("GPipe's order", lambda r, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)],
-         "rank 1 of p=2, m=2: op 1"),
+        (
+            "GPipe's order",
+            lambda r, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)],
+            "rank 1 of p=2, m=2: op 1",
+        ),
         ("warm-up one longer", lambda r, p, m: _ofob(r, p, m, extra=1), "of p=2, m=2"),
     ],
     "10_bubble": [
@@ -362,10 +597,23 @@ MISTAKES = {
         ("over the total time", lambda p, m: (p - 1) / (m + p - 1), "the bubble for"),
     ],
     "11_rank_grid": [
-        ("tp = rank", lambda r, shape: {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": r}, "the coordinates of rank"),
-        ("pp fastest", lambda r, shape: dict(zip(("pp", "dp_replicate", "dp_shard", "tp"),
-                                                 list(_coords(r, shape[::-1], ("tp", "dp_shard", "dp_replicate", "pp")).values())))
-         , "the coordinates of rank"),
+        (
+            "tp = rank",
+            lambda r, shape: {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": r},
+            "the coordinates of rank",
+        ),
+        (
+            "pp fastest",
+            lambda r, shape: dict(
+                zip(
+                    ("pp", "dp_replicate", "dp_shard", "tp"),
+                    list(
+                        _coords(r, shape[::-1], ("tp", "dp_shard", "dp_replicate", "pp")).values()
+                    ),
+                )
+            ),
+            "the coordinates of rank",
+        ),
         ("a tuple", lambda r, shape: tuple(_coords(r, shape).values()), "should be a dict"),
     ],
     "11_groups": [
@@ -373,20 +621,36 @@ MISTAKES = {
         ("axis counted from the end", _groups_wrong_axis, "groups of shape"),
     ],
     "12_atomic_commit": [
-        ("record after the rename", lambda t, f, s: _commit(t, f, s, after=True), "was not in the folder when it was renamed"),
+        (
+            "record after the rename",
+            lambda t, f, s: _commit(t, f, s, after=True),
+            "was not in the folder when it was renamed",
+        ),
         ("no fsync", lambda t, f, s: _commit(t, f, s, fsync=False), "not flushed to disk"),
         ("an empty file list", lambda t, f, s: _commit(t, f, s, files=False), "'files'"),
         ("copied, not renamed", lambda t, f, s: _commit(t, f, s, copy=True), "no rename happened"),
     ],
     "12_latest_committed": [
-        ("anything named newest", lambda folder: max(Path(folder).iterdir(), default=None), "the latest committed checkpoint"),
+        (
+            "anything named newest",
+            lambda folder: max(Path(folder).iterdir(), default=None),
+            "the latest committed checkpoint",
+        ),
         ("the record ignored", lambda folder: _latest(folder, record=False), "no titanlite.json"),
-        ("a .partial with a record", lambda folder: _latest(folder, pattern="step-*"), ".partial (has titanlite.json)"),
+        (
+            "a .partial with a record",
+            lambda folder: _latest(folder, pattern="step-*"),
+            ".partial (has titanlite.json)",
+        ),
         ("the oldest", lambda folder: _latest(folder, pick=min), "the latest committed checkpoint"),
     ],
     "13_young": [
         ("no factor 2", lambda d, m: math.sqrt(d * m), "the interval for"),
-        ("Daly's first-order term added", lambda d, m: math.sqrt(2 * d * m) + d, "the interval for"),
+        (
+            "Daly's first-order term added",
+            lambda d, m: math.sqrt(2 * d * m) + d,
+            "the interval for",
+        ),
     ],
     "13_cluster_mtbf": [
         ("hours", lambda n, rate: 1 / (n * rate), "the MTBF in seconds"),
@@ -405,39 +669,80 @@ MISTAKES = {
         ("0.2 only", lambda b, f: _bf16(b, f, spreads="none"), "the verdict for"),
     ],
     "15_best_lr_per_accum": [
-        ("(loss, lr)", lambda st: _best_lr(st, keep=lambda t: t.state.name == "COMPLETE", swap=True), "the lr for"),
+        (
+            "(loss, lr)",
+            lambda st: _best_lr(st, keep=lambda t: t.state.name == "COMPLETE", swap=True),
+            "the lr for",
+        ),
         ("every trial with a value", lambda st: _best_lr(st), "grad_accum_steps="),
-        ("the worst", lambda st: _best_lr(st, keep=lambda t: t.state.name == "COMPLETE", better=lambda a, b: a > b),
-         "the lr for"),
+        (
+            "the worst",
+            lambda st: _best_lr(
+                st, keep=lambda t: t.state.name == "COMPLETE", better=lambda a, b: a > b
+            ),
+            "the lr for",
+        ),
         ("None compared", lambda st: _best_lr(st, keep=lambda t: True), "raised TypeError"),
     ],
     "15_compute_saved": [
         ("every trial", lambda st: _saved(st), "the tokens saved"),
-        ("every trial, attrs indexed", lambda st: _saved(st, attrs=lambda a: a["token_budget"] - a["tokens_trained"]),
-         "raised KeyError"),
-        ("tokens trained", lambda st: _saved(st, states=("PRUNED",), attrs=lambda a: a["tokens_trained"]), "the tokens saved"),
-        ("pruned budgets", lambda st: _saved(st, states=("PRUNED",), attrs=lambda a: a["token_budget"]), "the tokens saved"),
+        (
+            "every trial, attrs indexed",
+            lambda st: _saved(st, attrs=lambda a: a["token_budget"] - a["tokens_trained"]),
+            "raised KeyError",
+        ),
+        (
+            "tokens trained",
+            lambda st: _saved(st, states=("PRUNED",), attrs=lambda a: a["tokens_trained"]),
+            "the tokens saved",
+        ),
+        (
+            "pruned budgets",
+            lambda st: _saved(st, states=("PRUNED",), attrs=lambda a: a["token_budget"]),
+            "the tokens saved",
+        ),
     ],
     "16_row_overrides": [
         ("carry every rung", _carry_every_rung, "the overrides of"),
-        ("own overrides only", lambda rungs: [(r, dict(r.overrides)) for r in rungs], "the overrides of"),
+        (
+            "own overrides only",
+            lambda rungs: [(r, dict(r.overrides)) for r in rungs],
+            "the overrides of",
+        ),
         ("the rung's own dict", lambda rungs: [(r, r.overrides) for r in rungs], "a new dict"),
     ],
     "16_speed_verdict": [
-        ("no band", lambda first, last, row: "faster (beyond drift)" if row > first else "slower (beyond drift)",
-         "the verdict for baselines"),
-        ("against the mean baseline", lambda a, b, r: _verdict(a, b, r, ratio_to=lambda a, b: (a + b) / 2),
-         "the verdict for baselines"),
-        ("gap over the first", lambda a, b, r: _verdict(a, b, r, band=lambda a, b: abs(a - b) / a),
-         "the verdict for baselines"),
-        ("against the last", lambda a, b, r: _verdict(a, b, r, ratio_to=lambda a, b: b), "the verdict for baselines"),
+        (
+            "no band",
+            lambda first, last, row: (
+                "faster (beyond drift)" if row > first else "slower (beyond drift)"
+            ),
+            "the verdict for baselines",
+        ),
+        (
+            "against the mean baseline",
+            lambda a, b, r: _verdict(a, b, r, ratio_to=lambda a, b: (a + b) / 2),
+            "the verdict for baselines",
+        ),
+        (
+            "gap over the first",
+            lambda a, b, r: _verdict(a, b, r, band=lambda a, b: abs(a - b) / a),
+            "the verdict for baselines",
+        ),
+        (
+            "against the last",
+            lambda a, b, r: _verdict(a, b, r, ratio_to=lambda a, b: b),
+            "the verdict for baselines",
+        ),
     ],
 }
 
 
 def _sac(op, save):
     from torch.utils.checkpoint import CheckpointPolicy
+
     from titanlite.efficiency.activation_checkpoint import SAVE_OPS
+
     return getattr(CheckpointPolicy, save) if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -462,7 +767,9 @@ def test_every_exercise_has_a_notebook_cell_a_check_and_mistakes():
 @pytest.mark.parametrize("name", sorted(EXERCISES))
 def test_check_passes_the_solution_once_and_fails_the_stub(name, capsys):
     source, fn, _ = SOLUTIONS[name]
-    assert check(name, _define(source, fn)) is None, "check() returns nothing: a notebook would echo it"
+    assert check(name, _define(source, fn)) is None, (
+        "check() returns nothing: a notebook would echo it"
+    )
     out, err = capsys.readouterr()
     assert out.count(f"✓ {name}: passed") == 1 and out.count("\n") == 1 and not err, (out, err)
     with pytest.raises(ExerciseError, match=f"^{name}: not attempted yet"):
@@ -481,8 +788,12 @@ def test_every_check_separates_solution_and_mistakes_at_every_seed(name, capsys)
             with pytest.raises(ExerciseError) as e:
                 check(name, wrong, seed=seed)
             message = str(e.value)
-            assert message.startswith(f"{name}: ") and says in message and "\n" not in message \
-                and message.endswith(f"[seed {seed}]"), f"{what}: {message}"
+            assert (
+                message.startswith(f"{name}: ")
+                and says in message
+                and "\n" not in message
+                and message.endswith(f"[seed {seed}]")
+            ), f"{what}: {message}"
     assert capsys.readouterr().out.count("passed") == len(SEEDS)
 
 
@@ -490,22 +801,33 @@ def test_a_crash_is_one_line_with_its_type_first_line_the_students_line_and_the_
     def broken(step, warmup, total, floor):
         x = 1
         return x / 0
+
     with pytest.raises(ExerciseError) as e:
         check("01_lr_schedule", broken, seed=7)
-    assert re.fullmatch(r"01_lr_schedule: your function raised ZeroDivisionError: division by zero "
-                        r"\(line \d+ of broken: return x / 0\) \[seed 7\]", str(e.value)), str(e.value)
+    assert re.fullmatch(
+        r"01_lr_schedule: your function raised ZeroDivisionError: division by zero "
+        r"\(line \d+ of broken: return x / 0\) \[seed 7\]",
+        str(e.value),
+    ), str(e.value)
 
     def torch_crash(logits, targets):  # raised inside torch: the line named is the student's call
         return torch.log_softmax(logits, dim=5).sum()
+
     with pytest.raises(ExerciseError) as e:
         check("01_cross_entropy", torch_crash, seed=3)
     message = str(e.value)
-    assert "\n" not in message and message.startswith("01_cross_entropy: your function raised IndexError: ")
-    assert "of torch_crash: return torch.log_softmax(logits, dim=5).sum())" in message and message.endswith("[seed 3]")
+    assert "\n" not in message and message.startswith(
+        "01_cross_entropy: your function raised IndexError: "
+    )
+    assert (
+        "of torch_crash: return torch.log_softmax(logits, dim=5).sum())" in message
+        and message.endswith("[seed 3]")
+    )
 
     def many_lines(step, warmup, total, floor):
         text = "first line\nsecond line\nthird"
         raise ValueError(text)
+
     with pytest.raises(ExerciseError) as e:
         check("01_lr_schedule", many_lines, seed=1)
     assert "ValueError: first line (line" in str(e.value) and "second" not in str(e.value)
@@ -528,14 +850,21 @@ def test_a_seed_repeats_the_same_inputs_and_message():
 
 def test_numbers_are_printed_with_the_digits_that_differ():
     from titanlite.labs.exercises.grading import show_pair
+
     assert show_pair(114_257_004, 114_257_008) == ("114,257,004", "114,257,008")
     assert show_pair(1.1425700381, 1.1425700382) == ("1.1425700381", "1.1425700382")
     assert show_pair(0.5, 0.25) == ("0.5", "0.25")
 
     def off_by_one_byte(n, w, s):  # close to the answer: the message must still show a difference
         from titanlite.tools.zero import zero_bytes_per_rank
+
         real = zero_bytes_per_rank(n, w, s)
-        return {"params": real["params"], "grads": real["grads"], "optimizer": real["optimizer"] + 8}
+        return {
+            "params": real["params"],
+            "grads": real["grads"],
+            "optimizer": real["optimizer"] + 8,
+        }
+
     with pytest.raises(ExerciseError) as e:
         check("08_zero_bytes", off_by_one_byte, seed=5)
     got, want = re.search(r"is ([\d,]+), expected ([\d,]+)", str(e.value)).groups()
@@ -544,9 +873,15 @@ def test_numbers_are_printed_with_the_digits_that_differ():
     def close(step, warmup, total, floor):
         from titanlite.config import load_config
         from titanlite.optimizer import lr_lambda
+
         cfg = load_config(overrides={"scheduler.decay": "cosine"})
-        cfg.scheduler.warmup_steps, cfg.training.steps, cfg.scheduler.min_lr_ratio = warmup, total, floor
+        cfg.scheduler.warmup_steps, cfg.training.steps, cfg.scheduler.min_lr_ratio = (
+            warmup,
+            total,
+            floor,
+        )
         return lr_lambda(cfg)(step) * (1 + 1e-7)
+
     with pytest.raises(ExerciseError) as e:
         check("01_lr_schedule", close, seed=5)
     got, want = re.search(r"is ([\d.e+-]+), expected ([\d.e+-]+)", str(e.value)).groups()
@@ -556,10 +891,14 @@ def test_numbers_are_printed_with_the_digits_that_differ():
 def test_the_best_lr_message_names_the_key_not_two_dicts():
     def worst(study):
         return _best_lr(study, keep=lambda t: t.state.name == "COMPLETE", better=lambda a, b: a > b)
+
     with pytest.raises(ExerciseError) as e:
         check("15_best_lr_per_accum", worst, seed=11)
-    assert re.search(r"the lr for grad_accum_steps=\d+ \(of its best complete trial, loss [\d.]+\) in a study "
-                     r"of \d+ trials \(\d+ complete, ", str(e.value)), str(e.value)
+    assert re.search(
+        r"the lr for grad_accum_steps=\d+ \(of its best complete trial, loss [\d.]+\) in a study "
+        r"of \d+ trials \(\d+ complete, ",
+        str(e.value),
+    ), str(e.value)
     assert str(e.value).count("{") == 0
 
 
@@ -569,16 +908,24 @@ def test_a_check_prints_nothing_on_stderr_and_hides_warnings(capsys):
     def warns(step, warmup, total, floor):
         warnings.warn("a student's warning")
         return _lr(step, warmup, total, floor)
+
     check("01_lr_schedule", warns, seed=2)
     assert not capsys.readouterr().err
 
 
 def test_strip_solution_is_nbgraders_stub():
-    source = f"def f(x):\n    '''doc'''\n    {BEGIN}\n    y = x + 1\n    return y\n    {END}\n\nprint(1)"
-    assert strip_solution(source) == ("def f(x):\n    '''doc'''\n    # YOUR CODE HERE\n"
-                                      "    raise NotImplementedError()\n\nprint(1)")
-    for bad, says in ((f"{BEGIN}\nx = 1", "never closed"), (f"x = 1\n{END}", "without"),
-                      (f"{BEGIN}\n{BEGIN}\n{END}", "inside another")):
+    source = (
+        f"def f(x):\n    '''doc'''\n    {BEGIN}\n    y = x + 1\n    return y\n    {END}\n\nprint(1)"
+    )
+    assert strip_solution(source) == (
+        "def f(x):\n    '''doc'''\n    # YOUR CODE HERE\n"
+        "    raise NotImplementedError()\n\nprint(1)"
+    )
+    for bad, says in (
+        (f"{BEGIN}\nx = 1", "never closed"),
+        (f"x = 1\n{END}", "without"),
+        (f"{BEGIN}\n{BEGIN}\n{END}", "inside another"),
+    ):
         with pytest.raises(TitanliteError, match=says):
             strip_solution(bad)
 
@@ -631,12 +978,16 @@ def test_strip_solutions_without_nbgrader_uses_the_stripper(no_nbgrader):
 
 def test_strip_solutions_with_nbgrader_calls_its_clear_solutions(no_nbgrader, tmp_path):
     _fake_nbgrader(tmp_path, no_nbgrader)
-    assert stripper() == "nbgrader" and stripper(True) == "nbgrader" and stripper(False) == "titanlite"
+    assert (
+        stripper() == "nbgrader" and stripper(True) == "nbgrader" and stripper(False) == "titanlite"
+    )
     calls = __import__("nbgrader.preprocessors").preprocessors.CALLS
     nb = nbformat.read(ROOT / "notebooks" / "16_capstone.ipynb", 4)
     nb.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="old output")]
     student = strip_solutions(nb)
-    assert len(calls) == 1 and calls[0][1] == {} and calls[0][0] is student   # (nb, {}) as documented
+    assert (
+        len(calls) == 1 and calls[0][1] == {} and calls[0][0] is student
+    )  # (nb, {}) as documented
     solutions = [i for i, c in enumerate(nb.cells) if is_solution_cell(c)]
     assert solutions and all(student.cells[i].source == "# stripped by nbgrader" for i in solutions)
     assert not student.cells[2].outputs and nb.cells[2].outputs, "outputs cleared, on a copy"
@@ -652,7 +1003,9 @@ def test_strip_solutions_with_nbgrader_calls_its_clear_solutions(no_nbgrader, tm
     written = nbformat.read(tmp_path / "student" / "16_capstone.ipynb", 4)
     assert written.cells[solutions[0]].source == "# stripped by nbgrader"
     nb.cells[0].source = "FAIL"
-    with pytest.raises(TitanliteError, match="^nbgrader's ClearSolutions refused the notebook: unclosed") as e:
+    with pytest.raises(
+        TitanliteError, match="^nbgrader's ClearSolutions refused the notebook: unclosed"
+    ) as e:
         strip_solutions(nb)
     assert "\n" not in str(e.value), "one line, however many nbgrader's message has"
 
@@ -687,18 +1040,24 @@ def test_the_markdown_states_the_rules_the_checks_enforce():
         for i, cell in enumerate(cells):
             if is_solution_cell(cell):
                 tasks[cells[i + 1].source.split('check("')[1].split('"')[0]] = cells[i - 1].source
-    rules = {"03_autocast_policy": ["Every other device gets `\"fp32\"`", "MPS"],
-             "03_scaler_step": ["inf, -inf or nan", "`(skipped, new_scale, new_tracker)`", "all three"],
-             "05_no_graph_break": ["**absolute**", "negative"],
-             "06_tensorwise_fp8": ["**bit for bit**", "`448 / amax.double()`"],
-             "07_buckets": ["**its own dtype**", "exactly `cap_bytes` is enough", "order they were opened"],
-             "07_bucketed_allreduce": ["one per bucket, not one per tensor"],
-             "12_atomic_commit": ["`os.fsync`", "not the record itself", "`os.rename`"],
-             "12_latest_committed": ["even a `.partial` that has its record", "`None`"],
-             "15_best_lr_per_accum": ["a pruned trial has a value too", "failed or still running"],
-             "15_compute_saved": ["**complete and pruned** trials only", "no `tokens_trained`"],
-             "02_global_token_loss": ["carry their gradient"],
-             "16_speed_verdict": ["*first* baseline", "over their mean"]}
+    rules = {
+        "03_autocast_policy": ['Every other device gets `"fp32"`', "MPS"],
+        "03_scaler_step": ["inf, -inf or nan", "`(skipped, new_scale, new_tracker)`", "all three"],
+        "05_no_graph_break": ["**absolute**", "negative"],
+        "06_tensorwise_fp8": ["**bit for bit**", "`448 / amax.double()`"],
+        "07_buckets": [
+            "**its own dtype**",
+            "exactly `cap_bytes` is enough",
+            "order they were opened",
+        ],
+        "07_bucketed_allreduce": ["one per bucket, not one per tensor"],
+        "12_atomic_commit": ["`os.fsync`", "not the record itself", "`os.rename`"],
+        "12_latest_committed": ["even a `.partial` that has its record", "`None`"],
+        "15_best_lr_per_accum": ["a pruned trial has a value too", "failed or still running"],
+        "15_compute_saved": ["**complete and pruned** trials only", "no `tokens_trained`"],
+        "02_global_token_loss": ["carry their gradient"],
+        "16_speed_verdict": ["*first* baseline", "over their mean"],
+    }
     for name, phrases in rules.items():
         for phrase in phrases:
             assert phrase in tasks[name], (name, phrase)
@@ -706,6 +1065,7 @@ def test_the_markdown_states_the_rules_the_checks_enforce():
 
 def _run_until_first_check(path: Path, tmp_path, monkeypatch):
     from nbclient import NotebookClient
+
     work = tmp_path / "notebooks"
     shutil.copytree(path.parent, work, ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints"))
     monkeypatch.setenv("TITANLITE_SMOKE", "1")
@@ -713,8 +1073,13 @@ def _run_until_first_check(path: Path, tmp_path, monkeypatch):
     nb = student_notebook(nbformat.read(path, 4))
     first = next(i for i, c in enumerate(nb.cells) if is_check_cell(c))
     nb.cells = nb.cells[: first + 1]
-    client = NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=False,
-                            resources={"metadata": {"path": str(work)}})
+    client = NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        allow_errors=False,
+        resources={"metadata": {"path": str(work)}},
+    )
     return nb, client
 
 
@@ -722,12 +1087,16 @@ def _run_until_first_check(path: Path, tmp_path, monkeypatch):
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
 def test_student_edition_fails_at_its_first_check_in_one_line(path, tmp_path, monkeypatch):
     from nbclient.exceptions import CellExecutionError
+
     nb, client = _run_until_first_check(path, tmp_path, monkeypatch)
     with pytest.raises(CellExecutionError) as e:
         client.execute()
     name = nb.cells[-1].source.split('check("')[1].split('"')[0]
     shown = [o["text"] for o in nb.cells[-1].outputs if o.get("name") == "stderr"]
-    assert shown == [f"ExerciseError: {name}: not attempted yet - replace `raise NotImplementedError()` "
-                     f"in the cell above with your code, run it, then run this check\n"], \
-        f"the first error was not the check's: {str(e.value)[-1500:]}"
-    assert "Traceback" not in str(e.value) and f"ExerciseError: {name}: not attempted" in str(e.value)
+    assert shown == [
+        f"ExerciseError: {name}: not attempted yet - replace `raise NotImplementedError()` "
+        f"in the cell above with your code, run it, then run this check\n"
+    ], f"the first error was not the check's: {str(e.value)[-1500:]}"
+    assert "Traceback" not in str(e.value) and f"ExerciseError: {name}: not attempted" in str(
+        e.value
+    )

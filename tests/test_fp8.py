@@ -8,23 +8,24 @@ of such products with Gaussian data has about the same norm-wise relative error 
 FP8 matmul stays within u_a + u_b of fp32. We also require the error to exceed u_a/8: an
 untouched fp32 layer (conversion silently skipped) would sit at ~1e-7 and fail.
 """
+
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_overrides
 from torch import nn
 
-from conftest import tiny_overrides
 from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.efficiency import fp8
 from titanlite.efficiency.fp8 import apply_fp8, fp8_support
-from titanlite.tools.fp8_numerics import fp8_roundtrip
 from titanlite.models.llama import ModelArgs, build_model
+from titanlite.tools.fp8_numerics import fp8_roundtrip
 from titanlite.train import Trainer
 
-E4M3_U, E5M2_U = 2.0 ** -4, 2.0 ** -3
+E4M3_U, E5M2_U = 2.0**-4, 2.0**-3
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -44,8 +45,13 @@ def test_converts_blocks_skips_output_and_small_layers_and_keeps_state_dict_keys
     # dim 64, 2 KV heads of 16: k/v project 64→32, below min_dim; q/o 64→64 and the MLP
     # (64→192→64) convert; the output projection never does.
     for i in ("0", "1"):
-        for name in ("attention.q_proj", "attention.o_proj", "feed_forward.gate_proj",
-                     "feed_forward.up_proj", "feed_forward.down_proj"):
+        for name in (
+            "attention.q_proj",
+            "attention.o_proj",
+            "feed_forward.gate_proj",
+            "feed_forward.up_proj",
+            "feed_forward.down_proj",
+        ):
             assert f"layers.{i}.{name}" in info["converted"]
             assert type(model.get_submodule(f"layers.{i}.{name}")).__name__ == "Float8Linear"
         for name in ("attention.k_proj", "attention.v_proj"):
@@ -77,9 +83,11 @@ def test_emulated_linear_forward_and_backward_stay_within_the_format_bounds(reci
     y_ref, y_f8 = ref(x_ref), f8(x_f8)
     y_ref.backward(g)
     y_f8.backward(g)
-    checks = {"output": (y_f8, y_ref, E4M3_U + E4M3_U),
-              "grad_input": (x_f8.grad, x_ref.grad, grad_u + E4M3_U),
-              "grad_weight": (f8[0].weight.grad, ref[0].weight.grad, grad_u + E4M3_U)}
+    checks = {
+        "output": (y_f8, y_ref, E4M3_U + E4M3_U),
+        "grad_input": (x_f8.grad, x_ref.grad, grad_u + E4M3_U),
+        "grad_weight": (f8[0].weight.grad, ref[0].weight.grad, grad_u + E4M3_U),
+    }
     for name, (got, want, bound) in checks.items():
         err = rel_err(got, want)
         assert E4M3_U / 8 < err < bound, f"{recipe} {name}: relative error {err:.4f}, bound {bound}"
@@ -94,8 +102,9 @@ def test_emulated_model_logits_and_loss_stay_close_to_fp32():
     # Each layer adds at most one matmul's error to the residual stream, which carries the
     # unquantised embedding too: the logits stay well inside one matmul's bound.
     assert E4M3_U / 16 < rel_err(logits_f8, logits_ref) < 2 * E4M3_U
-    loss = [F.cross_entropy(lg.flatten(0, 1), tokens.flatten()).item()
-            for lg in (logits_ref, logits_f8)]
+    loss = [
+        F.cross_entropy(lg.flatten(0, 1), tokens.flatten()).item() for lg in (logits_ref, logits_f8)
+    ]
     assert abs(loss[0] - loss[1]) < 0.01 * loss[0]
 
 
@@ -135,9 +144,20 @@ def one_thread():
 
 
 def test_trains_with_fp8_loss_falls_and_stays_finite(data_dir, tmp_path, one_thread):
-    cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{
-        "training.steps": 24, "float8.enable": True, "float8.min_dim": 16, "eval.every": 0,
-        "training.threads": one_thread}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            data_dir,
+            tmp_path,
+            **{
+                "training.steps": 24,
+                "float8.enable": True,
+                "float8.min_dim": 16,
+                "eval.every": 0,
+                "training.threads": one_thread,
+            },
+        ),
+    )
     trainer = Trainer(cfg)
     info = trainer.model.fp8_info
     assert info["emulated"] and len(info["converted"]) == 14 and list(info["skipped"]) == ["output"]
@@ -150,8 +170,11 @@ def test_trains_with_fp8_loss_falls_and_stays_finite(data_dir, tmp_path, one_thr
 def test_bad_requests_fail_with_one_clear_line(data_dir, tmp_path):
     with pytest.raises(TitanliteError, match=r"did you mean: rowwise"):
         apply_fp8(tiny_model(), "rowwsie")
-    with pytest.raises(TitanliteError, match=r"no Linear layer qualifies.*min_dim=4096.*"
-                                             r"divisible by 16.*lower float8.min_dim"):
+    with pytest.raises(
+        TitanliteError,
+        match=r"no Linear layer qualifies.*min_dim=4096.*"
+        r"divisible by 16.*lower float8.min_dim",
+    ):
         apply_fp8(tiny_model(), min_dim=4096)
     if not fp8_support("cpu").real:
         with pytest.raises(TitanliteError, match=r"SM >= 8.9.*float8.emulate auto"):
@@ -162,8 +185,10 @@ def test_bad_requests_fail_with_one_clear_line(data_dir, tmp_path):
     with pytest.raises(TitanliteError, match="did you mean: grad_output"):
         fp8_roundtrip(torch.ones(4, 16), "tensorwise", "grad_outptu")
     # Through the trainer's config, as a user would hit it.
-    cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{
-        "float8.enable": True, "float8.emulate": "false"}))
+    cfg = load_config(
+        None,
+        tiny_overrides(data_dir, tmp_path, **{"float8.enable": True, "float8.emulate": "false"}),
+    )
     with pytest.raises(TitanliteError, match="SM >= 8.9"):
         Trainer(cfg)
 
@@ -196,20 +221,34 @@ def test_the_probe_runs_a_real_float8_linear_with_torchaos_scale_math(recipe):
     # Scales are computed from amaxes in float64 (the step MPS cannot do), values are cast to
     # both FP8 formats' dtypes the recipe uses, and the backward ran (a weight gradient).
     assert torch.float64 in dtypes and torch.float8_e4m3fn in dtypes
-    assert any(func in (torch.ops.aten.amax.default, torch.ops.aten.max.default) for func, _ in ops.seen)
-    assert sum(func in (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
-               for func, _ in ops.seen) >= 3  # forward, grad input, grad weight
+    assert any(
+        func in (torch.ops.aten.amax.default, torch.ops.aten.max.default) for func, _ in ops.seen
+    )
+    assert (
+        sum(
+            func in (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
+            for func, _ in ops.seen
+        )
+        >= 3
+    )  # forward, grad input, grad weight
 
 
-@pytest.mark.parametrize("recipe, compiled, expected", [
-    ("rowwise", True, True), ("rowwise", False, False),
-    ("tensorwise", True, False), ("tensorwise", False, False)])
+@pytest.mark.parametrize(
+    "recipe, compiled, expected",
+    [
+        ("rowwise", True, True),
+        ("rowwise", False, False),
+        ("tensorwise", True, False),
+        ("tensorwise", False, False),
+    ],
+)
 def test_inductor_emulates_precision_casts_only_for_compiled_rowwise(recipe, compiled, expected):
     assert fp8.needs_emulate_precision_casts(recipe, compiled) is expected
 
 
 def test_the_trainer_turns_on_precision_cast_emulation_for_compiled_rowwise():
     import torch._inductor.config as inductor_config
+
     with inductor_config.patch(emulate_precision_casts=False):
         assert fp8.set_precision_casts_for("tensorwise", compiled=True) is False
         assert fp8.set_precision_casts_for("rowwise", compiled=False) is False
@@ -221,8 +260,10 @@ def _has_fp8_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-@pytest.mark.skipif(not _has_fp8_gpu(), reason="real FP8 needs a CUDA GPU with SM >= 8.9 "
-                                               "(H100, L4, L40S, RTX 4090); none is visible")
+@pytest.mark.skipif(
+    not _has_fp8_gpu(),
+    reason="real FP8 needs a CUDA GPU with SM >= 8.9 (H100, L4, L40S, RTX 4090); none is visible",
+)
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_real_fp8_on_a_capable_gpu_matches_bf16(recipe):
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
 """The goodput model (notebook 13): analytic formula, Monte-Carlo cluster, deterministic replay."""
+
 import math
 
 import numpy as np
@@ -43,8 +44,18 @@ def test_monte_carlo_matches_exact_poisson_result_and_first_order_model():
         assert abs(r.mean_goodput - first_order) < x**2 + 4 * r.std_goodput / math.sqrt(trials)
     # async: δ is the staging time, and a failure also loses the not-yet-written checkpoint
     tau, stage, persist = 1800.0, 5.0, 300.0
-    r = gm.simulate(work, tau, stage, restart, 1, HOUR / mtbf, trials=trials, seed=2,
-                    async_ckpt=True, persist_s=persist)
+    r = gm.simulate(
+        work,
+        tau,
+        stage,
+        restart,
+        1,
+        HOUR / mtbf,
+        trials=trials,
+        seed=2,
+        async_ckpt=True,
+        persist_s=persist,
+    )
     x = (tau + stage + persist + restart) / mtbf
     model = gm.expected_goodput(tau, stage, restart, mtbf, async_ckpt=True, persist_s=persist)
     assert abs(r.mean_goodput - model) < x**2 + 4 * r.std_goodput / math.sqrt(trials)
@@ -57,8 +68,10 @@ def test_simulated_optimum_interval_is_near_young_and_daly():
     assert 0.9 * young < daly < young
     taus = np.geomspace(young / 4, young * 4, 21)  # ratio 1.15 between neighbours
     # one seed: the same failure times at every τ (common random numbers) keep the curve smooth
-    goodput = [gm.simulate(100 * mtbf, t, ckpt, restart, 1, HOUR / mtbf, trials=200, seed=3).mean_goodput
-               for t in taus]
+    goodput = [
+        gm.simulate(100 * mtbf, t, ckpt, restart, 1, HOUR / mtbf, trials=200, seed=3).mean_goodput
+        for t in taus
+    ]
     best = taus[int(np.argmax(goodput))]
     assert best / daly == pytest.approx(1, abs=0.25) and best / young == pytest.approx(1, abs=0.25)
     assert max(goodput) > goodput[0] + 0.02 and max(goodput) > goodput[-1] + 0.02
@@ -78,11 +91,23 @@ def test_hot_spares_raise_goodput_when_replacement_is_slow():
 def test_async_beats_sync_when_the_write_is_slow():
     mtbf, tau, write, stage = 10 * HOUR, 1800.0, 600.0, 10.0
     sync = gm.simulate(100 * mtbf, tau, write, 120.0, 1, HOUR / mtbf, trials=100, seed=0)
-    asyn = gm.simulate(100 * mtbf, tau, stage, 120.0, 1, HOUR / mtbf, trials=100, seed=0,
-                       async_ckpt=True, persist_s=write)
+    asyn = gm.simulate(
+        100 * mtbf,
+        tau,
+        stage,
+        120.0,
+        1,
+        HOUR / mtbf,
+        trials=100,
+        seed=0,
+        async_ckpt=True,
+        persist_s=write,
+    )
     assert asyn.mean_goodput > sync.mean_goodput + 0.1
-    assert gm.expected_goodput(tau, stage, 120.0, mtbf, async_ckpt=True, persist_s=write) > \
-        gm.expected_goodput(tau, write, 120.0, mtbf) + 0.1
+    assert (
+        gm.expected_goodput(tau, stage, 120.0, mtbf, async_ckpt=True, persist_s=write)
+        > gm.expected_goodput(tau, write, 120.0, mtbf) + 0.1
+    )
 
 
 def test_replay_run_gives_the_hand_computed_wall_time():
@@ -105,17 +130,20 @@ def test_cluster_mtbf_scales_as_one_over_n():
         assert gm.cluster_mtbf_s(n, 0.01) == pytest.approx(one / n)
 
 
-@pytest.mark.parametrize("call", [
-    lambda: gm.young_interval(0, 3600),
-    lambda: gm.daly_interval(60, -1),
-    lambda: gm.expected_goodput(600, 60, 120, float("nan")),
-    lambda: gm.expected_goodput(600, 60, 120, 3600, persist_s=30),
-    lambda: gm.cluster_mtbf_s(0, 0.01),
-    lambda: gm.cluster_mtbf_s(2.5, 0.01),
-    lambda: gm.simulate(1000, 100, 5, 10, 8, -0.1),
-    lambda: gm.simulate(1000, 100, 5, 10, 8, 0.1, spares=-1),
-    lambda: gm.replay_run(100, 0, 1, 5),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: gm.young_interval(0, 3600),
+        lambda: gm.daly_interval(60, -1),
+        lambda: gm.expected_goodput(600, 60, 120, float("nan")),
+        lambda: gm.expected_goodput(600, 60, 120, 3600, persist_s=30),
+        lambda: gm.cluster_mtbf_s(0, 0.01),
+        lambda: gm.cluster_mtbf_s(2.5, 0.01),
+        lambda: gm.simulate(1000, 100, 5, 10, 8, -0.1),
+        lambda: gm.simulate(1000, 100, 5, 10, 8, 0.1, spares=-1),
+        lambda: gm.replay_run(100, 0, 1, 5),
+    ],
+)
 def test_bad_inputs_raise_one_clear_line(call):
     with pytest.raises(TitanliteError) as e:
         call()
@@ -131,7 +159,9 @@ def test_llama3_rate_reproduces_419_failures_in_54_days():
     assert gm.LLAMA3_RATE_PER_GPU_HOUR == 419 / (54 * 24 * 16_384)
     days54 = 54 * 24 * HOUR
     trials = 64
-    r = gm.simulate(days54, 60.0, 0.0, 0.0, 16_384, gm.LLAMA3_RATE_PER_GPU_HOUR, trials=trials, seed=0)
+    r = gm.simulate(
+        days54, 60.0, 0.0, 0.0, 16_384, gm.LLAMA3_RATE_PER_GPU_HOUR, trials=trials, seed=0
+    )
     expected = 419 * r.wall_s.mean() / days54  # the wall is a few minutes over 54 days
     assert abs(r.failures.mean() - expected) < 4 * math.sqrt(419 / trials)
     assert abs(expected - 419) < 0.01 * 419
@@ -139,19 +169,32 @@ def test_llama3_rate_reproduces_419_failures_in_54_days():
 
 def test_plots_return_labelled_figures():
     from matplotlib.figure import Figure
+
     fig = gm.plot_goodput_vs_interval(50 * HOUR, 60.0, 120.0, 1, 0.2, trials=20)
     ax = fig.axes[0]
     assert isinstance(fig, Figure) and len(ax.lines) == 4  # simulated, analytic, Young, Daly
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert any("Young" in s for s in labels) and any("Daly" in s for s in labels) and len(labels) == 5
+    assert (
+        any("Young" in s for s in labels) and any("Daly" in s for s in labels) and len(labels) == 5
+    )
     assert "interval" in ax.get_xlabel() and "goodput" in ax.get_ylabel()
 
-    fig = gm.plot_goodput_vs_cluster_size(7 * 24 * HOUR, 60.0, 300.0, gpus=(1024, 4096, 16384),
-                                          spares=2, replace_s=HOUR, swap_s=120.0, trials=10)
+    fig = gm.plot_goodput_vs_cluster_size(
+        7 * 24 * HOUR,
+        60.0,
+        300.0,
+        gpus=(1024, 4096, 16384),
+        spares=2,
+        replace_s=HOUR,
+        swap_s=120.0,
+        trials=10,
+    )
     ax = fig.axes[0]
     assert len(ax.lines) == 2 * len(gm.FAILURE_SOURCES)
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert any("Llama 3" in s for s in labels) and sum("hot spares" in s for s in labels) == len(gm.FAILURE_SOURCES)
+    assert any("Llama 3" in s for s in labels) and sum("hot spares" in s for s in labels) == len(
+        gm.FAILURE_SOURCES
+    )
     for line in ax.lines:  # bigger clusters fail more often: goodput falls with size
         y = line.get_ydata()
         assert y[0] > y[-1] and np.all((0 < y) & (y <= 1))

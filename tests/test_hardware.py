@@ -1,4 +1,5 @@
 """titanlite.hardware / datasheet / memory / roofline: devices, dtypes, peaks, MFU, memory, roofline."""
+
 from __future__ import annotations
 
 import json
@@ -11,15 +12,18 @@ import pytest
 import torch
 
 from titanlite import TitanliteError, hardware, memory, peaks
+from titanlite.peaks import Peak
 from titanlite.tools import datasheet, roofline
 from titanlite.tools.roofline import measure_memory_bandwidth
-from titanlite.peaks import Peak
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_MPS = torch.backends.mps.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-needs_mps = pytest.mark.skipif(not HAS_MPS,
-                               reason="needs Apple MPS (torch.backends.mps.is_available() is False)")
+needs_cuda = pytest.mark.skipif(
+    not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
+needs_mps = pytest.mark.skipif(
+    not HAS_MPS, reason="needs Apple MPS (torch.backends.mps.is_available() is False)"
+)
 
 
 # ---- devices -------------------------------------------------------------------------------
@@ -48,7 +52,9 @@ def test_requesting_missing_mps_is_a_one_line_error():
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("bad, hint", [("cdua", "cuda"), ("cpuu", "cpu"), ("mpss", "mps"), ("atuo", "auto")])
+@pytest.mark.parametrize(
+    "bad, hint", [("cdua", "cuda"), ("cpuu", "cpu"), ("mpss", "mps"), ("atuo", "auto")]
+)
 def test_unknown_device_suggests_the_nearest(bad, hint):
     with pytest.raises(TitanliteError, match=f"did you mean: {hint}"):
         hardware.detect_device(bad)
@@ -61,13 +67,23 @@ def test_malformed_index_is_rejected():
 
 def test_cpu_name_says_cpu_and_threads():
     name = hardware.device_name("cpu")
-    assert name.endswith(f"(CPU, {torch.get_num_threads()} threads)") and len(name) > len("(CPU, 1 threads)")
+    assert name.endswith(f"(CPU, {torch.get_num_threads()} threads)") and len(name) > len(
+        "(CPU, 1 threads)"
+    )
 
 
 # ---- dtypes --------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, dtype", [("float32", torch.float32), ("fp32", torch.float32),
-                                         ("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16),
-                                         ("fp16", torch.float16), (torch.float16, torch.float16)])
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("BFloat16", torch.bfloat16),
+        ("fp16", torch.float16),
+        (torch.float16, torch.float16),
+    ],
+)
 def test_dtype_aliases(name, dtype):
     assert hardware.resolve_dtype(name, "cpu") is dtype
 
@@ -167,12 +183,23 @@ def test_cache_dir_defaults_to_home(monkeypatch):
     assert peaks.cache_dir() == Path.home() / ".cache" / "titanlite"
 
 
-FRESH = {"flops": 1e11, "label": "measured", "measured_at": 1_000_000.0, "threads": 4,
-         "torch": "2.13.0", "device": "Some CPU (CPU, 4 threads)"}
+FRESH = {
+    "flops": 1e11,
+    "label": "measured",
+    "measured_at": 1_000_000.0,
+    "threads": 4,
+    "torch": "2.13.0",
+    "device": "Some CPU (CPU, 4 threads)",
+}
 
 
-def _stale(entry=FRESH, now=1_000_000.0 + 3600, threads=4, torch_version="2.13.0",
-           device_name="Some CPU (CPU, 4 threads)"):
+def _stale(
+    entry=FRESH,
+    now=1_000_000.0 + 3600,
+    threads=4,
+    torch_version="2.13.0",
+    device_name="Some CPU (CPU, 4 threads)",
+):
     return peaks.peak_is_stale(entry, now, threads, torch_version, device_name)
 
 
@@ -181,15 +208,21 @@ def test_a_fresh_peak_of_the_same_machine_is_not_stale():
     assert _stale(now=FRESH["measured_at"] + peaks.PEAK_MAX_AGE_S) is None
 
 
-@pytest.mark.parametrize("change, reason", [
-    ({"now": 1_000_000.0 + 8 * 86400}, "8.0 days ago"),
-    ({"now": 1_000_000.0 - 60}, "days ago"),  # the clock went backwards: trust nothing
-    ({"threads": 16}, "threads=4, now 16"),
-    ({"torch_version": "2.11.0"}, "torch='2.13.0', now '2.11.0'"),
-    ({"device_name": "NVIDIA H100 80GB HBM3"}, "device="),
-    ({"entry": {k: v for k, v in FRESH.items() if k != "measured_at"}}, "no usable"),  # old format
-    ({"entry": None}, "no usable"),
-])
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"now": 1_000_000.0 + 8 * 86400}, "8.0 days ago"),
+        ({"now": 1_000_000.0 - 60}, "days ago"),  # the clock went backwards: trust nothing
+        ({"threads": 16}, "threads=4, now 16"),
+        ({"torch_version": "2.11.0"}, "torch='2.13.0', now '2.11.0'"),
+        ({"device_name": "NVIDIA H100 80GB HBM3"}, "device="),
+        (
+            {"entry": {k: v for k, v in FRESH.items() if k != "measured_at"}},
+            "no usable",
+        ),  # old format
+        ({"entry": None}, "no usable"),
+    ],
+)
 def test_a_peak_is_stale_when_old_or_measured_elsewhere(change, reason):
     assert reason in _stale(**change)
 
@@ -209,48 +242,58 @@ def test_a_run_beating_its_peak_re_measures_it_once(counted_measure, monkeypatch
     monkeypatch.setattr(peaks, "_RECHECKED", set())
     cached = peaks.matmul_peak("cpu", torch.float32)
     said = []
-    assert peaks.recheck_peak(cached.flops / 2, cached, "cpu", torch.float32, say=said.append) is cached
+    assert (
+        peaks.recheck_peak(cached.flops / 2, cached, "cpu", torch.float32, say=said.append)
+        is cached
+    )
     fresh = peaks.recheck_peak(cached.flops * 2, cached, "cpu", torch.float32, say=said.append)
-    assert len(counted_measure) == 2 and fresh.flops != cached.flops and "[cached" not in fresh.label
+    assert (
+        len(counted_measure) == 2 and fresh.flops != cached.flops and "[cached" not in fresh.label
+    )
     assert len(said) == 1 and "above the peak" in said[0] and "re-measured" in said[0]
     # Still beaten: no third measurement (mfu() warns instead), and datasheet peaks are left alone.
-    assert peaks.recheck_peak(fresh.flops * 2, fresh, "cpu", torch.float32, say=said.append) is fresh
+    assert (
+        peaks.recheck_peak(fresh.flops * 2, fresh, "cpu", torch.float32, say=said.append) is fresh
+    )
     sheet = Peak(1.0, "datasheet", "datasheet: test")
     assert peaks.recheck_peak(10.0, sheet, "cpu", torch.float16, say=said.append) is sheet
     assert len(counted_measure) == 2 and len(said) == 1
 
 
 # ---- datasheet -----------------------------------------------------------------------------
-@pytest.mark.parametrize("gpu, dtype, tf32, tflops, product", [
-    ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989.5, "H100 SXM"),
-    ("NVIDIA H100 80GB HBM3", torch.float8_e4m3fn, False, 1979, "H100 SXM"),
-    ("NVIDIA H100 PCIe", torch.bfloat16, False, 756, "H100 PCIe"),
-    ("NVIDIA H100 NVL", torch.float16, False, 835.5, "H100 NVL"),
-    ("NVIDIA H200", torch.bfloat16, False, 989.5, "H200 SXM"),
-    ("NVIDIA A100-SXM4-80GB", torch.float32, False, 19.5, "A100"),
-    ("NVIDIA A100-SXM4-80GB", torch.float32, True, 156, "A100"),
-    ("NVIDIA L40S", torch.bfloat16, False, 362.05, "L40S"),
-    ("NVIDIA L40", torch.bfloat16, False, 181.05, "L40"),
-    ("NVIDIA L4", torch.bfloat16, False, 121, "L4"),
-    ("NVIDIA A10G", torch.bfloat16, False, 70, "A10G"),
-    ("NVIDIA A10", torch.bfloat16, False, 125, "A10"),
-    ("NVIDIA GeForce RTX 4090", torch.bfloat16, False, 165.2, "GeForce RTX 4090"),
-    ("Tesla V100-SXM2-16GB", torch.float16, False, 125, "V100 SXM2"),
-    ("Tesla V100-SXM2-16GB", torch.float32, True, 15.7, "V100 SXM2"),  # no TF32 on Volta
-    ("Tesla T4", torch.float16, False, 65, "T4"),
-    # torch.cuda.get_device_name() strings of the newer rows
-    ("NVIDIA B200", torch.bfloat16, False, 2250, "B200"),
-    ("NVIDIA B200", torch.float8_e4m3fn, False, 4500, "B200"),
-    ("NVIDIA H800", torch.bfloat16, False, 989.5, "H800 SXM"),
-    ("NVIDIA H800 PCIe", torch.bfloat16, False, 756, "H800 PCIe"),
-    ("NVIDIA H20", torch.bfloat16, False, 148, "H20"),
-    ("NVIDIA A800-SXM4-80GB", torch.bfloat16, False, 312, "A800"),
-    ("NVIDIA A800 80GB PCIe", torch.float32, True, 156, "A800"),
-    ("NVIDIA GeForce RTX 3090", torch.bfloat16, False, 71, "GeForce RTX 3090"),
-    ("NVIDIA GeForce RTX 5090", torch.bfloat16, False, 209.5, "GeForce RTX 5090"),
-    ("NVIDIA RTX 6000 Ada Generation", torch.bfloat16, False, 364.2, "RTX 6000 Ada"),
-    ("NVIDIA RTX A6000", torch.float32, True, 77.4, "RTX A6000"),
-])
+@pytest.mark.parametrize(
+    "gpu, dtype, tf32, tflops, product",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989.5, "H100 SXM"),
+        ("NVIDIA H100 80GB HBM3", torch.float8_e4m3fn, False, 1979, "H100 SXM"),
+        ("NVIDIA H100 PCIe", torch.bfloat16, False, 756, "H100 PCIe"),
+        ("NVIDIA H100 NVL", torch.float16, False, 835.5, "H100 NVL"),
+        ("NVIDIA H200", torch.bfloat16, False, 989.5, "H200 SXM"),
+        ("NVIDIA A100-SXM4-80GB", torch.float32, False, 19.5, "A100"),
+        ("NVIDIA A100-SXM4-80GB", torch.float32, True, 156, "A100"),
+        ("NVIDIA L40S", torch.bfloat16, False, 362.05, "L40S"),
+        ("NVIDIA L40", torch.bfloat16, False, 181.05, "L40"),
+        ("NVIDIA L4", torch.bfloat16, False, 121, "L4"),
+        ("NVIDIA A10G", torch.bfloat16, False, 70, "A10G"),
+        ("NVIDIA A10", torch.bfloat16, False, 125, "A10"),
+        ("NVIDIA GeForce RTX 4090", torch.bfloat16, False, 165.2, "GeForce RTX 4090"),
+        ("Tesla V100-SXM2-16GB", torch.float16, False, 125, "V100 SXM2"),
+        ("Tesla V100-SXM2-16GB", torch.float32, True, 15.7, "V100 SXM2"),  # no TF32 on Volta
+        ("Tesla T4", torch.float16, False, 65, "T4"),
+        # torch.cuda.get_device_name() strings of the newer rows
+        ("NVIDIA B200", torch.bfloat16, False, 2250, "B200"),
+        ("NVIDIA B200", torch.float8_e4m3fn, False, 4500, "B200"),
+        ("NVIDIA H800", torch.bfloat16, False, 989.5, "H800 SXM"),
+        ("NVIDIA H800 PCIe", torch.bfloat16, False, 756, "H800 PCIe"),
+        ("NVIDIA H20", torch.bfloat16, False, 148, "H20"),
+        ("NVIDIA A800-SXM4-80GB", torch.bfloat16, False, 312, "A800"),
+        ("NVIDIA A800 80GB PCIe", torch.float32, True, 156, "A800"),
+        ("NVIDIA GeForce RTX 3090", torch.bfloat16, False, 71, "GeForce RTX 3090"),
+        ("NVIDIA GeForce RTX 5090", torch.bfloat16, False, 209.5, "GeForce RTX 5090"),
+        ("NVIDIA RTX 6000 Ada Generation", torch.bfloat16, False, 364.2, "RTX 6000 Ada"),
+        ("NVIDIA RTX A6000", torch.float32, True, 77.4, "RTX A6000"),
+    ],
+)
 def test_datasheet_lookup_by_name(gpu, dtype, tf32, tflops, product):
     peak = datasheet.lookup_datasheet(gpu, dtype, tf32=tf32)
     assert peak is not None and peak.flops == pytest.approx(tflops * 1e12)
@@ -258,16 +301,28 @@ def test_datasheet_lookup_by_name(gpu, dtype, tf32, tflops, product):
     assert f"NVIDIA {product} dense" in peak.label
 
 
-@pytest.mark.parametrize("gpu, dtype", [("Tesla V100-SXM2-16GB", torch.bfloat16),  # no bf16 units
-                                        ("NVIDIA A100-SXM4-80GB", torch.float8_e4m3fn),
-                                        ("Some Future GPU", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "gpu, dtype",
+    [
+        ("Tesla V100-SXM2-16GB", torch.bfloat16),  # no bf16 units
+        ("NVIDIA A100-SXM4-80GB", torch.float8_e4m3fn),
+        ("Some Future GPU", torch.bfloat16),
+    ],
+)
 def test_datasheet_lookup_misses_return_none(gpu, dtype):
     assert datasheet.lookup_datasheet(gpu, dtype) is None
 
 
-@pytest.mark.parametrize("gpu", ["NVIDIA GeForce RTX 4090 Laptop GPU", "NVIDIA GeForce RTX 4090 D",
-                                 "NVIDIA GeForce RTX 3090 Ti", "NVIDIA GeForce RTX 4080 Laptop GPU",
-                                 "NVIDIA GB200"])
+@pytest.mark.parametrize(
+    "gpu",
+    [
+        "NVIDIA GeForce RTX 4090 Laptop GPU",
+        "NVIDIA GeForce RTX 4090 D",
+        "NVIDIA GeForce RTX 3090 Ti",
+        "NVIDIA GeForce RTX 4080 Laptop GPU",
+        "NVIDIA GB200",
+    ],
+)
 def test_variants_with_other_peaks_are_not_matched_to_the_desktop_part(gpu):
     # "RTX 4090" inside "RTX 4090 Laptop GPU" must not quote the desktop card's 165 TFLOP/s.
     assert datasheet.lookup_datasheet(gpu, torch.bfloat16) is None
@@ -275,6 +330,7 @@ def test_variants_with_other_peaks_are_not_matched_to_the_desktop_part(gpu):
 
 def test_amd_rows_and_their_fp8_format():
     from titanlite.tools.datasheet import fp8_dtypes_for
+
     for gpu in ("AMD Instinct MI300X", "AMD Instinct MI325X"):
         assert datasheet.lookup_datasheet(gpu, torch.bfloat16).flops == pytest.approx(1307.4e12)
         assert fp8_dtypes_for(gpu) == (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -284,10 +340,14 @@ def test_amd_rows_and_their_fp8_format():
 
 
 def test_datasheet_mfu_beside_the_measured_one(monkeypatch):
-    assert datasheet.datasheet_mfu(1e12, "cpu", torch.float32) is None   # no CPU datasheet
+    assert datasheet.datasheet_mfu(1e12, "cpu", torch.float32) is None  # no CPU datasheet
     monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    assert datasheet.datasheet_mfu(494.75e12, torch.device("cuda"), torch.bfloat16) == pytest.approx(0.5)
-    assert datasheet.datasheet_mfu(989.5e12, torch.device("cuda"), torch.float8_e4m3fn) == pytest.approx(0.5)
+    assert datasheet.datasheet_mfu(
+        494.75e12, torch.device("cuda"), torch.bfloat16
+    ) == pytest.approx(0.5)
+    assert datasheet.datasheet_mfu(
+        989.5e12, torch.device("cuda"), torch.float8_e4m3fn
+    ) == pytest.approx(0.5)
 
 
 def test_fp8_matmul_peak_is_measured_through_scaled_mm():
@@ -364,7 +424,9 @@ def test_cpu_peak_memory_is_positive_and_never_falls_without_reset():
     assert memory.peak_memory_bytes("cpu") >= before  # a high-water mark, not current use
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak-RSS reset needs Linux clear_refs")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="peak-RSS reset needs Linux clear_refs"
+)
 def test_cpu_peak_memory_sees_a_big_tensor_and_resets_on_linux():
     memory.reset_peak_memory("cpu")
     start = memory.peak_memory_bytes("cpu")
@@ -386,14 +448,25 @@ def test_roofline_math():
     assert roofline.ridge_point(100.0, 10.0) == 10.0
     assert roofline.roofline_bound(1.0, 100.0, 10.0) == 10.0  # memory-bound: intensity x bandwidth
     assert roofline.roofline_bound(50.0, 100.0, 10.0) == 100.0  # compute-bound: the peak
-    assert roofline.is_memory_bound(5.0, 100.0, 10.0) and not roofline.is_memory_bound(20.0, 100.0, 10.0)
+    assert roofline.is_memory_bound(5.0, 100.0, 10.0) and not roofline.is_memory_bound(
+        20.0, 100.0, 10.0
+    )
 
 
 def test_roofline_table_rows():
-    points = [roofline.OpPoint("low", flops=10.0, bytes=10.0, seconds=2.0),     # I=1, 5 FLOP/s
-              roofline.OpPoint("high", flops=1000.0, bytes=10.0, seconds=20.0)]  # I=100, 50 FLOP/s
-    low, high = roofline.roofline_table(points, Peak(100.0, "measured", "table peak"), bandwidth=10.0)
-    assert low["memory_bound"] and low["bound"] == 10.0 and low["of_roof"] == 0.5 and low["mfu"] == 0.05
+    points = [
+        roofline.OpPoint("low", flops=10.0, bytes=10.0, seconds=2.0),  # I=1, 5 FLOP/s
+        roofline.OpPoint("high", flops=1000.0, bytes=10.0, seconds=20.0),
+    ]  # I=100, 50 FLOP/s
+    low, high = roofline.roofline_table(
+        points, Peak(100.0, "measured", "table peak"), bandwidth=10.0
+    )
+    assert (
+        low["memory_bound"]
+        and low["bound"] == 10.0
+        and low["of_roof"] == 0.5
+        and low["mfu"] == 0.05
+    )
     assert not high["memory_bound"] and high["bound"] == 100.0 and high["mfu"] == 0.5
 
 
@@ -403,8 +476,10 @@ def test_measured_points_and_plot():
     assert mm.flops == 2 * 64 * 32 * 16 and mm.achieved > 0 and mm.name == "matmul 64x16@16x32"
     assert add.intensity == pytest.approx(1 / 12)  # 1 FLOP per 3 fp32 elements moved
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     ax = roofline.plot_roofline([mm, add], Peak(1e12, "measured", "plot peak"), bandwidth=1e10)
     assert ax.get_xscale() == "log" and len(ax.lines) >= 4  # roof, ridge, two points
     plt.close(ax.figure)
@@ -438,13 +513,21 @@ def test_mps_peak_and_memory():
 
 # ---- memory readings beside the peak --------------------------------------------------------
 def test_allocator_readings_are_none_off_cuda():
-    assert memory.allocator_readings("cpu") == {"reserved_memory_bytes": None, "alloc_retries": None}
+    assert memory.allocator_readings("cpu") == {
+        "reserved_memory_bytes": None,
+        "alloc_retries": None,
+    }
 
 
 def test_allocator_readings_from_cuda_memory_stats():
     from titanlite.memory import readings_from_stats
-    stats = {"reserved_bytes.all.peak": 3 * 2**30, "reserved_bytes.all.current": 2**30,
-             "allocated_bytes.all.peak": 2**30, "num_alloc_retries": 2}
+
+    stats = {
+        "reserved_bytes.all.peak": 3 * 2**30,
+        "reserved_bytes.all.current": 2**30,
+        "allocated_bytes.all.peak": 2**30,
+        "num_alloc_retries": 2,
+    }
     assert readings_from_stats(stats) == {"reserved_memory_bytes": 3 * 2**30, "alloc_retries": 2}
     assert readings_from_stats({}) == {"reserved_memory_bytes": 0, "alloc_retries": 0}
 
@@ -452,6 +535,7 @@ def test_allocator_readings_from_cuda_memory_stats():
 def test_mps_peak_is_a_running_maximum_that_never_falls():
     # Metal's allocation can shrink under memory pressure; the reported peak must not.
     from titanlite.memory import RunningPeak
+
     peak = RunningPeak()
     assert [peak.sample(v) for v in (100, 300, 200, 50, 400)] == [100, 300, 300, 300, 400]
 

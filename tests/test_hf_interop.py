@@ -1,20 +1,20 @@
 """titanlite ↔ Hugging Face LlamaForCausalLM: same weights must give the same numbers."""
+
 from __future__ import annotations
 
 import json
 
-import titanlite  # noqa: F401  (first: quiet torchao before transformers imports it)
 import pytest
 import torch
 import torch.nn.functional as F
 
+import titanlite  # noqa: F401  (first: quiet torchao before transformers imports it)
 from titanlite import TitanliteError
+from titanlite.models.llama import ModelArgs, build_model
 from titanlite.tools.export import from_hf, to_hf, to_hf_config, to_hf_model
 from titanlite.tools.hf_start import from_hf_config, hf_name
-from titanlite.models.llama import ModelArgs, build_model
 
 transformers = pytest.importorskip("transformers")
-
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,8 +27,13 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 
 def random_model(seed: int = 0, **overrides):
@@ -48,13 +53,17 @@ def tokens(model, batch=2, seq=48, seed=1):
     return torch.randint(0, model.args.vocab_size, (batch, seq), generator=g)
 
 
-@pytest.mark.parametrize("overrides", [
-    {},                                # tied embeddings, GQA (4 query heads, 2 KV heads)
-    {"tie_embeddings": False},         # separate lm_head
-    {"n_kv_heads": 4},                 # plain multi-head attention
-    {"n_kv_heads": 1},                 # multi-query attention
-    {"rope_scaling": LLAMA3_SCALING},  # Llama 3.1 long-context RoPE
-], ids=["tied-gqa", "untied", "mha", "mqa", "llama3-rope"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # tied embeddings, GQA (4 query heads, 2 KV heads)
+        {"tie_embeddings": False},  # separate lm_head
+        {"n_kv_heads": 4},  # plain multi-head attention
+        {"n_kv_heads": 1},  # multi-query attention
+        {"rope_scaling": LLAMA3_SCALING},  # Llama 3.1 long-context RoPE
+    ],
+    ids=["tied-gqa", "untied", "mha", "mqa", "llama3-rope"],
+)
 def test_logits_match_hf(overrides):
     model = random_model(**overrides).eval()
     hf = to_hf_model(model)
@@ -84,8 +93,9 @@ def test_loss_and_gradients_match_hf(tie):
     inp, tgt = x[:, :-1], x[:, 1:]
     V = model.args.vocab_size
     ours = F.cross_entropy(model(inp).reshape(-1, V), tgt.reshape(-1))
-    theirs = F.cross_entropy(hf(input_ids=inp, use_cache=False).logits.reshape(-1, V),
-                             tgt.reshape(-1))
+    theirs = F.cross_entropy(
+        hf(input_ids=inp, use_cache=False).logits.reshape(-1, V), tgt.reshape(-1)
+    )
     assert abs(ours.item() - theirs.item()) < 1e-5
     # HF's built-in loss (labels = input_ids, shifted inside) is the same mean CE over
     # the T-1 positions that have a next token.
@@ -157,10 +167,13 @@ def test_bf16_export(tmp_path):
 
 def test_tokenizer_saved_alongside(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"]))
+    tok.train_from_iterator(
+        ["the quick brown fox jumps over the lazy dog"] * 20,
+        trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"]),
+    )
     out = to_hf(random_model(), tmp_path, tokenizer=tok)
     loaded = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     assert loaded("the lazy dog")["input_ids"] == tok.encode("the lazy dog").ids
@@ -168,14 +181,26 @@ def test_tokenizer_saved_alongside(tmp_path):
         to_hf(random_model(vocab_size=len(loaded) - 1), tmp_path / "small-vocab", tokenizer=tok)
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"attention_bias": True}, "bias"),
-    ({"mlp_bias": True}, "bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"head_dim": 32}, "head_dim"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "linear"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}}, "yarn"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"attention_bias": True}, "bias"),
+        ({"mlp_bias": True}, "bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"head_dim": 32}, "head_dim"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "linear"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "yarn",
+                    "factor": 2.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "yarn",
+        ),
+    ],
+)
 def test_unsupported_configs_are_refused(change, words):
     config = to_hf_config(ModelArgs.preset("debug"), **change)
     with pytest.raises(TitanliteError, match=words):
@@ -183,8 +208,14 @@ def test_unsupported_configs_are_refused(change, words):
 
 
 def test_non_llama_architecture_is_refused():
-    config = transformers.MistralConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    config = transformers.MistralConfig(
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     with pytest.raises(TitanliteError, match="model_type 'llama'"):
         from_hf_config(config)
 
@@ -202,12 +233,29 @@ def test_bench_vs_hf_runs_the_same_work(capsys):
     """The benchmark's two sides must compute the same loss (no timings are checked)."""
     import importlib.util
     from pathlib import Path
+
     path = Path(__file__).resolve().parents[1] / "bench" / "bench_vs_hf.py"
     spec = importlib.util.spec_from_file_location("bench_vs_hf", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    out = bench.main(["--preset", "debug", "--batch-size", "2", "--seq-len", "16", "--steps", "2",
-                      "--warmup", "2", "--threads", "1", "--data", "random"])
+    out = bench.main(
+        [
+            "--preset",
+            "debug",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--steps",
+            "2",
+            "--warmup",
+            "2",
+            "--threads",
+            "1",
+            "--data",
+            "random",
+        ]
+    )
     losses = list(out["first_loss"].values())
     assert abs(losses[0] - losses[1]) < 1e-5
     assert set(out["tokens_per_s"]) == {"titanlite", "HF Llama (sdpa)"}

@@ -1,5 +1,6 @@
 """Importing titanlite configures nothing; notebook_setup() and quiet_third_party() opt in; torch
 and torchao internals are touched only from titanlite/_compat."""
+
 import ast
 import json
 import subprocess
@@ -31,8 +32,13 @@ def snapshot():
 
 
 def run_python(code: str, prelude: str = "") -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-c", SNAPSHOT + prelude + textwrap.dedent(code)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", SNAPSHOT + prelude + textwrap.dedent(code)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -60,8 +66,11 @@ def test_importing_every_titanlite_module_changes_no_setting():
     out = last_json(r)
     before, after = out["before"], out["after"]
     assert out["modules"] > 40  # the whole package was imported, not just __init__
-    changed = {n: (before["loggers"].get(n), lvl) for n, lvl in after["loggers"].items()
-               if lvl != before["loggers"].get(n, 0)}
+    changed = {
+        n: (before["loggers"].get(n), lvl)
+        for n, lvl in after["loggers"].items()
+        if lvl != before["loggers"].get(n, 0)
+    }
     assert changed == {}, f"logger levels set at import: {changed}"
     assert {k: v for k, v in after["env"].items() if before["env"].get(k) != v} == {}
     assert after["excepthook"] == before["excepthook"]
@@ -114,19 +123,22 @@ except KeyError as e:
 
 
 def test_notebook_handler_shows_every_link_of_the_chain_and_no_traceback():
-    r = run_python(prelude=f"CELL = {CELL!r}\n", code="""
+    r = run_python(
+        prelude=f"CELL = {CELL!r}\n",
+        code="""
         import titanlite, titanlite.tools.notebook
         titanlite.tools.notebook.notebook_setup()
         shell.run_cell(CELL)
         shell.run_cell("raise ValueError('plain error')")
-    """)
+    """,
+    )
     lines = r.stderr.splitlines()
     assert "TitanliteError: config x is missing its model section: add [model]" in lines
     cause = [ln for ln in lines if ln.startswith("  caused by KeyError: 'no such key'")]
     raised_at = CELL.strip().splitlines().index('    return {}["no such key"]') + 1
     assert len(cause) == 1 and cause[0].endswith(f":{raised_at})")  # where the cause was raised
     # A TitanliteError shows no traceback; an ordinary error keeps IPython's full one (stdout).
-    assert "TitanliteError" not in r.stdout and "read(\"x\")" not in r.stdout + r.stderr
+    assert "TitanliteError" not in r.stdout and 'read("x")' not in r.stdout + r.stderr
     assert "ValueError" in r.stdout and "plain error" in r.stdout
 
 
@@ -158,8 +170,13 @@ def test_chain_lines_follow_cause_and_context_like_python():
 
 # Underscore modules that are the documented way to configure torch.compile: allowed anywhere.
 DOCUMENTED = ("torch._dynamo", "torch._inductor.config")
-PRIVATE_NAMES = {"_compiled_call_impl", "_CHECKPOINT_PROCESS", "_async_process_executor",
-                 "__del__", "_checkpoint_wrapped_module"}
+PRIVATE_NAMES = {
+    "_compiled_call_impl",
+    "_CHECKPOINT_PROCESS",
+    "_async_process_executor",
+    "__del__",
+    "_checkpoint_wrapped_module",
+}
 
 
 def _private_module(name: str) -> bool:
@@ -173,10 +190,14 @@ def private_uses(source: str) -> list[str]:
     """torch/torchao internals this source reaches: private module imports, private attributes
     (also as getattr strings), and methods set on a pipeline stage. Docstrings don't count."""
     tree = ast.parse(source)
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr)
-                  and isinstance(node.body[0].value, ast.Constant)}
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
     found = []
     for node in ast.walk(tree):
         modules = []
@@ -190,11 +211,21 @@ def private_uses(source: str) -> list[str]:
         names = []
         if isinstance(node, ast.Attribute):
             names = [node.attr]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+        ):
             names = [node.value]
         found += [f"line {node.lineno}: {n}" for n in names if n in PRIVATE_NAMES]
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
-                and node.args and isinstance(node.args[0], ast.Name) and "stage" in node.args[0].id):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and node.args
+            and isinstance(node.args[0], ast.Name)
+            and "stage" in node.args[0].id
+        ):
             found.append(f"line {node.lineno}: sets a method on a pipeline stage")
     return found
 
@@ -230,8 +261,10 @@ def test_no_module_outside_compat_touches_torch_or_torchao_internals():
 
 
 def test_compat_fallbacks_and_messages():
-    from titanlite._compat import torch_internals, torch_tools, torchao_internals
     from torch import nn
+
+    from titanlite._compat import torch_internals, torch_tools, torchao_internals
+
     block = nn.Linear(2, 2)
     assert not torch_internals.is_compiled_in_place(block)
     torch_internals.set_compiled_call(block, lambda *a: "compiled")

@@ -1,5 +1,6 @@
 """The notebook launcher and multi-process training: parity with one process, failures shown
 from the right rank, timeouts reported, interrupts and crashes leave no process behind."""
+
 from __future__ import annotations
 
 import os
@@ -12,14 +13,12 @@ import time
 import warnings
 
 import pytest
+from conftest import tiny_overrides
 
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.tools.launcher import launch
-from titanlite.tools.launcher import STOP_GRACE_S, _check_machine, job_processes
+from titanlite.tools.launcher import STOP_GRACE_S, _check_machine, job_processes, launch
 from titanlite.train import Trainer
-
-from conftest import tiny_overrides
 
 STEPS = 4
 
@@ -28,6 +27,7 @@ STEPS = 4
 def _marker(monkeypatch):
     """Every process a test starts inherits this variable: how we find (only) our leftovers."""
     import uuid
+
     monkeypatch.setenv("TITANLITE_TEST_MARKER", uuid.uuid4().hex)
 
 
@@ -41,18 +41,26 @@ def _cfg(data_dir, tmp_path, **extra):
 def single_process_losses(data_dir, tmp_path_factory):
     """The reference: one process, batch 8 = the global batch of 2 ranks × 4."""
     tmp = tmp_path_factory.mktemp("single")
-    cfg = load_config(None, tiny_overrides(data_dir, tmp, **{"training.steps": STEPS, "eval.every": 0,
-                                                             "training.batch_size": 8}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            data_dir, tmp, **{"training.steps": STEPS, "eval.every": 0, "training.batch_size": 8}
+        ),
+    )
     return Trainer(cfg).fit().losses
 
 
-@pytest.mark.parametrize("layout", [
-    {"parallel.dp_replicate": 2, "parallel.dp_shard": 1},          # DDP
-    {"parallel.dp_shard": 2},                                      # FSDP
-    {"parallel.dp_shard": 2, "training.batch_size": 2, "training.grad_accum_steps": 2},
-    # Meta-device init + the compile support probe once drew the weights from a moved RNG.
-    {"parallel.dp_shard": 2, "compile.enable": True, "activation_checkpoint.mode": "full"},
-], ids=["ddp", "fsdp", "fsdp-accum", "fsdp-compile-ac"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"parallel.dp_replicate": 2, "parallel.dp_shard": 1},  # DDP
+        {"parallel.dp_shard": 2},  # FSDP
+        {"parallel.dp_shard": 2, "training.batch_size": 2, "training.grad_accum_steps": 2},
+        # Meta-device init + the compile support probe once drew the weights from a moved RNG.
+        {"parallel.dp_shard": 2, "compile.enable": True, "activation_checkpoint.mode": "full"},
+    ],
+    ids=["ddp", "fsdp", "fsdp-accum", "fsdp-compile-ac"],
+)
 def test_two_processes_train_like_one(layout, data_dir, tmp_path, single_process_losses):
     cfg = _cfg(data_dir, tmp_path)
     seen = []
@@ -71,8 +79,17 @@ def test_two_processes_train_like_one(layout, data_dir, tmp_path, single_process
 def test_a_failing_rank_is_named_with_its_traceback(data_dir, tmp_path, capfd):
     cfg = _cfg(data_dir, tmp_path)
     with pytest.raises(TitanliteError) as err:
-        launch(cfg, nproc=2, overrides={"parallel.dp_shard": 2, "fault.kind": "exception",
-                                        "fault.rank": 1, "fault.step": 2}, timeout_s=240)
+        launch(
+            cfg,
+            nproc=2,
+            overrides={
+                "parallel.dp_shard": 2,
+                "fault.kind": "exception",
+                "fault.rank": 1,
+                "fault.step": 2,
+            },
+            timeout_s=240,
+        )
     message = str(err.value)
     assert message.startswith("rank 1 failed: InjectedFailure"), message
     assert "\n" not in message
@@ -83,15 +100,27 @@ def test_a_failing_rank_is_named_with_its_traceback(data_dir, tmp_path, capfd):
 def test_a_killed_rank_is_reported_and_the_others_stopped(data_dir, tmp_path):
     cfg = _cfg(data_dir, tmp_path)
     with pytest.raises(TitanliteError, match=r"rank 0 was killed by signal SIGKILL"):
-        launch(cfg, nproc=2, overrides={"parallel.dp_replicate": 2, "parallel.dp_shard": 1,
-                                        "fault.kind": "kill", "fault.rank": 0, "fault.step": 2},
-               timeout_s=240)
+        launch(
+            cfg,
+            nproc=2,
+            overrides={
+                "parallel.dp_replicate": 2,
+                "parallel.dp_shard": 1,
+                "fault.kind": "kill",
+                "fault.rank": 0,
+                "fault.step": 2,
+            },
+            timeout_s=240,
+        )
     _assert_no_job_processes()
 
 
 def _summary(entries) -> str:
-    blocks = [f"[{i}]:\n  time      : 2026-11-22_07:32:01\n  rank      : {r} (local_rank: {r})\n"
-              f"  exitcode  : {c} (pid: 1)\n  error_file: {e}\n" for i, (r, c, e) in enumerate(entries)]
+    blocks = [
+        f"[{i}]:\n  time      : 2026-11-22_07:32:01\n  rank      : {r} (local_rank: {r})\n"
+        f"  exitcode  : {c} (pid: 1)\n  error_file: {e}\n"
+        for i, (r, c, e) in enumerate(entries)
+    ]
     return f"Failures:\n{blocks[1]}----\nRoot Cause (first observed failure):\n{blocks[0]}====\n"
 
 
@@ -99,14 +128,28 @@ def test_a_killed_rank_is_named_even_when_its_peer_is_stamped_first(tmp_path):
     """torchrun's clock has one-second resolution: the peer's 'connection closed' can be the
     'first observed failure' although the killed rank caused it (seen once on CI)."""
     import json
+
     from titanlite.tools.launcher import _failure
+
     peer = tmp_path / "error.json"
-    peer.write_text(json.dumps({"message": {"message": "RuntimeError: Connection closed by peer",
-                                            "extraInfo": {"py_callstack": "..."}}}))
+    peer.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "RuntimeError: Connection closed by peer",
+                    "extraInfo": {"py_callstack": "..."},
+                }
+            }
+        )
+    )
     (tmp_path / "launcher.log").write_text(_summary([(1, 1, peer), (0, -9, "<N/A>")]))
     assert "rank 0 was killed by signal SIGKILL" in str(_failure(tmp_path, 1, ""))
     # A genuine error stays the root cause, and the agent's own SIGTERM never is.
-    peer.write_text(json.dumps({"message": {"message": "ValueError: bad", "extraInfo": {"py_callstack": "..."}}}))
+    peer.write_text(
+        json.dumps(
+            {"message": {"message": "ValueError: bad", "extraInfo": {"py_callstack": "..."}}}
+        )
+    )
     (tmp_path / "launcher.log").write_text(_summary([(1, 1, peer), (0, -15, "<N/A>")]))
     assert "rank 1 failed: ValueError: bad" in str(_failure(tmp_path, 1, ""))
 
@@ -115,8 +158,17 @@ def test_a_hung_rank_times_out_instead_of_hanging(data_dir, tmp_path):
     cfg = _cfg(data_dir, tmp_path, **{"parallel.timeout_s": 4})
     start = time.perf_counter()
     with pytest.raises(TitanliteError, match=r"rank 0 failed: .*(hung or dead rank)"):
-        launch(cfg, nproc=2, overrides={"parallel.dp_shard": 2, "fault.kind": "hang",
-                                        "fault.rank": 1, "fault.step": 2}, timeout_s=240)
+        launch(
+            cfg,
+            nproc=2,
+            overrides={
+                "parallel.dp_shard": 2,
+                "fault.kind": "hang",
+                "fault.rank": 1,
+                "fault.step": 2,
+            },
+            timeout_s=240,
+        )
     assert time.perf_counter() - start < 200
     _assert_no_job_processes()
 
@@ -132,7 +184,8 @@ def _start_driver(data_dir, tmp_path) -> subprocess.Popen:
     """A process that launches a long 2-rank job, as a notebook kernel does, and prints STEP
     once training is under way."""
     script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import signal, sys
         # A kernel handles Ctrl-C (ipykernel installs its handler). Python only installs its
         # own if SIGINT is not ignored at start-up - and a non-interactive shell starts
@@ -151,9 +204,11 @@ def _start_driver(data_dir, tmp_path) -> subprocess.Popen:
                 said.append(1)
                 print("STEP", flush=True)
         launch(load_config(None, o), nproc=2, callbacks=[announce], timeout_s=600)
-    """))
-    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            stderr=subprocess.PIPE)
+    """)
+    )
+    return subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, stderr=subprocess.PIPE
+    )
 
 
 def _kill_job_processes():
@@ -210,7 +265,9 @@ def test_bad_launches_fail_before_starting_anything(data_dir, tmp_path):
     cfg = _cfg(data_dir, tmp_path)
     with pytest.raises(TitanliteError, match=r"does not divide|product equal"):
         launch(cfg, nproc=2, overrides={"parallel.dp_shard": 3})
-    with pytest.raises(TitanliteError, match=r"global_batch_size=6 is not a positive multiple .* 4 × 2"):
+    with pytest.raises(
+        TitanliteError, match=r"global_batch_size=6 is not a positive multiple .* 4 × 2"
+    ):
         launch(cfg, nproc=2, overrides={"training.global_batch_size": 6})
     with pytest.raises(TitanliteError, match=r"fault.step=99 is outside"):
         launch(cfg, nproc=2, overrides={"fault.kind": "exception", "fault.step": 99})
@@ -231,6 +288,7 @@ def test_bad_launches_fail_before_starting_anything(data_dir, tmp_path):
 
 def _cuda() -> bool:
     import torch
+
     return torch.cuda.is_available()
 
 
@@ -262,7 +320,7 @@ def _assert_no_job_processes():
     assert not _our_processes(), "processes of this test's job were left behind"
 
 
-REPORT_RACE_WORKER = '''
+REPORT_RACE_WORKER = """
 import json, os, signal, sys, time
 from pathlib import Path
 from titanlite.tools.worker_errors import record
@@ -293,7 +351,7 @@ def main():
 
 
 record(main)()
-'''
+"""
 
 
 @pytest.mark.slow
@@ -302,15 +360,32 @@ def test_a_kill_while_a_peer_writes_its_report_always_restarts(tmp_path):
     rank 1 died, parsed half a file and exited instead of restarting (JSONDecodeError). Each try
     here kills rank 1 while rank 0 is writing; every one must restart and finish."""
     from titanlite.tools.launcher import _free_port
+
     script = tmp_path / "worker.py"
     script.write_text(REPORT_RACE_WORKER)
     for attempt in range(3):
         out = tmp_path / f"try{attempt}"
         out.mkdir()
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                               "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port",
-                               str(_free_port()), str(script), str(out)], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(_free_port()),
+                str(script),
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0 and "JSONDecodeError" not in proc.stderr, proc.stderr[-2000:]
         assert sorted(p.name for p in out.iterdir()) == ["attempt1.rank0", "attempt1.rank1"]
 
@@ -319,6 +394,9 @@ def test_every_worker_entry_reports_through_the_atomic_handler():
     from pathlib import Path
 
     import titanlite
+
     package = Path(titanlite.__file__).parent
     assert "from .tools.worker_errors import record" in (package / "__main__.py").read_text()
-    assert "from .worker_errors import record" in (package / "tools" / "run_function.py").read_text()
+    assert (
+        "from .worker_errors import record" in (package / "tools" / "run_function.py").read_text()
+    )

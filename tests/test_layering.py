@@ -2,6 +2,7 @@
 nor the labs; the tools (what measures, probes, plots, teaches, launches) import the core but
 no lab; the labs (the notebooks' experiments) may import anything. Checked by walking every
 module's imports with `ast`, in every spelling, inside functions too."""
+
 import ast
 from pathlib import Path
 
@@ -20,7 +21,7 @@ _is_tool = _within("titanlite.tools")
 
 
 def room(path: Path, package: Path = PACKAGE) -> str:
-    """"labs", "tools" or "core", by folder (the layout shows which is which)."""
+    """ "labs", "tools" or "core", by folder (the layout shows which is which)."""
     first = path.relative_to(package).parts[0]
     return first if first in ("labs", "tools") else "core"
 
@@ -39,7 +40,7 @@ def _imports_of(path: Path, package: Path = PACKAGE, wanted=_is_lab) -> list[str
             if node.level:  # relative: resolve it against this module's package
                 if node.level - 1 > depth:
                     continue
-                base = ["titanlite", *parts[:depth - (node.level - 1)]]
+                base = ["titanlite", *parts[: depth - (node.level - 1)]]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
@@ -57,29 +58,38 @@ def _modules(kind: str) -> list[Path]:
 def test_the_core_imports_no_tool_and_no_lab():
     core = _modules("core")
     assert len(core) > 40  # the walk really covers the core
-    offenders = {str(p.relative_to(PACKAGE)): found for p in core
-                 if (found := _imports_of(p, wanted=lambda m: _is_lab(m) or _is_tool(m)))}
-    assert offenders == {}, ("core modules import tools or labs (hand the tool to the loop instead, "
-                             f"e.g. Trainer.fit(watchers=...)): {offenders}")
+    offenders = {
+        str(p.relative_to(PACKAGE)): found
+        for p in core
+        if (found := _imports_of(p, wanted=lambda m: _is_lab(m) or _is_tool(m)))
+    }
+    assert offenders == {}, (
+        "core modules import tools or labs (hand the tool to the loop instead, "
+        f"e.g. Trainer.fit(watchers=...)): {offenders}"
+    )
 
 
 def test_no_tool_imports_a_lab():
     tools = _modules("tools")
     assert len(tools) > 20
     offenders = {str(p.relative_to(PACKAGE)): found for p in tools if (found := _imports_of(p))}
-    assert offenders == {}, f"tools import labs (move the code into the tool or the core): {offenders}"
+    assert offenders == {}, (
+        f"tools import labs (move the code into the tool or the core): {offenders}"
+    )
 
 
 def test_the_walk_catches_every_spelling(tmp_path):
     """The check can fail: absolute, relative and from-package imports are all seen, in a
     function body too."""
-    spellings = {"distributed/x.py": "from ..labs import nb07_data_parallel",
-                 "distributed/y.py": "from ..labs.nb09_tensor_parallel import tp_lab",
-                 "z.py": "from .labs import _common",
-                 "w.py": "import titanlite.labs.nb08_fsdp_and_zero",
-                 "v.py": "from titanlite import labs",
-                 "u.py": "def f():\n    from .tools.live_plot import LivePlot\n",
-                 "resilience/t.py": "from ..tools import goodput"}
+    spellings = {
+        "distributed/x.py": "from ..labs import nb07_data_parallel",
+        "distributed/y.py": "from ..labs.nb09_tensor_parallel import tp_lab",
+        "z.py": "from .labs import _common",
+        "w.py": "import titanlite.labs.nb08_fsdp_and_zero",
+        "v.py": "from titanlite import labs",
+        "u.py": "def f():\n    from .tools.live_plot import LivePlot\n",
+        "resilience/t.py": "from ..tools import goodput",
+    }
     either = lambda m: _is_lab(m) or _is_tool(m)  # noqa: E731
     for rel, line in spellings.items():
         path = tmp_path / rel
@@ -87,8 +97,10 @@ def test_the_walk_catches_every_spelling(tmp_path):
         path.write_text(line + "\n")
         assert _imports_of(path, tmp_path, wanted=either), line
     clean = tmp_path / "distributed" / "ok.py"
-    clean.write_text("from ..distributed import fsdp\nfrom .labsy import x\nimport titanlite.labsy\n"
-                     "import titanlite.toolsy\n")
+    clean.write_text(
+        "from ..distributed import fsdp\nfrom .labsy import x\nimport titanlite.labsy\n"
+        "import titanlite.toolsy\n"
+    )
     assert _imports_of(clean, tmp_path, wanted=either) == []
 
 
@@ -99,9 +111,12 @@ def test_a_planted_import_in_the_core_fails_the_check(tmp_path, monkeypatch):
     (planted / "resilience").mkdir(parents=True)
     source = (PACKAGE / "resilience" / "resume.py").read_text()
     (planted / "resilience" / "resume.py").write_text(
-        source + "\n\ndef _planted():\n    from ..tools.live_plot import LivePlot\n    return LivePlot\n")
-    found = _imports_of(planted / "resilience" / "resume.py", planted,
-                        wanted=lambda m: _is_lab(m) or _is_tool(m))
+        source
+        + "\n\ndef _planted():\n    from ..tools.live_plot import LivePlot\n    return LivePlot\n"
+    )
+    found = _imports_of(
+        planted / "resilience" / "resume.py", planted, wanted=lambda m: _is_lab(m) or _is_tool(m)
+    )
     assert found == ["from ..tools.live_plot import LivePlot"]
 
 
@@ -109,6 +124,9 @@ def test_the_parallelism_package_does_not_import_the_trainer():
     """The trainer composes distributed/; nothing in it reaches back up to the trainer (no
     import cycle can form)."""
     modules = sorted((PACKAGE / "distributed").glob("*.py"))
-    offenders = {p.name: found for p in modules
-                 if (found := _imports_of(p, wanted=_within("titanlite.train")))}
+    offenders = {
+        p.name: found
+        for p in modules
+        if (found := _imports_of(p, wanted=_within("titanlite.train")))
+    }
     assert offenders == {}

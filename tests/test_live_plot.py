@@ -2,6 +2,7 @@
 
 tests/test_browser.py checks the same widget in a real JupyterLab; these are the fast checks.
 """
+
 from __future__ import annotations
 
 import gc
@@ -25,9 +26,17 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def train(step, loss=None, **extra):
-    return {"kind": "train", "step": step, "loss": 4.0 - 0.05 * step if loss is None else loss,
-            "tokens_per_sec": 1000.0 + step, "mfu": 0.02, "lr": 1e-3,
-            "peak_memory_bytes": 2**27, "elapsed_s": 0.1 * step, **extra}
+    return {
+        "kind": "train",
+        "step": step,
+        "loss": 4.0 - 0.05 * step if loss is None else loss,
+        "tokens_per_sec": 1000.0 + step,
+        "mfu": 0.02,
+        "lr": 1e-3,
+        "peak_memory_bytes": 2**27,
+        "elapsed_s": 0.1 * step,
+        **extra,
+    }
 
 
 def lines_by_label(ax) -> dict:
@@ -51,8 +60,9 @@ def clock(monkeypatch):
         c.perf += c.draw_cost
         return c.perf
 
-    monkeypatch.setattr(live_plot, "time",
-                        types.SimpleNamespace(monotonic=lambda: c.t, perf_counter=perf_counter))
+    monkeypatch.setattr(
+        live_plot, "time", types.SimpleNamespace(monotonic=lambda: c.t, perf_counter=perf_counter)
+    )
     return c
 
 
@@ -104,9 +114,14 @@ def test_from_jsonl_takes_run_directories_and_a_file_being_written(tmp_path):
         (tmp_path / "runs" / name).mkdir(parents=True)
     (tmp_path / "runs" / "fp32" / "metrics.jsonl").write_text(json.dumps(train(0)) + "\n")
     # a run still training: its last line is only half written
-    (tmp_path / "runs" / "bf16" / "metrics.jsonl").write_text(json.dumps(train(0)) + "\n{\"kind\": \"tr")
-    plot = LivePlot.from_jsonl([tmp_path / "runs" / "fp32", tmp_path / "runs" / "bf16" / "metrics.jsonl"],
-                               mode="off", metrics=("loss",))
+    (tmp_path / "runs" / "bf16" / "metrics.jsonl").write_text(
+        json.dumps(train(0)) + '\n{"kind": "tr'
+    )
+    plot = LivePlot.from_jsonl(
+        [tmp_path / "runs" / "fp32", tmp_path / "runs" / "bf16" / "metrics.jsonl"],
+        mode="off",
+        metrics=("loss",),
+    )
     assert set(lines_by_label(plot._axes[0])) == {"fp32", "bf16"}
     with pytest.raises(TitanliteError, match="does not exist"):
         LivePlot.from_jsonl([tmp_path / "missing.jsonl"], mode="off")
@@ -152,7 +167,9 @@ def test_mfu_in_percent_labelled_with_its_peak(tmp_path):
     assert list(plot._axes[0].get_lines()[0].get_ydata()) == [25.0]
     assert "%" in plot._axes[0].get_ylabel()
     assert plot._axes[0].get_title() == "% of fp32 peak"
-    assert [n.get_text() for n in plot._notes] == ["MFU: % of fp32 matmul peak"]  # the full name, below
+    assert [n.get_text() for n in plot._notes] == [
+        "MFU: % of fp32 matmul peak"
+    ]  # the full name, below
 
 
 def test_missing_keys_and_nan_do_not_break_the_plot(tmp_path):
@@ -304,17 +321,22 @@ def test_nbclient_run_gets_one_static_figure(tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(
-        "import os\n"
-        "from titanlite.tools.live_plot import LivePlot\n"
-        "plot = LivePlot()\n"
-        "for step in range(30):\n"
-        "    plot({'kind': 'train', 'step': step, 'loss': 3 - step / 30, 'mfu': 0.01})\n"
-        "plot.on_train_end()\n"
-        "print(plot.mode, 'JPY_SESSION_NAME' in os.environ)\n"
-        "plot")]
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "import os\n"
+            "from titanlite.tools.live_plot import LivePlot\n"
+            "plot = LivePlot()\n"
+            "for step in range(30):\n"
+            "    plot({'kind': 'train', 'step': step, 'loss': 3 - step / 30, 'mfu': 0.01})\n"
+            "plot.on_train_end()\n"
+            "print(plot.mode, 'JPY_SESSION_NAME' in os.environ)\n"
+            "plot"
+        )
+    ]
     start = time.monotonic()
-    NotebookClient(nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     outputs = nb.cells[0].outputs
     texts = "".join(o.get("text", "") for o in outputs if o["output_type"] == "stream")
     assert texts.strip() == "static False", texts
@@ -344,9 +366,14 @@ def test_progress_counts_steps_elapsed_and_remaining():
 def test_short_runs_get_integer_steps_and_smoothed_throughput(tmp_path):
     plot = LivePlot(mode="off", metrics=("loss", "tokens_per_sec", "mfu"))
     for step in range(1, 11):
-        plot(train(step, tokens_per_sec=1000.0 + 300 * (step % 2),
-                   peak_label="measured float32 matmul peak, Some CPU (CPU, 2 threads) (best at n=512) "
-                              "[cached 2026-01-01 00:00]"))
+        plot(
+            train(
+                step,
+                tokens_per_sec=1000.0 + 300 * (step % 2),
+                peak_label="measured float32 matmul peak, Some CPU (CPU, 2 threads) (best at n=512) "
+                "[cached 2026-01-01 00:00]",
+            )
+        )
     plot.savefig(tmp_path / "p.png")
     ticks = plot._axes[0].get_xticks()
     assert all(float(t).is_integer() for t in ticks)
@@ -354,30 +381,46 @@ def test_short_runs_get_integer_steps_and_smoothed_throughput(tmp_path):
     smooth = next(l for label, l in lines.items() if label.startswith("EMA"))
     raw = np.array(lines["train"].get_ydata())
     assert np.std(np.diff(smooth.get_ydata())) < 0.5 * np.std(np.diff(raw))  # it does smooth
-    assert plot.legend_labels()[-2:] == ["per step", smooth.get_label()]  # the styles, once, in the legend
+    assert plot.legend_labels()[-2:] == [
+        "per step",
+        smooth.get_label(),
+    ]  # the styles, once, in the legend
     title = plot._axes[2].get_title()
     assert title == "% of measured float32 peak"  # short: the device and threads go to the footnote
     notes = [n.get_text() for n in plot._notes]
     assert notes == ["MFU: % of measured float32 matmul peak, Some CPU (CPU, 2 threads)"]
 
 
-PEAKS = {"float32": "measured float32 matmul peak, Intel(R) Xeon(R) Processor (CPU, 1 thread) (best at n=2048) "
-                    "[cached 2026-11-25 04:44]",
-         "bfloat16": "measured bfloat16 matmul peak, Intel(R) Xeon(R) Processor (CPU, 1 thread) (best at n=1024) "
-                     "[cached 2026-11-25 04:44]"}
+PEAKS = {
+    "float32": "measured float32 matmul peak, Intel(R) Xeon(R) Processor (CPU, 1 thread) (best at n=2048) "
+    "[cached 2026-11-25 04:44]",
+    "bfloat16": "measured bfloat16 matmul peak, Intel(R) Xeon(R) Processor (CPU, 1 thread) (best at n=1024) "
+    "[cached 2026-11-25 04:44]",
+}
 
 
 def test_ten_runs_fit_a_laptop_screen_with_the_legend_outside_every_panel(tmp_path):
     """Notebook 16's ladder: ten runs on three panels. At most two panels side by side, in ~950 px
     (a 1280-px laptop with JupyterLab's side bar open), each big enough to read; one short MFU title
     naming each peak kind once, however many rows used it; MFU above 100% flagged, not shown as fact."""
-    plot = LivePlot(metrics=("loss", "tokens_per_sec", "mfu"), mode="off",
-                    title="16 · the ladder, one-process rows in this kernel, FSDP rows in one job")
+    plot = LivePlot(
+        metrics=("loss", "tokens_per_sec", "mfu"),
+        mode="off",
+        title="16 · the ladder, one-process rows in this kernel, FSDP rows in one job",
+    )
     for i in range(10):
         for step in range(1, 5):
-            plot(train(step, run=f"row {i}", mfu=0.4 + 0.2 * i, peak_label=PEAKS["float32" if i in (0, 9) else "bfloat16"]))
+            plot(
+                train(
+                    step,
+                    run=f"row {i}",
+                    mfu=0.4 + 0.2 * i,
+                    peak_label=PEAKS["float32" if i in (0, 9) else "bfloat16"],
+                )
+            )
     plot.savefig(tmp_path / "ladder.png")
     from PIL import Image
+
     width, height = Image.open(tmp_path / "ladder.png").size
     assert 800 <= width <= 1000, width
     for ax in plot._axes:  # every panel at least ~330 × 200 px
@@ -391,21 +434,41 @@ def test_ten_runs_fit_a_laptop_screen_with_the_legend_outside_every_panel(tmp_pa
     title = plot._axes[2].get_title()
     assert title == "% of measured float32, bfloat16 peak" and title.count("measured") == 1
     notes = [n.get_text() for n in plot._notes]
-    assert sum("bfloat16 matmul peak" in n for n in notes) == 1 and any("above 100%" in n for n in notes)
+    assert sum("bfloat16 matmul peak" in n for n in notes) == 1 and any(
+        "above 100%" in n for n in notes
+    )
     assert any(line.get_label() == "_peak" for line in plot._axes[2].get_lines())  # the 100% line
 
 
 def test_many_trials_list_a_dozen_and_count_the_rest(tmp_path):
     plot = LivePlot(metrics=("loss",), x="tokens", mode="off")
     for trial in range(30):
-        plot({"kind": "val", "step": 1, "tokens": 3 * 12_288, "val_loss": 7.0, "run": f"trial {trial}"})
-        plot({"kind": "val", "step": 2, "tokens": 6 * 12_288, "val_loss": 6.0, "run": f"trial {trial}"})
+        plot(
+            {
+                "kind": "val",
+                "step": 1,
+                "tokens": 3 * 12_288,
+                "val_loss": 7.0,
+                "run": f"trial {trial}",
+            }
+        )
+        plot(
+            {
+                "kind": "val",
+                "step": 2,
+                "tokens": 6 * 12_288,
+                "val_loss": 6.0,
+                "run": f"trial {trial}",
+            }
+        )
     plot.savefig(tmp_path / "trials.png")
     labels = plot.legend_labels()
     assert labels[:12] == [f"trial {i}" for i in range(12)] and "… 18 more runs" in labels
     ticks = [t.get_text() for t in plot._axes[0].get_xticklabels() if t.get_text()]
     assert ticks and all(len(t) <= 5 for t in ticks), ticks  # "37k", not "36,864"
-    assert plot._legend.get_window_extent().y1 < plot._axes[0].get_window_extent().y0  # below the panel
+    assert (
+        plot._legend.get_window_extent().y1 < plot._axes[0].get_window_extent().y0
+    )  # below the panel
 
 
 def test_the_status_names_the_phase_until_a_record_arrives(clock):
@@ -421,24 +484,27 @@ def test_saved_notebook_keeps_the_final_curves(tmp_path, data_dir):
     """The student's round trip: train in a notebook whose LivePlot is a live widget (what
     JupyterLab gets), save, reload. The training cell must hold a PNG of the final curves and
     no widget, which a reopened notebook could only show as "model not found"."""
-    from nbclient import NotebookClient
-
     from conftest import tiny_overrides
+    from nbclient import NotebookClient
 
     overrides = tiny_overrides(data_dir, tmp_path, **{"training.steps": 8, "eval.every": 4})
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(
-        "import os\n"
-        "os.environ['TITANLITE_LIVE_PLOT'] = 'widget'  # as in a JupyterLab kernel\n"
-        "from titanlite.config import load_config\n"
-        "from titanlite.tools.live_plot import LivePlot\n"
-        "from titanlite.train import Trainer\n"
-        f"trainer = Trainer(load_config(None, {overrides!r}))\n"
-        "plot = LivePlot(steps=8, min_interval_s=0)\n"
-        "history = trainer.fit(callbacks=[plot])\n"
-        "print(plot.mode, plot.n_draws)")]
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "import os\n"
+            "os.environ['TITANLITE_LIVE_PLOT'] = 'widget'  # as in a JupyterLab kernel\n"
+            "from titanlite.config import load_config\n"
+            "from titanlite.tools.live_plot import LivePlot\n"
+            "from titanlite.train import Trainer\n"
+            f"trainer = Trainer(load_config(None, {overrides!r}))\n"
+            "plot = LivePlot(steps=8, min_interval_s=0)\n"
+            "history = trainer.fit(callbacks=[plot])\n"
+            "print(plot.mode, plot.n_draws)"
+        )
+    ]
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     path = tmp_path / "trained.ipynb"
     nbformat.write(nb, path)
 
@@ -446,9 +512,15 @@ def test_saved_notebook_keeps_the_final_curves(tmp_path, data_dir):
     text = "".join(o.get("text", "") for o in outputs if o["output_type"] == "stream")
     mode, draws = text.split()[-2:]
     assert mode == "widget" and int(draws) > 2, text  # it was live while training
-    assert not [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert not [
+        o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]
     (picture,) = [o for o in outputs if "image/png" in o.get("data", {})]
     import base64
+
     assert base64.b64decode(picture["data"]["image/png"]).startswith(PNG_MAGIC)
-    assert "step 8/8 (100%)" in picture["data"]["text/plain"] and "done" in picture["data"]["text/plain"]
+    assert (
+        "step 8/8 (100%)" in picture["data"]["text/plain"]
+        and "done" in picture["data"]["text/plain"]
+    )
     assert 'class="titanlite-live-plot"' in picture["data"]["text/html"]

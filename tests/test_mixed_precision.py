@@ -1,6 +1,7 @@
 """Mixed precision: the support matrix is probed and explained, fp32 is the plain loop, autocast
 computes in 16 bits while the weights stay fp32, and the fp16 scaler skips exactly the steps
 that overflow, halving its scale, with clipping done on the true (unscaled) gradients."""
+
 import contextlib
 import copy
 import math
@@ -9,15 +10,15 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import tiny_overrides
+
 from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.efficiency import mixed_precision as mp
-from titanlite.tools import precision_support as ps
 from titanlite.efficiency.mixed_precision import MODES, Precision
-from titanlite.tools.precision_support import support, support_matrix
 from titanlite.models.llama import ModelArgs, build_model
+from titanlite.tools import precision_support as ps
+from titanlite.tools.precision_support import support, support_matrix
 from titanlite.train import Trainer
 
 CPU = torch.device("cpu")
@@ -35,8 +36,9 @@ def _fresh_probes():
 
 def tiny_model(seed=0):
     torch.manual_seed(seed)
-    return build_model(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64,
-                                 max_seq_len=16), CPU)
+    return build_model(
+        ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, max_seq_len=16), CPU
+    )
 
 
 def batch(seed=1):
@@ -52,6 +54,7 @@ def forward_backward(model, precision, x, y):
 
 
 # ---- the support matrix ---------------------------------------------------------------------
+
 
 def test_support_matrix_has_a_row_per_mode_for_this_device_with_reasons():
     rows = support_matrix(CPU)
@@ -80,6 +83,7 @@ def test_probing_leaves_the_random_stream_alone():
 
 # ---- the three modes ------------------------------------------------------------------------
 
+
 def test_fp32_precision_is_exactly_the_plain_path():
     plain, ours = tiny_model(), tiny_model()
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
@@ -104,7 +108,8 @@ def test_bf16_autocast_runs_matmuls_in_bf16_while_parameters_stay_fp32():
     model, precision = tiny_model(), Precision("bf16", CPU)
     seen = {}
     model.layers["0"].attention.q_proj.register_forward_hook(
-        lambda mod, args, out: seen.update(q=out.dtype))
+        lambda mod, args, out: seen.update(q=out.dtype)
+    )
     x, y = batch()
     forward_backward(model, precision, x, y)
     assert seen["q"] == torch.bfloat16
@@ -128,8 +133,13 @@ def test_fp16_scaler_skips_an_overflowing_step_and_halves_the_scale():
         opt.zero_grad()
         unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         history.append((skipped, unchanged, precision.scale))
-    assert history == [(False, False, 65536.0), (True, True, 32768.0), (False, False, 32768.0),
-                       (True, True, 16384.0), (False, False, 16384.0)]
+    assert history == [
+        (False, False, 65536.0),
+        (True, True, 32768.0),
+        (False, False, 32768.0),
+        (True, True, 16384.0),
+        (False, False, 16384.0),
+    ]
     assert precision.skipped_steps == 2
     assert opt.state[next(model.parameters())]["step"].item() == 3  # AdamW never saw the skips
 
@@ -139,14 +149,16 @@ def test_clipping_sees_unscaled_gradients():
     ref_model, model = tiny_model(), tiny_model()
     fp32 = Precision("fp32", CPU)
     forward_backward(ref_model, fp32, x, y)
-    ref_norm, _ = fp32.step(torch.optim.SGD(ref_model.parameters(), lr=0.0), ref_model.parameters(),
-                            grad_clip=0.0)
+    ref_norm, _ = fp32.step(
+        torch.optim.SGD(ref_model.parameters(), lr=0.0), ref_model.parameters(), grad_clip=0.0
+    )
     fp16 = Precision("fp16", CPU)
     forward_backward(model, fp16, x, y)
     ref_norm = float(ref_norm)  # step() returns the norm as a tensor: no host sync per step
     clip = ref_norm / 4
-    norm, skipped = fp16.step(torch.optim.SGD(model.parameters(), lr=0.0), model.parameters(),
-                              grad_clip=clip)
+    norm, skipped = fp16.step(
+        torch.optim.SGD(model.parameters(), lr=0.0), model.parameters(), grad_clip=clip
+    )
     # fp16 keeps 11 significant bits (relative rounding 2**-11 ~ 5e-4 per value); through a
     # forward and backward pass the norm moves by well under 1%. Without unscaling it would be
     # 65536 times larger.
@@ -157,6 +169,7 @@ def test_clipping_sees_unscaled_gradients():
 
 # ---- the trainer, in each mode --------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def fp32_records(data_dir, tmp_path_factory):
     return run_trainer(data_dir, tmp_path_factory.mktemp("fp32"), "fp32")[1].train
@@ -164,8 +177,15 @@ def fp32_records(data_dir, tmp_path_factory):
 
 def run_trainer(data_dir, tmp_path, mode, **extra):
     # bf16/fp16 matmuls are emulated (tens of times slower) on CPUs without bf16 units: tiny.
-    o = {"training.mixed_precision": mode, "training.steps": 3, "training.batch_size": 2,
-         "training.seq_len": 16, "eval.every": 0, "eval.sample_tokens": 2, **extra}
+    o = {
+        "training.mixed_precision": mode,
+        "training.steps": 3,
+        "training.batch_size": 2,
+        "training.seq_len": 16,
+        "eval.every": 0,
+        "eval.sample_tokens": 2,
+        **extra,
+    }
     trainer = Trainer(load_config(None, tiny_overrides(data_dir, tmp_path, **o)))
     return trainer, trainer.fit()
 
@@ -179,17 +199,30 @@ def test_trainer_runs_in_each_mode_and_logs_the_scaler(mode, data_dir, tmp_path,
     assert history.losses[0] == pytest.approx(fp32_records[0]["loss"], abs=0.05)
     assert all(math.isfinite(x) for x in history.losses)
     if mode == "fp16":
-        assert [(r["loss_scale"], r["skipped"], r["skipped_steps"]) for r in history.train] == \
-            [(65536.0, False, 0)] * 3
+        assert [(r["loss_scale"], r["skipped"], r["skipped_steps"]) for r in history.train] == [
+            (65536.0, False, 0)
+        ] * 3
     else:
         assert not any("loss_scale" in r for r in history.train)
     assert not any("loss_scale" in r for r in fp32_records)  # only fp16 has a scaler
 
 
 def test_trainer_logs_skipped_steps_when_the_scale_is_too_large(data_dir, tmp_path):
-    cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{
-        "training.mixed_precision": "fp16", "training.steps": 3, "training.batch_size": 2,
-        "training.seq_len": 16, "eval.every": 0, "eval.sample_tokens": 2}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            data_dir,
+            tmp_path,
+            **{
+                "training.mixed_precision": "fp16",
+                "training.steps": 3,
+                "training.batch_size": 2,
+                "training.seq_len": 16,
+                "eval.every": 0,
+                "eval.sample_tokens": 2,
+            },
+        ),
+    )
     trainer = Trainer(cfg)
     trainer.precision = Precision("fp16", CPU, init_scale=2.0**40)  # scaled grads overflow fp16
     with warnings.catch_warnings():
@@ -202,6 +235,7 @@ def test_trainer_logs_skipped_steps_when_the_scale_is_too_large(data_dir, tmp_pa
 
 
 # ---- bad input ------------------------------------------------------------------------------
+
 
 def test_unknown_mode_suggests_the_closest():
     for call in (lambda: Precision("bf61", CPU), lambda: support("fp61", CPU)):
@@ -251,8 +285,11 @@ def test_bf16_on_a_pre_ampere_gpu_is_refused_with_the_fix(monkeypatch):
     # What torch reports on a T4 (SM 7.5); decided before any probe touches the (absent) GPU.
     monkeypatch.setattr(mp, "_present", lambda kind: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported",  # True only counting emulation
-                        lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(
+        torch.cuda,
+        "is_bf16_supported",  # True only counting emulation
+        lambda including_emulation=True: including_emulation,
+    )
     with pytest.raises(TitanliteError, match=r"SM 7\.5: use fp16 \(with the scaler\) or fp32$"):
         Precision("bf16", torch.device("cuda"))
 
@@ -268,6 +305,7 @@ def test_a_device_this_machine_lacks_is_refused_in_one_line():
 
 
 # ---- accelerators (skipped cleanly without one) ---------------------------------------------
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_rows_follow_what_torch_reports():
@@ -291,7 +329,9 @@ def test_mps_rows_follow_what_torch_reports():
 def test_auto_is_the_default_and_is_fp32_on_the_cpu():
     assert load_config(None, {}).training.mixed_precision == "auto"
     precision = Precision("auto", CPU)
-    assert precision.mode == "fp32" and precision.dtype is None and not precision.scaler.is_enabled()
+    assert (
+        precision.mode == "fp32" and precision.dtype is None and not precision.scaler.is_enabled()
+    )
 
 
 def test_auto_on_a_faked_t4_is_fp16_with_the_scaler(monkeypatch):
@@ -309,8 +349,12 @@ def test_trainer_default_on_cpu_is_the_fp32_path(data_dir, tmp_path, fp32_record
     trainer, history = run_trainer(data_dir, tmp_path, "auto")
     assert trainer.precision.mode == "fp32" and trainer.compute_dtype == torch.float32
     assert history.losses == [r["loss"] for r in fp32_records]  # same losses, bit for bit
-    assert all(r["mfu_datasheet"] is None and r["reserved_memory_bytes"] is None
-               and r["alloc_retries"] is None for r in history.train)
+    assert all(
+        r["mfu_datasheet"] is None
+        and r["reserved_memory_bytes"] is None
+        and r["alloc_retries"] is None
+        for r in history.train
+    )
 
 
 def test_fp16_weights_with_the_fp16_scaler_are_refused_in_one_line():
@@ -319,17 +363,25 @@ def test_fp16_weights_with_the_fp16_scaler_are_refused_in_one_line():
     x, y = batch()
     forward_backward(model, precision, x, y)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TitanliteError) as err:   # not GradScaler's "Attempting to unscale FP16 gradients"
+    with pytest.raises(
+        TitanliteError
+    ) as err:  # not GradScaler's "Attempting to unscale FP16 gradients"
         precision.step(opt, model.parameters(), grad_clip=1.0)
     assert "\n" not in str(err.value) and "--training.dtype float32" in str(err.value)
 
 
 def test_the_trainer_refuses_fp16_weights_with_the_scaler_before_any_step(data_dir, tmp_path):
     from conftest import tiny_overrides
+
     from titanlite.config import load_config
     from titanlite.train import Trainer
-    cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{"training.dtype": "float16",
-                                                                  "training.mixed_precision": "fp16"}))
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            data_dir, tmp_path, **{"training.dtype": "float16", "training.mixed_precision": "fp16"}
+        ),
+    )
     with pytest.raises(TitanliteError) as err:
         Trainer(cfg)
     assert "\n" not in str(err.value) and "--training.dtype float32" in str(err.value)

@@ -1,10 +1,11 @@
 """The model: sizes, FLOP formula vs counted FLOPs, meta-device init, causality, errors."""
+
 import pytest
 import torch
 
 from titanlite import TitanliteError
-from titanlite.tools.flops import count_training_flops
 from titanlite.models.llama import PRESETS, ModelArgs, Transformer, build_model
+from titanlite.tools.flops import count_training_flops
 
 
 def manual_param_count(a: ModelArgs) -> int:
@@ -21,8 +22,13 @@ def test_presets_have_the_advertised_sizes(name):
         model = Transformer(ModelArgs.preset(name))
     n = model.num_params()
     assert n == manual_param_count(model.args)
-    expected = {"debug": (0, 1e6), "small": (10e6, 30e6), "125M": (110e6, 140e6),
-                "1B": (1.1e9, 1.3e9), "8B": (7.9e9, 8.1e9)}[name]
+    expected = {
+        "debug": (0, 1e6),
+        "small": (10e6, 30e6),
+        "125M": (110e6, 140e6),
+        "1B": (1.1e9, 1.3e9),
+        "8B": (7.9e9, 8.1e9),
+    }[name]
     assert expected[0] < n < expected[1], n
 
 
@@ -92,8 +98,11 @@ def test_gqa_attention_paths_give_the_same_numbers(dtype):
     """SDPA's enable_gqa and our own k/v repeat (what CUDA kernels without enable_gqa get)
     must be the same math: outputs and gradients equal on the CPU."""
     from titanlite.models.llama import causal_attention
+
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, 32, 16, generator=g, dtype=dtype).requires_grad_() for h in (6, 2, 2))
+    q, k, v = (
+        torch.randn(2, h, 32, 16, generator=g, dtype=dtype).requires_grad_() for h in (6, 2, 2)
+    )
     outs, grads = [], []
     for expand in (False, True):
         out = causal_attention(q, k, v, expand_kv=expand)
@@ -112,6 +121,7 @@ def test_gqa_attention_paths_give_the_same_numbers(dtype):
 def test_model_on_cpu_keeps_sdpa_gqa_path():
     """CPU behaviour must not change: the default path equals the enable_gqa path bit for bit."""
     from titanlite.models import llama
+
     model = build_model(ModelArgs.preset("debug"))
     x = torch.randint(0, 4096, (2, 32))
     ref = model(x)

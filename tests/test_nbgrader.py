@@ -2,6 +2,7 @@
 the instructor edition of notebook 02, a student's submission with one right and one wrong
 answer, `nbgrader autograde`, and the scores in the gradebook: 1 of 2 points. The same commands
 as README's "Teaching with titanlite"."""
+
 import os
 import shutil
 import subprocess
@@ -11,7 +12,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-pytest.importorskip("nbgrader", reason="nbgrader is the `course` extra: pip install -e '.[course]' (make test does)")
+pytest.importorskip(
+    "nbgrader", reason="nbgrader is the `course` extra: pip install -e '.[course]' (make test does)"
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "02_gradient_accumulation"
@@ -28,23 +31,38 @@ def micro_losses(micro_logits, micro_targets):
 def _nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
     # The venv's bin/ first on PATH, as `source .venv/bin/activate` does: nbgrader runs `alembic`
     # from PATH to set up its gradebook, and fails without it.
-    env = {**os.environ, "TITANLITE_SMOKE": "1", "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    env = {
+        **os.environ,
+        "TITANLITE_SMOKE": "1",
+        "MPLBACKEND": "Agg",
+        "PYTHONPATH": str(ROOT),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "nbgrader", *args],
+        cwd=course,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, (
+        f"nbgrader {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
     return done
 
 
 @pytest.mark.slow
 def test_nbgrader_generates_and_autogrades_a_lab(tmp_path):
     from nbgrader.api import Gradebook
+
     course = tmp_path / "course"
     (course / "source" / "lab02").mkdir(parents=True)
     (course / "nbgrader_config.py").write_text(
         "c = get_config()\n"
         "c.CourseDirectory.course_id = 'titanlite'\n"
-        "c.Execute.timeout = 600  # seconds per cell: a notebook's smoke run fits easily\n")
+        "c.Execute.timeout = 600  # seconds per cell: a notebook's smoke run fits easily\n"
+    )
     shutil.copy(ROOT / "notebooks" / f"{NOTEBOOK}.ipynb", course / "source" / "lab02")
     _nbgrader(course, "db", "assignment", "add", "lab02")
     _nbgrader(course, "db", "student", "add", "alice")
@@ -52,11 +70,16 @@ def test_nbgrader_generates_and_autogrades_a_lab(tmp_path):
 
     released = course / "release" / "lab02" / f"{NOTEBOOK}.ipynb"
     nb = nbformat.read(released, 4)
-    solutions = {c.metadata["nbgrader"]["grade_id"]: c for c in nb.cells
-                 if c.get("metadata", {}).get("nbgrader", {}).get("solution")}
+    solutions = {
+        c.metadata["nbgrader"]["grade_id"]: c
+        for c in nb.cells
+        if c.get("metadata", {}).get("nbgrader", {}).get("solution")
+    }
     assert set(solutions) == {"02_accum_steps_solution", "02_global_token_loss_solution"}
-    assert all("raise NotImplementedError()" in c.source and "BEGIN SOLUTION" not in c.source
-               for c in solutions.values()), "generate_assignment stripped the solutions"
+    assert all(
+        "raise NotImplementedError()" in c.source and "BEGIN SOLUTION" not in c.source
+        for c in solutions.values()
+    ), "generate_assignment stripped the solutions"
 
     solutions["02_accum_steps_solution"].source = RIGHT
     solutions["02_global_token_loss_solution"].source = WRONG
@@ -67,17 +90,30 @@ def test_nbgrader_generates_and_autogrades_a_lab(tmp_path):
     _nbgrader(course, "autograde", "lab02")
 
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
-        scores = {cell: gradebook.find_grade(cell, NOTEBOOK, "lab02", "alice").score
-                  for cell in ("02_accum_steps_check", "02_global_token_loss_check")}
+        scores = {
+            cell: gradebook.find_grade(cell, NOTEBOOK, "lab02", "alice").score
+            for cell in ("02_accum_steps_check", "02_global_token_loss_check")
+        }
         submission = gradebook.find_submission("lab02", "alice")
         assert scores == {"02_accum_steps_check": 1.0, "02_global_token_loss_check": 0.0}, scores
         assert (submission.score, submission.max_score) == (1.0, 2.0)
 
     graded = nbformat.read(course / "autograded" / "alice" / "lab02" / f"{NOTEBOOK}.ipynb", 4)
-    checks = {c.metadata["nbgrader"]["grade_id"]: c for c in graded.cells
-              if c.get("metadata", {}).get("nbgrader", {}).get("grade")}
+    checks = {
+        c.metadata["nbgrader"]["grade_id"]: c
+        for c in graded.cells
+        if c.get("metadata", {}).get("nbgrader", {}).get("grade")
+    }
     right = "".join(o.get("text", "") for o in checks["02_accum_steps_check"].outputs)
-    wrong = [o.get("text", "") for o in checks["02_global_token_loss_check"].outputs if o.get("name") == "stderr"]
+    wrong = [
+        o.get("text", "")
+        for o in checks["02_global_token_loss_check"].outputs
+        if o.get("name") == "stderr"
+    ]
     assert right.startswith("✓ 02_accum_steps: passed") and right.count("\n") == 1
-    assert len(wrong) == 1 and wrong[0].startswith("ExerciseError: 02_global_token_loss: micro-batch ") \
-        and wrong[0].count("\n") == 1 and "[seed " in wrong[0], wrong
+    assert (
+        len(wrong) == 1
+        and wrong[0].startswith("ExerciseError: 02_global_token_loss: micro-batch ")
+        and wrong[0].count("\n") == 1
+        and "[seed " in wrong[0]
+    ), wrong

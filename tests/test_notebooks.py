@@ -2,6 +2,7 @@
 
 Each notebook asserts its own claims on the numbers it measures, so executing it is the test.
 """
+
 import json
 import shutil
 import time
@@ -21,8 +22,11 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_committed_without_outputs(path):
     nb = json.loads(path.read_text())
-    dirty = [i for i, c in enumerate(nb["cells"])
-             if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))]
+    dirty = [
+        i
+        for i, c in enumerate(nb["cells"])
+        if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))
+    ]
     assert not dirty, f"{path.name}: cells {dirty} carry outputs; clear them before committing"
 
 
@@ -35,19 +39,27 @@ def test_notebook_runs_in_smoke_scale(path, tmp_path, monkeypatch):
 
     # Run a copy, so outputs and runs/ never land in the repository.
     work = tmp_path / "notebooks"
-    shutil.copytree(ROOT / "notebooks", work, ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints"))
+    shutil.copytree(
+        ROOT / "notebooks", work, ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints")
+    )
     monkeypatch.setenv("TITANLITE_SMOKE", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(work / path.name, as_version=4)
-    client = NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(work)}})
+    client = NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(work)}}
+    )
     start = time.perf_counter()
     try:
         client.execute()
     except CellExecutionError as e:
         pytest.fail(f"{path.name} failed in smoke scale:\n{str(e)[-3000:]}")
     print(f"{path.name}: {time.perf_counter() - start:.1f} s in smoke scale")
-    stderr = [o.get("text", "") for c in nb.cells if c.cell_type == "code"
-              for o in c.get("outputs", []) if o.get("name") == "stderr"]
+    stderr = [
+        o.get("text", "")
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.get("name") == "stderr"
+    ]
     noise = [s for s in stderr if "Failed to load" in s or "Traceback" in s]
     assert not noise, f"{path.name} printed noise a learner should not see: {noise[:2]}"

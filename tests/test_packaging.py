@@ -1,4 +1,5 @@
 """The project's own files agree with each other: dependencies, README commands, CI."""
+
 import re
 import sys
 from pathlib import Path
@@ -25,7 +26,9 @@ def test_environment_yml_names_the_same_packages_as_pyproject():
         if m and m.group(1) not in ("python", "pip", "conda-forge", "-e"):
             listed.add(CONDA_TO_PYPI.get(m.group(1).lower(), m.group(1).lower()))
     listed.discard("pip:")
-    assert listed == wanted, f"only in environment.yml: {listed - wanted}; only in pyproject: {wanted - listed}"
+    assert listed == wanted, (
+        f"only in environment.yml: {listed - wanted}; only in pyproject: {wanted - listed}"
+    )
 
 
 def test_readme_gives_two_commands_and_ci_runs_the_test_one():
@@ -52,11 +55,15 @@ def test_license_is_an_spdx_string_setuptools_reads_without_a_deprecation_warnin
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert isinstance(project["project"]["license"], str)
-    assert "setuptools>=77" in project["build-system"]["requires"][0]  # first to accept SPDX strings
+    assert (
+        "setuptools>=77" in project["build-system"]["requires"][0]
+    )  # first to accept SPDX strings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         apply_configuration(Distribution(), ROOT / "pyproject.toml")
-    assert not [w for w in caught if "license" in str(w.message).lower()], [str(w.message) for w in caught]
+    assert not [w for w in caught if "license" in str(w.message).lower()], [
+        str(w.message) for w in caught
+    ]
 
 
 def test_make_lab_starts_jupyterlab_with_the_news_pop_up_turned_off():
@@ -73,13 +80,21 @@ def test_make_lab_starts_jupyterlab_with_the_news_pop_up_turned_off():
     folder = re.search(r'--LabApp\.app_settings_dir=\$\(CURDIR\)/([^"\s]+)', makefile).group(1)
     assert "$(LAB_ARGS)" in re.search(r"^lab:.*\n\t(.*)", makefile, re.M).group(1)
     with tempfile.TemporaryDirectory() as no_user_settings:
-        settings, _ = get_settings(str(ROOT / folder), str(Path(get_app_dir()) / "schemas"),
-                                   no_user_settings, "@jupyterlab/apputils-extension:notification")
+        settings, _ = get_settings(
+            str(ROOT / folder),
+            str(Path(get_app_dir()) / "schemas"),
+            no_user_settings,
+            "@jupyterlab/apputils-extension:notification",
+        )
     # Overrides become the schema's defaults; with no user setting, the defaults are what applies.
     assert settings["settings"] == {}
     assert settings["schema"]["properties"]["fetchNews"]["default"] == "false"
     assert settings["schema"]["properties"]["checkForUpdates"]["default"] is False
     with tempfile.TemporaryDirectory() as empty:  # and the check can fail: the default asks
-        default, _ = get_settings(empty, str(Path(get_app_dir()) / "schemas"), empty,
-                                  "@jupyterlab/apputils-extension:notification")
+        default, _ = get_settings(
+            empty,
+            str(Path(get_app_dir()) / "schemas"),
+            empty,
+            "@jupyterlab/apputils-extension:notification",
+        )
     assert default["schema"]["properties"]["fetchNews"]["default"] == "none"

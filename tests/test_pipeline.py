@@ -1,18 +1,31 @@
 """Pipeline parallelism: PP=2 and PP=4 train exactly like one process under every schedule,
 torch runs the orders we derive from scratch, 1F1B holds at most p micro-batches, bad input
 is refused in one line, and the timeline arithmetic is exact on a hand-made timeline."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from titanlite import TitanliteError
-from titanlite.tools.launcher import launch_function
 from titanlite.distributed import pipeline as pp_mod
 from titanlite.distributed.pipeline import available_schedules, check_pipeline, split_layers
 from titanlite.labs.nb10_pipeline_parallel import lab_args, lab_batches, train_single
-from titanlite.tools.pipeline_timeline import Event, afab_order, bubble, bubble_budget, causality_margin, formula_bubble, one_f_one_b_order, order, peak_live_bytes, peak_live_microbatches, simulate
 from titanlite.models.llama import ModelArgs, build_model
+from titanlite.tools.launcher import launch_function
+from titanlite.tools.pipeline_timeline import (
+    Event,
+    afab_order,
+    bubble,
+    bubble_budget,
+    causality_margin,
+    formula_bubble,
+    one_f_one_b_order,
+    order,
+    peak_live_bytes,
+    peak_live_microbatches,
+    simulate,
+)
 
 LAB = "titanlite.labs.nb10_pipeline_parallel:schedule_lab"
 # fp32 losses of ~5 carry ~5e-7 of rounding (1 ulp); PP sums the same per-micro-batch
@@ -38,9 +51,16 @@ def _check_parity(results: dict, ref: dict) -> None:
     for name, r in results.items():
         loss_diff = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
         norm_diff = max(abs(a - b) / b for a, b in zip(r["grad_norms"], ref["grad_norms"]))
-        assert loss_diff < TOL and norm_diff < NORM_RTOL, (name, r["losses"], ref["losses"],
-                                                           r["grad_norms"], ref["grad_norms"])
-        assert min(r["grad_norms"]) > KW2["grad_clip"], "clipping must act for the norm to be tested"
+        assert loss_diff < TOL and norm_diff < NORM_RTOL, (
+            name,
+            r["losses"],
+            ref["losses"],
+            r["grad_norms"],
+            ref["grad_norms"],
+        )
+        assert min(r["grad_norms"]) > KW2["grad_clip"], (
+            "clipping must act for the norm to be tested"
+        )
         # After training: the forward-only pass and the gathered weights are the single process's.
         if r["schedule"] != "zbv":  # torch's V schedule cannot run forward-only (pipeline_eval)
             assert abs(r["eval_loss"] - ref["eval_loss"]) < TOL, name
@@ -48,11 +68,16 @@ def _check_parity(results: dict, ref: dict) -> None:
         # Whole tensors, relative: AdamW divides each gradient entry by its own running size, so
         # last-bit differences of small entries become visible in the weights: measured up to
         # 1.7e-4 after 2 steps with PP=4. A missing or misplaced stage would be off by O(1).
-        worst = max(((r["state_dict"][k] - v).norm() / v.norm()).item() for k, v in ref["state_dict"].items())
+        worst = max(
+            ((r["state_dict"][k] - v).norm() / v.norm()).item()
+            for k, v in ref["state_dict"].items()
+        )
         assert worst < 1e-3, (name, worst)
 
 
-KW2 = dict(dim=64, vocab_size=128, seq_len=32, batch_size=8, n_microbatches=4, steps=3, grad_clip=0.5)
+KW2 = dict(
+    dim=64, vocab_size=128, seq_len=32, batch_size=8, n_microbatches=4, steps=3, grad_clip=0.5
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +89,11 @@ def pp2():
 
 def test_pp2_trains_like_one_process(pp2):
     assert {"gpipe", "1f1b", "interleaved_1f1b"} <= set(pp2)
-    assert set(pp2) == {s for s in ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
-                        if s in available_schedules()}
+    assert set(pp2) == {
+        s
+        for s in ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
+        if s in available_schedules()
+    }
     _check_parity(pp2, _reference(KW2, n_layers=4))
 
 
@@ -102,25 +130,35 @@ def test_pp2_activation_memory_gpipe_vs_1f1b(pp2):
 @pytest.mark.filterwarnings("ignore:4 processes on")  # 4 ranks share 2 cores: slow, still exact
 def test_pp4_trains_like_one_process():
     kw = dict(KW2, n_microbatches=4, steps=2)
-    out = launch_function(LAB, nproc=4, timeout_s=240, schedules=["gpipe", "1f1b", "interleaved_1f1b"],
-                          n_layers=8, **kw)
+    out = launch_function(
+        LAB,
+        nproc=4,
+        timeout_s=240,
+        schedules=["gpipe", "1f1b", "interleaved_1f1b"],
+        n_layers=8,
+        **kw,
+    )
     assert [len(ls) for ls in out[0]["interleaved_1f1b"]["layers"]] == [1] * 8  # 4 ranks × 2 stages
     _check_parity(out[0], _reference(kw, n_layers=8))
 
 
 # ----- bad input: one clear line each ----------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(pp=2, schedule="1f1bb", n_microbatches=4), "did you mean: 1f1b"),
-    (dict(pp=4, schedule="1f1b", n_layers=2), "4 pipeline stages, but the model has 2 layers"),
-    (dict(pp=2, schedule="interleaved_1f1b", n_layers=3), "at most 3 stages"),
-    (dict(pp=4, schedule="1f1b", n_microbatches=2), "n_microbatches=2 < pp=4"),
-    (dict(pp=2, schedule="interleaved_1f1b", n_microbatches=5), "multiple of 2"),
-    (dict(pp=2, schedule="gpipe", n_microbatches=3, batch_size=8), "does not split into 3"),
-    (dict(pp=2, schedule="1f1b", tie_embeddings=True), "model.tie_embeddings=false"),
-    (dict(pp=2, schedule="gpipe", stages_per_rank=2), "one stage per rank"),
-    (dict(pp=2, schedule="gpipe", n_microbatches=0), "at least 1"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(pp=2, schedule="1f1bb", n_microbatches=4), "did you mean: 1f1b"),
+        (dict(pp=4, schedule="1f1b", n_layers=2), "4 pipeline stages, but the model has 2 layers"),
+        (dict(pp=2, schedule="interleaved_1f1b", n_layers=3), "at most 3 stages"),
+        (dict(pp=4, schedule="1f1b", n_microbatches=2), "n_microbatches=2 < pp=4"),
+        (dict(pp=2, schedule="interleaved_1f1b", n_microbatches=5), "multiple of 2"),
+        (dict(pp=2, schedule="gpipe", n_microbatches=3, batch_size=8), "does not split into 3"),
+        (dict(pp=2, schedule="1f1b", tie_embeddings=True), "model.tie_embeddings=false"),
+        (dict(pp=2, schedule="gpipe", stages_per_rank=2), "one stage per rank"),
+        (dict(pp=2, schedule="gpipe", n_microbatches=0), "at least 1"),
+    ],
+)
 def test_bad_pipelines_are_refused(kwargs, message):
     with pytest.raises(TitanliteError, match=message) as e:
         check_pipeline(**kwargs)
@@ -153,6 +191,7 @@ def test_split_layers_balances_work():
 
 
 # ----- the timeline arithmetic, on a timeline made by hand ----------------------------------------
+
 
 def _timeline(schedule, p: int, m: int, f: float = 1.0, b: float = 2.0) -> list[Event]:
     """Equal stages, free communication: what the textbook draws."""
@@ -193,16 +232,23 @@ def test_bubble_budget_on_a_known_timeline():
     assert bubble_budget(equal, 0.25)["measured"] == bubble_budget(equal, 0.25)["wall"] == 0.25
 
 
-@pytest.mark.parametrize("policy, pp, expected", [
-    ("default", 1, [True, True, True, False]),   # the last block's backward follows at once
-    ("default", 2, [False] * 4),                 # a stage runs forward per micro-batch: keep
-    ("always", 2, [True] * 4), ("never", 1, [False] * 4)])
+@pytest.mark.parametrize(
+    "policy, pp, expected",
+    [
+        ("default", 1, [True, True, True, False]),  # the last block's backward follows at once
+        ("default", 2, [False] * 4),  # a stage runs forward per micro-batch: keep
+        ("always", 2, [True] * 4),
+        ("never", 1, [False] * 4),
+    ],
+)
 def test_fsdp_keeps_gathered_weights_under_pipeline_parallelism(policy, pp, expected):
     from titanlite.distributed.fsdp import reshard_flags
+
     assert reshard_flags(policy, 4, pp=pp) == expected
 
 
 def test_an_unknown_reshard_policy_is_one_line():
     from titanlite.distributed.fsdp import reshard_flags
+
     with pytest.raises(TitanliteError, match="'sometimes' is not one of default, always, never"):
         reshard_flags("sometimes", 4)

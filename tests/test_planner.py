@@ -2,6 +2,7 @@
 the rules (TP inside a node and dividing the heads, degrees multiplying to the GPUs), its
 choices are the rules of thumb, impossible requests fail in one line; and on 4 real processes
 the groups and per-rank parameters it assumes are the ones torch builds."""
+
 from __future__ import annotations
 
 import math
@@ -9,19 +10,27 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from conftest import tiny_overrides
+
 from titanlite.config import load_config
 from titanlite.distributed.mesh import ParallelDims
+from titanlite.errors import TitanliteError
+from titanlite.models.llama import ModelArgs, Transformer, build_model
+from titanlite.tools.activation_memory import saved_activation_bytes, tokens_for
 from titanlite.tools.planner import activation_bytes_per_layer, plan, stage_params
 from titanlite.tools.zero import zero_bytes_per_rank
-from titanlite.errors import TitanliteError
-from titanlite.tools.activation_memory import saved_activation_bytes, tokens_for
-from titanlite.models.llama import ModelArgs, Transformer, build_model
 
 # Llama 3 70B's published shape (Meta's params.json): built by hand, there is no preset.
-LLAMA3_70B = ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128_256,
-                       ffn_hidden_dim=28_672, max_seq_len=8192, tie_embeddings=False)
+LLAMA3_70B = ModelArgs(
+    dim=8192,
+    n_layers=80,
+    n_heads=64,
+    n_kv_heads=8,
+    vocab_size=128_256,
+    ffn_hidden_dim=28_672,
+    max_seq_len=8192,
+    tie_embeddings=False,
+)
 GB = 1e9
 
 
@@ -52,7 +61,12 @@ def test_tp_and_pp_divide_the_parameters_as_the_model_is_built():
     assert stage_params(a, 1, 1) == [psi]
     assert stage_params(a, 1, 8) == [(psi - norms) // 8 + norms]
     # Two stages of 16 layers; the first adds the embedding, the last the final norm and output.
-    block = 2 * a.dim * a.dim + 2 * a.dim * (a.n_kv_heads * a.head_dim) + 3 * a.dim * a.hidden_dim + 2 * a.dim
+    block = (
+        2 * a.dim * a.dim
+        + 2 * a.dim * (a.n_kv_heads * a.head_dim)
+        + 3 * a.dim * a.hidden_dim
+        + 2 * a.dim
+    )
     embedding = a.vocab_size * a.dim
     assert stage_params(a, 2, 1) == [16 * block + embedding, 16 * block + a.dim + embedding]
     assert sum(stage_params(a, 4, 1)) == psi
@@ -60,25 +74,38 @@ def test_tp_and_pp_divide_the_parameters_as_the_model_is_built():
     # flight there, 1 on the last stage), with ZeRO-3 of stage 0's parameters over 4.
     p = plan(a, 8, 80 * GB, seq_len=1024)
     c = _find(p, (2, 1, 4, 1))
-    assert c.memory.states == zero_bytes_per_rank(stage_params(a, 2, 1)[0], 4, 3, precision="mixed")["total"]
+    assert (
+        c.memory.states
+        == zero_bytes_per_rank(stage_params(a, 2, 1)[0], 4, 3, precision="mixed")["total"]
+    )
 
 
 def test_activations_per_layer_are_measured_ones_split_over_tp():
     # One more layer of a bf16 model saves exactly what the planner counts for a layer.
     small = ModelArgs.preset("debug", vocab_size=512)
     tokens = tokens_for(small, 2, 64)
-    measured = [saved_activation_bytes(build_model(replace(small, n_layers=n)).to(torch.bfloat16), tokens)
-                for n in (2, 3)]
-    assert measured[1] - measured[0] == pytest.approx(activation_bytes_per_layer(small, 64, 2), rel=0.01)
+    measured = [
+        saved_activation_bytes(build_model(replace(small, n_layers=n)).to(torch.bfloat16), tokens)
+        for n in (2, 3)
+    ]
+    assert measured[1] - measured[0] == pytest.approx(
+        activation_bytes_per_layer(small, 64, 2), rel=0.01
+    )
     a, s, b = ModelArgs.preset("8B"), 4096, 2
     one = activation_bytes_per_layer(a, s, b)
     assert activation_bytes_per_layer(a, s, b, 8) == pytest.approx(one / 8)  # SP: all of it / t
     no_sp = [activation_bytes_per_layer(a, s, b, t, sequence_parallel=False) for t in (1, 2, 4, 8)]
     assert no_sp[0] == one and no_sp[3] > one / 8  # the norms' tensors stay whole on every rank
     assert no_sp[1] - no_sp[2] == pytest.approx(2 * (no_sp[2] - no_sp[3]))  # the rest: ∝ 1/t
-    assert activation_bytes_per_layer(a, s, b, checkpointing="full") == 2 * s * b * a.dim  # bf16 input
-    whole_input = activation_bytes_per_layer(a, s, b, 8, sequence_parallel=False, checkpointing="full")
-    assert whole_input == 2 * s * b * a.dim  # without SP the residual stream is whole on every TP rank
+    assert (
+        activation_bytes_per_layer(a, s, b, checkpointing="full") == 2 * s * b * a.dim
+    )  # bf16 input
+    whole_input = activation_bytes_per_layer(
+        a, s, b, 8, sequence_parallel=False, checkpointing="full"
+    )
+    assert (
+        whole_input == 2 * s * b * a.dim
+    )  # without SP the residual stream is whole on every TP rank
     # 1F1B: stage 0 of pp holds pp micro-batches of n_layers/pp layers: all layers' worth.
     p = plan(a, 8, 1000 * GB, seq_len=s, micro_batch=b)
     assert _find(p, (2, 1, 4, 1)).memory.activations == round(a.n_layers * one)
@@ -86,8 +113,9 @@ def test_activations_per_layer_are_measured_ones_split_over_tp():
         plan(a, 8, 80 * GB, seq_len=s, checkpointing="partial")
 
 
-@pytest.mark.parametrize("args, n, per_node",
-                         [("8B", 16, 8), (LLAMA3_70B, 64, 8), ("debug", 8, 4), ("1B", 12, 4)])
+@pytest.mark.parametrize(
+    "args, n, per_node", [("8B", 16, 8), (LLAMA3_70B, 64, 8), ("debug", 8, 4), ("1B", 12, 4)]
+)
 def test_every_layout_obeys_the_rules(args, n, per_node):
     p = plan(args, n, 80 * GB, gpus_per_node=per_node, seq_len=2048, checkpointing="full")
     a = p.args
@@ -140,17 +168,24 @@ def test_explain_prints_the_choice_and_its_reasons(capsys):
     p.explain()
     out = capsys.readouterr().out
     assert "dp_shard=8" in out and "fits:" in out and "layouts fit" in out
-    assert p.best.overrides == {"parallel.pp": 1, "parallel.dp_replicate": 1, "parallel.dp_shard": 8,
-                                "parallel.tp": 1}
+    assert p.best.overrides == {
+        "parallel.pp": 1,
+        "parallel.dp_replicate": 1,
+        "parallel.dp_shard": 8,
+        "parallel.tp": 1,
+    }
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(n_gpus=12), "whole nodes"),
-    (dict(n_gpus=0), "must be positive"),
-    (dict(gpu_mem_bytes=16 * GB, n_gpus=1), "no layout of 1 GPUs"),
-    (dict(global_batch=7, micro_batch=2), "not a multiple of micro_batch"),
-    (dict(n_gpus=64, global_batch=4), "no layout"),  # 4 sequences cannot feed 64 GPUs
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(n_gpus=12), "whole nodes"),
+        (dict(n_gpus=0), "must be positive"),
+        (dict(gpu_mem_bytes=16 * GB, n_gpus=1), "no layout of 1 GPUs"),
+        (dict(global_batch=7, micro_batch=2), "not a multiple of micro_batch"),
+        (dict(n_gpus=64, global_batch=4), "no layout"),  # 4 sequences cannot feed 64 GPUs
+    ],
+)
 def test_impossible_requests_fail_in_one_line(kwargs, message):
     request = dict(args="8B", n_gpus=8, gpu_mem_bytes=80 * GB, seq_len=8192) | kwargs
     with pytest.raises(TitanliteError, match=message) as e:
@@ -166,11 +201,22 @@ def test_torch_builds_the_groups_and_shards_the_planner_assumes(data_dir, tmp_pa
     stage_params of its stage, and the losses are one process's with the same batch."""
     from titanlite.tools.launcher import launch_function
     from titanlite.train import Trainer
-    model = {"model.n_layers": 4, "model.tie_embeddings": False, "training.steps": 2, "eval.every": 0}
+
+    model = {
+        "model.n_layers": 4,
+        "model.tie_embeddings": False,
+        "training.steps": 2,
+        "eval.every": 0,
+    }
     layout = {"parallel.pp": 2, "parallel.tp": 2}
     cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **model, **layout))
-    out = launch_function("titanlite.labs.nb11_composing_parallelism:layout_lab", nproc=4, cfg=cfg, timeout_s=240,
-                          log_dir=str(tmp_path / "jobs"))
+    out = launch_function(
+        "titanlite.labs.nb11_composing_parallelism:layout_lab",
+        nproc=4,
+        cfg=cfg,
+        timeout_s=240,
+        log_dir=str(tmp_path / "jobs"),
+    )
     dims = ParallelDims.resolve(1, -1, 4, tp=2, pp=2)
     args = ModelArgs.preset("debug", n_layers=4, tie_embeddings=False, vocab_size=512)
     for rank, o in enumerate(out):
@@ -178,9 +224,14 @@ def test_torch_builds_the_groups_and_shards_the_planner_assumes(data_dir, tmp_pa
         assert lay["coordinates"] == dims.coordinates(rank)
         for dim in ("pp", "dp_replicate", "dp_shard", "tp"):
             mine = next(g for g in dims.groups(dim) if rank in g)
-            assert lay[dim]["group"] == lay[dim]["mesh"] == lay[dim]["answered"] == mine, (rank, dim)
+            assert lay[dim]["group"] == lay[dim]["mesh"] == lay[dim]["answered"] == mine, (
+                rank,
+                dim,
+            )
         assert lay["param_elements"] == stage_params(args, 2, 2)[lay["coordinates"]["pp"]]
-    single = load_config(None, tiny_overrides(data_dir, tmp_path, **model, **{"metrics.run_name": "one"}))
+    single = load_config(
+        None, tiny_overrides(data_dir, tmp_path, **model, **{"metrics.run_name": "one"})
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # like each rank (OMP_NUM_THREADS=1): the same summation order
     try:

@@ -1,4 +1,5 @@
 """Progress in a terminal is a bar; in a log file (stderr not a TTY) it is plain lines."""
+
 import io
 import re
 import subprocess
@@ -6,10 +7,13 @@ import sys
 from pathlib import Path
 
 from conftest import tiny_overrides
+
 from titanlite import _ui
 
 ROOT = Path(__file__).resolve().parents[1]
-LINE = re.compile(r"^step (\d+)/(\d+) · loss \d+\.\d{3} · [\d,]+ tok/s · (\d\d):(\d\d) elapsed, (\d\d):(\d\d) left$")
+LINE = re.compile(
+    r"^step (\d+)/(\d+) · loss \d+\.\d{3} · [\d,]+ tok/s · (\d\d):(\d\d) elapsed, (\d\d):(\d\d) left$"
+)
 
 
 class Clock:
@@ -63,13 +67,30 @@ def test_progress_bar_is_a_bar_on_a_terminal_and_lines_in_a_file(monkeypatch):
 
 
 def test_a_training_run_logged_to_a_file_writes_plain_progress_lines(data_dir, tmp_path):
-    overrides = tiny_overrides(data_dir, tmp_path, **{"training.steps": 20, "metrics.progress": True})
+    overrides = tiny_overrides(
+        data_dir, tmp_path, **{"training.steps": 20, "metrics.progress": True}
+    )
     log = tmp_path / "train.log"
     with log.open("w") as err:  # a file, as in `titanlite train ... 2> train.log`
-        r = subprocess.run([sys.executable, "-m", "titanlite", "train", "--config", "configs/debug.toml",
-                            *[a for k, v in overrides.items() for a in (f"--{k}", str(v))]],
-                           cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "titanlite",
+                "train",
+                "--config",
+                "configs/debug.toml",
+                *[a for k, v in overrides.items() for a in (f"--{k}", str(v))],
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            timeout=300,
+        )
     text = log.read_text()
     assert r.returncode == 0, text
     progress = [l for l in text.splitlines() if l.startswith("step ")]
-    assert "\r" not in text and [int(LINE.match(l).group(1)) for l in progress] == list(range(2, 21, 2)), text
+    assert "\r" not in text and [int(LINE.match(l).group(1)) for l in progress] == list(
+        range(2, 21, 2)
+    ), text

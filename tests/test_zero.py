@@ -5,6 +5,7 @@ The formula tests are exact. The distributed tests start one 2-process gloo run 
 torch's real shard sizes: the odd vocabulary (4095 rows) makes FSDP2 pad rank 1's embedding
 shard by one row, and ZeroRedundancyOptimizer's whole-tensor partition is uneven.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,15 @@ import textwrap
 
 import pytest
 import torch
-
-from titanlite.tools.zero import fsdp_shard_numel, measure_state_bytes, zero1_partition, zero_bytes_per_rank
-from titanlite.errors import TitanliteError
-
 from conftest import run_torchrun
+
+from titanlite.errors import TitanliteError
+from titanlite.tools.zero import (
+    fsdp_shard_numel,
+    measure_state_bytes,
+    zero1_partition,
+    zero_bytes_per_rank,
+)
 
 WORLD = 2
 VOCAB = 4095  # odd: dim 0 of the embedding does not split evenly over 2 ranks
@@ -38,8 +43,12 @@ def test_paper_figure_1_numbers():
 def test_each_stage_shards_one_more_state(precision, per_param):
     psi, n = 1000, 4
     p, g, o = per_param
-    expected = [(p * psi, g * psi, o * psi), (p * psi, g * psi, o * psi // n),
-                (p * psi, g * psi // n, o * psi // n), (p * psi // n, g * psi // n, o * psi // n)]
+    expected = [
+        (p * psi, g * psi, o * psi),
+        (p * psi, g * psi, o * psi // n),
+        (p * psi, g * psi // n, o * psi // n),
+        (p * psi // n, g * psi // n, o * psi // n),
+    ]
     for stage, (ep, eg, eo) in enumerate(expected):
         got = zero_bytes_per_rank(psi, n, stage, precision=precision)
         assert got == {"params": ep, "grads": eg, "optimizer": eo, "total": ep + eg + eo}
@@ -49,7 +58,12 @@ def test_each_stage_shards_one_more_state(precision, per_param):
 
 def test_uneven_shards_round_up_and_overrides():
     # 10 elements over 4 ranks: slices of ceil(10/4) = 3 (the buffer is padded to 12)
-    assert zero_bytes_per_rank(10, 4, 3) == {"params": 12, "grads": 12, "optimizer": 24, "total": 48}
+    assert zero_bytes_per_rank(10, 4, 3) == {
+        "params": 12,
+        "grads": 12,
+        "optimizer": 24,
+        "total": 48,
+    }
     sgd = zero_bytes_per_rank(100, 2, 1, optim_bytes=4)
     assert sgd["optimizer"] == 200 and sgd["params"] == 400
 
@@ -81,6 +95,7 @@ def test_zero1_partition_is_greedy_over_whole_tensors():
 def test_measure_state_bytes_single_process():
     """A plain model: weights, grads, AdamW's two moments; the tied output counted once."""
     from titanlite.models.llama import ModelArgs, build_model
+
     torch.manual_seed(0)
     model = build_model(ModelArgs.preset("debug", vocab_size=256, max_seq_len=16))
     opt = torch.optim.AdamW(model.parameters())
@@ -90,8 +105,14 @@ def test_measure_state_bytes_single_process():
     psi = model.num_params()
     got = measure_state_bytes(model, opt)
     n_tensors = len(list(model.parameters()))
-    assert got == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi, "total": 16 * psi,
-                   "padding": 0, "optimizer_steps": 4 * n_tensors}
+    assert got == {
+        "params": 4 * psi,
+        "grads": 4 * psi,
+        "optimizer": 8 * psi,
+        "total": 16 * psi,
+        "padding": 0,
+        "optimizer_steps": 4 * n_tensors,
+    }
     assert got["total"] == zero_bytes_per_rank(psi, 1, 0)["total"]
 
 
@@ -145,8 +166,11 @@ def test_ddp_and_zero1_bytes_equal_the_formula(runs):
         assert z1["measured"]["params"] == z1["measured"]["grads"] == 4 * psi
         assert z1["measured"]["optimizer"] == 8 * owned[rank]
         for r in (ddp, z1):
-            assert r["measured"] == {**r["expected"]["state"], "padding": 0,
-                                     "optimizer_steps": r["measured"]["optimizer_steps"]}
+            assert r["measured"] == {
+                **r["expected"]["state"],
+                "padding": 0,
+                "optimizer_steps": r["measured"]["optimizer_steps"],
+            }
     # Together the ranks hold each moment once, as the formula says; but whole tensors split
     # unevenly: the 262k-element embedding alone outweighs everything else.
     assert sum(r["zero1"]["measured"]["optimizer"] for r in runs) == 8 * psi
@@ -167,9 +191,12 @@ def test_fsdp_bytes_equal_the_formula_with_exact_padding(runs, strategy):
         assert (m["params"], m["grads"], m["optimizer"]) == (4 * padded, 4 * padded, 8 * owned)
         stage3 = zero_bytes_per_rank(psi, WORLD, 3)
         assert m["total"] - stage3["total"] == 8 * (padded - math.ceil(psi / WORLD)) + 8 * (
-            owned - math.ceil(psi / WORLD))
+            owned - math.ceil(psi / WORLD)
+        )
         assert m["padding"] == 8 * (padded - owned)  # rank 0 owns full rows, rank 1 one short
-        assert {k: m[k] for k in run[strategy]["expected"]["state"]} == run[strategy]["expected"]["state"]
+        assert {k: m[k] for k in run[strategy]["expected"]["state"]} == run[strategy]["expected"][
+            "state"
+        ]
     assert runs[0][strategy]["measured"]["padding"] == 0 < runs[1][strategy]["measured"]["padding"]
 
 
@@ -191,7 +218,9 @@ def test_bytes_on_the_wire_per_step(runs):
     psi_bytes = 4 * runs[0]["ddp"]["num_params"]
     full = {k: 4 * fsdp_shard_numel(s, WORLD) * WORLD for k, s in shapes.items()}
     last = f"layers.{max(int(k.split('.')[1]) for k in shapes if k.startswith('layers.'))}."
-    first_blocks = sum(v for k, v in full.items() if k.startswith("layers.") and not k.startswith(last))
+    first_blocks = sum(
+        v for k, v in full.items() if k.startswith("layers.") and not k.startswith(last)
+    )
     for run in runs:
         ddp, z1, z2, z3 = (run[s]["comm"] for s in STRATEGIES)
         assert ddp["all_reduce"]["bytes"] == psi_bytes  # every gradient, once

@@ -3,6 +3,7 @@
 The core (what a training run imports) is the top level and models/, data/, efficiency/,
 distributed/, resilience/; tools/ measures, probes, plots, teaches and launches; labs/ holds the
 notebooks' experiments. Importing titanlite configures nothing: a notebook opts in with `notebook_setup()`."""
+
 import os
 
 from .errors import TitanliteError

@@ -5,6 +5,7 @@
 One entry, so `titanlite.train` is imported once, as itself: `-m titanlite.train` would also
 run it as `__main__`, a second module with a second `Trainer` class.
 """
+
 import os
 import sys
 
@@ -16,5 +17,6 @@ if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (or the notebook 
     # atomically, so an agent tearing this rank down mid-report still restarts the job.
     from .distributed.env import exit_worker
     from .tools.worker_errors import record
+
     exit_worker(record(main)() or 0)  # see exit_worker: no interpreter teardown under gloo
 sys.exit(main())

@@ -1,6 +1,7 @@
 """What a run shows while it trains: a tqdm bar in a terminal, a plain line now and then in a log
 file; nothing in a notebook, where the live plot is the progress display (a tqdm widget would
 be saved as a dead placeholder)."""
+
 from __future__ import annotations
 
 import sys
@@ -41,7 +42,9 @@ class PlainProgress:
         step 40/200 · loss 5.120 · 1,234 tok/s · 00:12 elapsed, 00:48 left
     """
 
-    def __init__(self, total: int, initial: int = 0, every_s: float = 30.0, stream=None, clock=time.monotonic):
+    def __init__(
+        self, total: int, initial: int = 0, every_s: float = 30.0, stream=None, clock=time.monotonic
+    ):
         self.total, self.n, self.initial = total, initial, initial
         self.stream, self.clock, self.every_s = stream, clock, every_s
         self.stride = max(1, -(-(total - initial) // 10))  # ceil: ten lines for the steps left
@@ -53,8 +56,11 @@ class PlainProgress:
         if self.due:  # the previous step's line never got its postfix: write it now
             self._line()
         self.n += n
-        self.due = ((self.n - self.initial) % self.stride == 0 or self.n >= self.total
-                    or self.clock() - self.last_line >= self.every_s)
+        self.due = (
+            (self.n - self.initial) % self.stride == 0
+            or self.n >= self.total
+            or self.clock() - self.last_line >= self.every_s
+        )
 
     def set_postfix(self, **values) -> None:
         self.postfix = {k: str(v) for k, v in values.items()}
@@ -73,8 +79,15 @@ class PlainProgress:
         elapsed, done = self.last_line - self.start, self.n - self.initial
         left = elapsed / done * (self.total - self.n) if done > 0 else 0.0
         postfix = [f"{v} tok/s" if k == "tok_s" else f"{k} {v}" for k, v in self.postfix.items()]
-        self.write(" · ".join([f"step {self.n}/{self.total}", *postfix,
-                               f"{_clock(elapsed)} elapsed, {_clock(left)} left"]))
+        self.write(
+            " · ".join(
+                [
+                    f"step {self.n}/{self.total}",
+                    *postfix,
+                    f"{_clock(elapsed)} elapsed, {_clock(left)} left",
+                ]
+            )
+        )
 
 
 def _clock(seconds: float) -> str:

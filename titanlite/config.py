@@ -6,6 +6,7 @@
 Every key is checked: an unknown key names the closest valid ones, a wrong type says which
 type was expected, and impossible values (non-positive steps, ...) are refused before any
 work starts. Sections mirror torchtitan's job config, trimmed to what titanlite teaches."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,11 +26,15 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, before it joined th
 @dataclass
 class ModelSection:
     preset: str = one_of("debug", "small", "125M", "1B", "8B")  # titanlite.models.llama.PRESETS
-    dim: int | None = ranged(None, "[1, inf)")  # Overrides of the preset; None keeps the preset's value.
+    dim: int | None = ranged(
+        None, "[1, inf)"
+    )  # Overrides of the preset; None keeps the preset's value.
     n_layers: int | None = ranged(None, "[1, inf)")
     n_heads: int | None = ranged(None, "[1, inf)")
     n_kv_heads: int | None = ranged(None, "[1, inf)")
-    vocab_size: int | None = ranged(None, "[1, inf)")  # None: tokenizer's (debug, small), else the preset's
+    vocab_size: int | None = ranged(
+        None, "[1, inf)"
+    )  # None: tokenizer's (debug, small), else the preset's
     max_seq_len: int | None = ranged(None, "[1, inf)")
     tie_embeddings: bool | None = None
 
@@ -37,11 +42,16 @@ class ModelSection:
 @dataclass
 class DataSection:
     # pydoc (offline) | tinyshakespeare | file:<path> | hf:<name>[:<config>] | file / hf with path
-    dataset: str = matching("pydoc", r"pydoc|tinyshakespeare|file|hf|file:.+|hf:.+",
-                            "pydoc, tinyshakespeare, file:<path> or hf:<name>[:<config>]")
+    dataset: str = matching(
+        "pydoc",
+        r"pydoc|tinyshakespeare|file|hf|file:.+|hf:.+",
+        "pydoc, tinyshakespeare, file:<path> or hf:<name>[:<config>]",
+    )
     path: str | None = None  # local file/folder for dataset="file"
     tokenizer: str | None = None  # None: train (and cache) a BPE tokenizer on the corpus
-    vocab_size: int = ranged(4096, "[259, inf)")  # of the tokenizer we train: 256 bytes + 3 specials at least
+    vocab_size: int = ranged(
+        4096, "[259, inf)"
+    )  # of the tokenizer we train: 256 bytes + 3 specials at least
     val_fraction: float = ranged(0.05, "(0, 1)")
     data_dir: str | None = None  # caches; None: <repo>/data or ~/.cache/titanlite/data
     max_chars: int | None = ranged(None, "[1, inf)")  # cap on the corpus size (for hf: datasets)
@@ -50,9 +60,13 @@ class DataSection:
 @dataclass
 class TrainingSection:
     steps: int = ranged(200, "[1, inf)")  # optimizer steps
-    batch_size: int = ranged(8, "[1, inf)")  # micro-batch: sequences per forward/backward (per process)
+    batch_size: int = ranged(
+        8, "[1, inf)"
+    )  # micro-batch: sequences per forward/backward (per process)
     grad_accum_steps: int = ranged(1, "[1, inf)")  # micro-batches per optimizer step
-    global_batch_size: int | None = ranged(None, "[1, inf)")  # alternative: micro × accum × dp; accum derived
+    global_batch_size: int | None = ranged(
+        None, "[1, inf)"
+    )  # alternative: micro × accum × dp; accum derived
     seq_len: int = ranged(128, "[1, inf)")
     grad_clip: float = ranged(1.0, "[0, inf)")  # max global grad norm; 0 disables clipping
     seed: int = ranged(0, "[0, 4294967295]")  # numpy and the data pipeline take 32-bit seeds
@@ -62,7 +76,9 @@ class TrainingSection:
     dtype: str = one_of("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
     # autocast dtype: auto (cuda: bf16, fp16 before SM 8.0; cpu/mps: fp32) | fp32 | bf16 | fp16 (+ GradScaler)
     mixed_precision: str = one_of("auto", "fp32", "bf16", "fp16")
-    threads: int | None = ranged(None, "[1, inf)")  # CPU intra-op threads; None keeps torch's default
+    threads: int | None = ranged(
+        None, "[1, inf)"
+    )  # CPU intra-op threads; None keeps torch's default
 
 
 @dataclass
@@ -89,25 +105,39 @@ class ParallelSection:
     # ranks sharding params/grads/optimizer (FSDP); -1: all ranks left over
     dp_shard: int = ranged(-1, "[1, inf)", also=(-1,))
     backend: str = one_of("auto", "gloo", "nccl")  # auto: nccl on CUDA, gloo otherwise
-    timeout_s: float = ranged(300.0, "(0, inf)")  # a collective waiting longer fails the job (hung peer)
+    timeout_s: float = ranged(
+        300.0, "(0, inf)"
+    )  # a collective waiting longer fails the job (hung peer)
     bucket_cap_mb: float = ranged(25.0, "(0, inf)")  # DDP gradient bucket size
     reshard_after_forward: str = one_of("default", "always", "never")  # FSDP; never: ZeRO-2-like
     # FSDP all-gather/compute dtype; auto: bfloat16 on CUDA SM 8.0+ (then no autocast), else float32
     param_dtype: str = one_of("auto", "float32", "bfloat16")
     reduce_dtype: str = one_of("float32", "bfloat16")  # FSDP gradient reduce-scatter dtype
     cpu_offload: bool = False  # FSDP: sharded params, grads and optimizer step on the CPU
-    tp: int = ranged(1, "[1, inf)")  # tensor-parallel degree: every matmul split over this many ranks
-    sequence_parallel: bool = True  # TP: norms and residual stream split over the sequence (not with pp > 1)
+    tp: int = ranged(
+        1, "[1, inf)"
+    )  # tensor-parallel degree: every matmul split over this many ranks
+    sequence_parallel: bool = (
+        True  # TP: norms and residual stream split over the sequence (not with pp > 1)
+    )
     loss_parallel: bool = True  # TP: cross-entropy on vocabulary-sharded logits (not with pp > 1)
-    pp: int = ranged(1, "[1, inf)")  # pipeline-parallel degree: the layers split into stages over this many ranks
+    pp: int = ranged(
+        1, "[1, inf)"
+    )  # pipeline-parallel degree: the layers split into stages over this many ranks
     pp_schedule: str = one_of("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")
-    pp_microbatches: int | None = ranged(None, "[1, inf)")  # micro-batches per pipeline step; None: 2 × stages
-    pp_stages_per_rank: int | None = ranged(None, "[1, inf)")  # interleaved schedules: stages per rank (None: 2)
+    pp_microbatches: int | None = ranged(
+        None, "[1, inf)"
+    )  # micro-batches per pipeline step; None: 2 × stages
+    pp_stages_per_rank: int | None = ranged(
+        None, "[1, inf)"
+    )  # interleaved schedules: stages per rank (None: 2)
 
 
 @dataclass
 class ActivationCheckpointSection:
-    mode: str = one_of("none", "full", "selective", "op")  # selective: every N-th block; op: saves matmuls
+    mode: str = one_of(
+        "none", "full", "selective", "op"
+    )  # selective: every N-th block; op: saves matmuls
     every: int = ranged(2, "[1, inf)")  # selective: checkpoint blocks 0, N, 2N, ...
 
 
@@ -117,24 +147,37 @@ class CompileSection:
     scope: str = one_of("regional", "model")  # regional: each transformer block
     fallback: bool = True  # if compiling fails here, warn once and train eagerly
     # torch.compile backend (aot_eager: no code generation, e.g. on MPS); a registered name
-    backend: str = matching("inductor", r"[A-Za-z_][A-Za-z0-9_.]*",
-                            "a torch.compile backend name such as inductor, aot_eager or eager")
+    backend: str = matching(
+        "inductor",
+        r"[A-Za-z_][A-Za-z0-9_.]*",
+        "a torch.compile backend name such as inductor, aot_eager or eager",
+    )
 
 
 @dataclass
 class Float8Section:
     enable: bool = False
     recipe: str = one_of("tensorwise", "rowwise")  # torchao recipe names
-    min_dim: int = ranged(64, "[1, inf)")  # skip Linears with a side below this: too small to gain from FP8
-    emulate: str = one_of("auto", "true", "false")  # auto: real on CUDA SM >= 8.9, emulated elsewhere
+    min_dim: int = ranged(
+        64, "[1, inf)"
+    )  # skip Linears with a side below this: too small to gain from FP8
+    emulate: str = one_of(
+        "auto", "true", "false"
+    )  # auto: real on CUDA SM >= 8.9, emulated elsewhere
     fsdp_all_gather: bool = False  # FSDP all-gathers FP8 weights (tensorwise recipe only)
 
 
 @dataclass
 class EvalSection:
-    every: int = ranged(50, "[0, inf)")  # validation loss every N steps (and at the end); 0 disables
-    batches: int = ranged(8, "[1, inf)")  # validation batches per evaluation (the same ones each time)
-    sample_every: int = ranged(0, "[0, inf)")  # print a text sample every N steps; 0: only before and after
+    every: int = ranged(
+        50, "[0, inf)"
+    )  # validation loss every N steps (and at the end); 0 disables
+    batches: int = ranged(
+        8, "[1, inf)"
+    )  # validation batches per evaluation (the same ones each time)
+    sample_every: int = ranged(
+        0, "[0, inf)"
+    )  # print a text sample every N steps; 0: only before and after
     sample_tokens: int = ranged(48, "[1, inf)")
     prompt: str = matching("The ", r"(?s).+", "some text to continue")
 
@@ -143,9 +186,15 @@ class EvalSection:
 class MetricsSection:
     log_dir: str = matching("runs", r"(?s).+", "a folder, e.g. runs")
     # None: <preset>-<timestamp>; a plain name: it becomes a folder in log_dir
-    run_name: str | None = matching(None, r"(?!\.\.?$)[^/\\]+", "a name without / (a folder in log_dir)")
-    overwrite: bool = False  # a run_name whose folder holds another run: delete that run first (else refused)
-    log_every: int | None = ranged(None, "[1, inf)")  # None: 10 on CUDA (logging waits for the GPU), else 1
+    run_name: str | None = matching(
+        None, r"(?!\.\.?$)[^/\\]+", "a name without / (a folder in log_dir)"
+    )
+    overwrite: bool = (
+        False  # a run_name whose folder holds another run: delete that run first (else refused)
+    )
+    log_every: int | None = ranged(
+        None, "[1, inf)"
+    )  # None: 10 on CUDA (logging waits for the GPU), else 1
     tensorboard: bool = False
     progress: bool = True  # tqdm bar in terminals
     peak: str = one_of("auto", "measured", "datasheet")  # the MFU denominator
@@ -155,36 +204,54 @@ class MetricsSection:
 class FaultSection:
     kind: str = one_of("none", "exception", "kill", "hang", "slow")  # titanlite.resilience.faults
     rank: int = ranged(0, "[0, inf)")  # which rank fails
-    step: int = ranged(1, "[1, inf)")  # at the start of this step (1-based); slow: from this step on
+    step: int = ranged(
+        1, "[1, inf)"
+    )  # at the start of this step (1-based); slow: from this step on
     slow_s: float = ranged(0.5, "[0, inf)")  # slow: extra seconds per step
     once: bool = True  # only in the first `attempts` attempts, so a restarted job can finish
-    attempts: int = ranged(1, "[1, inf)")  # with once: how many attempts fail (attempt k at step + k*step_gap)
+    attempts: int = ranged(
+        1, "[1, inf)"
+    )  # with once: how many attempts fail (attempt k at step + k*step_gap)
     step_gap: int = ranged(0, "[0, inf)")
-    during: str = one_of("step", "save")  # step: as the step begins | save: while a checkpoint is being saved
+    during: str = one_of(
+        "step", "save"
+    )  # step: as the step begins | save: while a checkpoint is being saved
 
 
 @dataclass
 class CheckpointSection:
     enable: bool = False
     folder: str | None = None  # None: <run dir>/checkpoints
-    every: int = ranged(0, "[0, inf)")  # save every N steps, and after the last step; 0: only after the last
-    mode: str = one_of("sync", "async", "async_process")  # sync, or in a background thread / process
+    every: int = ranged(
+        0, "[0, inf)"
+    )  # save every N steps, and after the last step; 0: only after the last
+    mode: str = one_of(
+        "sync", "async", "async_process"
+    )  # sync, or in a background thread / process
     keep_latest_k: int = ranged(2, "[0, inf)")  # committed checkpoints kept; 0 keeps all
     resume: bool = True  # start from the newest committed checkpoint in `folder`, if any
     load: str | None = None  # or from this checkpoint (e.g. another run's; resharded on load)
     # Start from a Hugging Face Llama folder (config.json, *.safetensors, tokenizer.json): its shape
     # and tokenizer, fresh optimizer, step 0; a checkpoint found by resume or `load` wins (tools/hf_start.py).
     initial_load_path: str | None = None
-    verify: str = one_of("crc", "size")  # before loading, check every file's size and CRC-32 | only "size"
-    read_once: bool = True  # data-parallel ranks read each replicated tensor once per job, then broadcast it
+    verify: str = one_of(
+        "crc", "size"
+    )  # before loading, check every file's size and CRC-32 | only "size"
+    read_once: bool = (
+        True  # data-parallel ranks read each replicated tensor once per job, then broadcast it
+    )
 
 
 @dataclass
 class ProfileSection:
     # Steps run under torch.profiler (1-based, inclusive), e.g. "5-8"; empty: off. Leave the
     # first steps out: they include one-off costs (allocator warm-up, compilation).
-    steps: str = matching("", r"(\d+(\s*-\s*\d+)?)?", "a step range like 5-8 within training.steps (empty: off)",
-                          example="5-8")
+    steps: str = matching(
+        "",
+        r"(\d+(\s*-\s*\d+)?)?",
+        "a step range like 5-8 within training.steps (empty: off)",
+        example="5-8",
+    )
     memory: bool = True  # also record memory: a CUDA snapshot, or the allocation timeline
     trace_dir: str | None = None  # None: <run dir>/trace
 
@@ -197,7 +264,9 @@ class Config:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
-    activation_checkpoint: ActivationCheckpointSection = field(default_factory=ActivationCheckpointSection)
+    activation_checkpoint: ActivationCheckpointSection = field(
+        default_factory=ActivationCheckpointSection
+    )
     compile: CompileSection = field(default_factory=CompileSection)
     float8: Float8Section = field(default_factory=Float8Section)
     eval: EvalSection = field(default_factory=EvalSection)
@@ -220,7 +289,12 @@ class Config:
         """Every key against its declaration (`ranged`, `one_of`, `matching`), then rules spanning keys."""
         for section in dataclasses.fields(self):
             for f in dataclasses.fields(getattr(self, section.name)):
-                check_field(self, f"{section.name}.{f.name}", getattr(getattr(self, section.name), f.name), f)
+                check_field(
+                    self,
+                    f"{section.name}.{f.name}",
+                    getattr(getattr(self, section.name), f.name),
+                    f,
+                )
         parse_steps(self.profile.steps, self.training.steps)  # inside the run, first <= last
         return self
 
@@ -233,19 +307,25 @@ def parse_steps(text: str, total_steps: int) -> tuple[int, int] | None:
     m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", text)
     first, last = (int(m[1]), int(m[2] or m[1])) if m else (0, 0)
     if not m or not 1 <= first <= last <= total_steps:
-        raise TitanliteError(f"profile.steps must look like 5-8 within training.steps (1-{total_steps}), "
-                             f"got {text!r}: e.g. --profile.steps {min(2, total_steps)}-{min(3, total_steps)}")
+        raise TitanliteError(
+            f"profile.steps must look like 5-8 within training.steps (1-{total_steps}), "
+            f"got {text!r}: e.g. --profile.steps {min(2, total_steps)}-{min(3, total_steps)}"
+        )
     return first, last
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | dict | None = None
+) -> Config:
     """A Config from defaults ← TOML file ← overrides (['--a.b', 'v', ...] or {'a.b': v})."""
     cfg = Config()
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise TitanliteError(f"config file '{p}' does not exist: pass a TOML file, "
-                                 f"e.g. --config configs/debug.toml")
+            raise TitanliteError(
+                f"config file '{p}' does not exist: pass a TOML file, "
+                f"e.g. --config configs/debug.toml"
+            )
         try:
             doc = tomllib.loads(p.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

@@ -7,6 +7,7 @@
 `check_field` refuses a value outside its declaration in one line naming the key and the fix, before
 any work starts (never in a torch constructor later); `set_value` sets a dotted key from a TOML file or
 the command line, converting the type and naming the closest valid keys when one does not exist."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,10 @@ def ranged(default, interval: str, also: tuple = ()):
     """A number in `interval`, written as in maths: "[1, inf)", "(0, 1]"; `also`: extra
     allowed values outside it (dp_shard's -1). Floats must be finite whatever the interval."""
     lo, hi = (float(x) for x in interval[1:-1].split(","))
-    return field(default=default, metadata={"range": Range(lo, hi, interval[0] == "(",
-                                                           interval[-1] == ")", also, interval)})
+    return field(
+        default=default,
+        metadata={"range": Range(lo, hi, interval[0] == "(", interval[-1] == ")", also, interval)},
+    )
 
 
 def one_of(*choices: str):
@@ -52,13 +55,19 @@ class Range:
     text: str
 
     def admits(self, v) -> bool:
-        return v in self.also or (math.isfinite(v) and (self.lo < v if self.lo_open else self.lo <= v)
-                                  and (v < self.hi if self.hi_open else v <= self.hi))
+        return v in self.also or (
+            math.isfinite(v)
+            and (self.lo < v if self.lo_open else self.lo <= v)
+            and (v < self.hi if self.hi_open else v <= self.hi)
+        )
 
     def describe(self) -> str:
         if self.hi == INF:
-            words = {(0, True): "positive", (1, False): "positive", (0, False): "zero or positive"}.get(
-                (self.lo, self.lo_open), f"{'>' if self.lo_open else '>='} {_num(self.lo)}")
+            words = {
+                (0, True): "positive",
+                (1, False): "positive",
+                (0, False): "zero or positive",
+            }.get((self.lo, self.lo_open), f"{'>' if self.lo_open else '>='} {_num(self.lo)}")
         else:
             words = f"between {_num(self.lo)} and {_num(self.hi)}, in {self.text}"
         return words + "".join(f" or {a}" for a in self.also)
@@ -75,19 +84,26 @@ def check_field(cfg, key: str, value, f: dataclasses.Field) -> None:
         return
     accepted = (int, float) if base is float else base
     if isinstance(value, bool) != (base is bool) or not isinstance(value, accepted):
-        raise TitanliteError(f"{key} must be {_TYPE_NAMES[base]}, got {value!r} "
-                             f"({type(value).__name__}): e.g. {key} = {_example(key, f)!r}")
+        raise TitanliteError(
+            f"{key} must be {_TYPE_NAMES[base]}, got {value!r} "
+            f"({type(value).__name__}): e.g. {key} = {_example(key, f)!r}"
+        )
     meta = f.metadata
     if "range" in meta and not meta["range"].admits(value):
         finite = "" if math.isfinite(value) or value in meta["range"].also else "a finite number "
-        raise TitanliteError(f"{key} must be {finite}{meta['range'].describe()}, got {value!r}: "
-                             f"e.g. --{key} {_example(key, f)}")
+        raise TitanliteError(
+            f"{key} must be {finite}{meta['range'].describe()}, got {value!r}: "
+            f"e.g. --{key} {_example(key, f)}"
+        )
     if "choices" in meta and value not in meta["choices"]:
-        raise TitanliteError(f"{key}='{value}' is not one of {', '.join(meta['choices'])}"
-                             f"{closest(value, meta['choices'])}: e.g. --{key} {meta['choices'][0]}")
+        raise TitanliteError(
+            f"{key}='{value}' is not one of {', '.join(meta['choices'])}"
+            f"{closest(value, meta['choices'])}: e.g. --{key} {meta['choices'][0]}"
+        )
     if "pattern" in meta and not re.fullmatch(meta["pattern"][0], value):
-        raise TitanliteError(f"{key} must be {meta['pattern'][1]}, got {value!r}: "
-                             f"e.g. --{key} {_example(key, f)!r}")
+        raise TitanliteError(
+            f"{key} must be {meta['pattern'][1]}, got {value!r}: e.g. --{key} {_example(key, f)!r}"
+        )
 
 
 def _example(key: str, f: dataclasses.Field):
@@ -108,8 +124,10 @@ def parse_overrides(cfg, overrides) -> list[tuple[str, object]]:
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
-            raise TitanliteError(f"unexpected argument '{arg}': overrides look like "
-                                 f"--section.key value (e.g. --training.steps 50)")
+            raise TitanliteError(
+                f"unexpected argument '{arg}': overrides look like "
+                f"--section.key value (e.g. --training.steps 50)"
+            )
         key = arg[2:]
         if "=" in key:
             key, value = key.split("=", 1)
@@ -126,15 +144,25 @@ def parse_overrides(cfg, overrides) -> list[tuple[str, object]]:
 def set_value(cfg, dotted: str, value, source: str = "override") -> None:
     """Set cfg.<section>.<key> = value after checking the key exists and converting the type."""
     section_name, _, key = dotted.partition(".")
-    keys = {s.name: [f.name for f in dataclasses.fields(getattr(cfg, s.name))]
-            for s in dataclasses.fields(cfg)}
+    keys = {
+        s.name: [f.name for f in dataclasses.fields(getattr(cfg, s.name))]
+        for s in dataclasses.fields(cfg)
+    }
     if section_name not in keys or not key:
         # '--steps': a key without its section. Same name first (training.steps, then profile.steps), then near.
         word = key or section_name
-        rank = {f"{s}.{n}": (n != word, -difflib.SequenceMatcher(None, word, n).ratio()) for s in keys for n in keys[s]}
-        hits = ", ".join([k for k in sorted(rank, key=rank.get) if rank[k][1] <= -0.6 or word in k][:3])
-        raise TitanliteError(f"unknown config key '{dotted}' ({source}){f' (did you mean: {hits}?)' if hits else ''}; "
-                             f"sections are {', '.join(keys)}")
+        rank = {
+            f"{s}.{n}": (n != word, -difflib.SequenceMatcher(None, word, n).ratio())
+            for s in keys
+            for n in keys[s]
+        }
+        hits = ", ".join(
+            [k for k in sorted(rank, key=rank.get) if rank[k][1] <= -0.6 or word in k][:3]
+        )
+        raise TitanliteError(
+            f"unknown config key '{dotted}' ({source}){f' (did you mean: {hits}?)' if hits else ''}; "
+            f"sections are {', '.join(keys)}"
+        )
     names = keys[section_name]
     if key not in names:
         # A typo in this section (training.step) beats the same key in another section (fault.step;
@@ -144,8 +172,10 @@ def set_value(cfg, dotted: str, value, source: str = "override") -> None:
         same_name = [f"{s}.{key}" for s in keys if key in keys[s]]
         hits = list(dict.fromkeys(close + same_name + near))
         hint = f" (did you mean: {', '.join(hits[:3])}?)" if hits else ""
-        raise TitanliteError(f"unknown config key '{dotted}' ({source}){hint}; "
-                             f"valid keys in [{section_name}]: {', '.join(names)}")
+        raise TitanliteError(
+            f"unknown config key '{dotted}' ({source}){hint}; "
+            f"valid keys in [{section_name}]: {', '.join(names)}"
+        )
     setattr(getattr(cfg, section_name), key, _convert(value, _field_type(cfg, dotted), dotted))
 
 
@@ -176,8 +206,9 @@ def _convert(value, tp_optional: tuple[type | None, bool], dotted: str):
                 return float(value)
             if tp is str and isinstance(value, (str, int, float)):
                 return str(value)
-    raise TitanliteError(f"{dotted} must be {_TYPE_NAMES[tp]}"
-                         f"{' or none' if optional else ''}, got {value!r}")
+    raise TitanliteError(
+        f"{dotted} must be {_TYPE_NAMES[tp]}{' or none' if optional else ''}, got {value!r}"
+    )
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

@@ -10,6 +10,7 @@ dtype, torch version), so every branch can be tested on a laptop CPU with anothe
     allocator          expandable segments, unless PYTORCH_CUDA_ALLOC_CONF says otherwise
 CPU and MPS keep fp32, eager, per-step logs. Also: TF32, whether GQA repeats k/v, the dtype MFU
 divides by, the process-group backend and which GPU a rank takes."""
+
 from __future__ import annotations
 
 import os
@@ -28,21 +29,24 @@ def _version(text: str | None = None) -> tuple[int, int]:
 
 
 # ---- mixed precision ------------------------------------------------------------------------
-def default_mixed_precision(device_type: str, capability: tuple[int, int] | None = None,
-                            scaler_ok: bool = True) -> str:
+def default_mixed_precision(
+    device_type: str, capability: tuple[int, int] | None = None, scaler_ok: bool = True
+) -> str:
     """What training.mixed_precision="auto" means here. CUDA: bf16 autocast (tensor cores, no loss
     scaling); before Ampere fp16 + GradScaler, unless each rank sees only its shard's overflow
     (`scaler_ok=False`: FSDP, TP, PP), then fp32. CPU, MPS: fp32 (16-bit is emulated on most CPUs)."""
     if device_type != "cuda":
         return "fp32"
     if capability is None:
-        raise TitanliteError("default_mixed_precision('cuda') needs the GPU's compute capability, "
-                             "e.g. torch.cuda.get_device_capability()")
+        raise TitanliteError(
+            "default_mixed_precision('cuda') needs the GPU's compute capability, "
+            "e.g. torch.cuda.get_device_capability()"
+        )
     return "bf16" if tuple(capability) >= AMPERE else ("fp16" if scaler_ok else "fp32")
 
 
 def resolve_mixed_precision(mode: str, device, scaler_ok: bool = True) -> str:
-    """"auto" resolved for this torch.device (asks CUDA for its capability); others unchanged."""
+    """ "auto" resolved for this torch.device (asks CUDA for its capability); others unchanged."""
     if mode != "auto":
         return mode
     device = torch.device(device)
@@ -65,27 +69,49 @@ def enable_tf32() -> None:
 
 
 # ---- attention ------------------------------------------------------------------------------
-def flash_takes(device_type: str, dtype: torch.dtype, head_dim: int,
-                capability: tuple[int, int] | None = None, torch_version: str | None = None) -> bool:
+def flash_takes(
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    capability: tuple[int, int] | None = None,
+    torch_version: str | None = None,
+) -> bool:
     """Would CUDA's FlashAttention-2 kernel accept these inputs (GQA included)? It needs fp16 or
     bf16, SM 8.0+, head_dim <= 256 and a multiple of 8; `enable_gqa` reached it in torch 2.5."""
-    return (device_type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and capability is not None and tuple(capability) >= AMPERE
-            and head_dim <= 256 and head_dim % 8 == 0 and _version(torch_version) >= (2, 5))
+    return (
+        device_type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and capability is not None
+        and tuple(capability) >= AMPERE
+        and head_dim <= 256
+        and head_dim % 8 == 0
+        and _version(torch_version) >= (2, 5)
+    )
 
 
-def expand_kv_for_sdpa(device_type: str, dtype: torch.dtype, head_dim: int,
-                       capability: tuple[int, int] | None = None, torch_version: str | None = None) -> bool:
+def expand_kv_for_sdpa(
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    capability: tuple[int, int] | None = None,
+    torch_version: str | None = None,
+) -> bool:
     """Should grouped-query attention repeat its k/v heads before SDPA? On CUDA only flash takes
     `enable_gqa`: elsewhere GQA falls to the *math* kernel, which stores B·H·T² scores, while
     repeated k/v (B·H·T·d) reach the efficient kernel. CPU's flash kernel takes GQA; MPS trains
     through math either way."""
-    return device_type == "cuda" and not flash_takes(device_type, dtype, head_dim, capability, torch_version)
+    return device_type == "cuda" and not flash_takes(
+        device_type, dtype, head_dim, capability, torch_version
+    )
 
 
 # ---- what the matmuls compute in (the MFU denominator) -------------------------------------
-def matmul_dtype(param_dtype: torch.dtype, autocast_dtype: torch.dtype | None = None,
-                 fsdp_param_dtype: torch.dtype | str | None = None, fp8: dict | bool | None = None) -> torch.dtype:
+def matmul_dtype(
+    param_dtype: torch.dtype,
+    autocast_dtype: torch.dtype | None = None,
+    fsdp_param_dtype: torch.dtype | str | None = None,
+    fp8: dict | bool | None = None,
+) -> torch.dtype:
     """The dtype whose peak MFU divides by: autocast's, else FSDP's `param_dtype`, else bf16 under real FP8
     (its Linears multiply in e4m3, attention and the output layer do not; torchtitan divides by bf16 too),
     else the parameters'. fp8: a model's `fp8_info` dict (emulated: not real), True (real) or None (off)."""
@@ -110,7 +136,9 @@ def device_defaults(cfg, device_type: str, capability: tuple[int, int] | None, f
     if cfg.compile.enable is None:
         out["compile.enable"] = cuda
     if cfg.metrics.log_every is None:
-        out["metrics.log_every"] = 10 if cuda else 1  # a logged step waits for the GPU to read the loss
+        out["metrics.log_every"] = (
+            10 if cuda else 1
+        )  # a logged step waits for the GPU to read the loss
     return out
 
 
@@ -118,19 +146,24 @@ def resolve_for_device(cfg, device: torch.device, fsdp: bool):
     """A copy of `cfg` with its "auto"s decided for `device` (`device_defaults`), checked."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     cfg = cfg.with_overrides(device_defaults(cfg, device.type, capability, fsdp), "device defaults")
-    check_fp8_compiled(device.type, capability, cfg.float8.enable, cfg.float8.emulate, cfg.compile.enable)
+    check_fp8_compiled(
+        device.type, capability, cfg.float8.enable, cfg.float8.emulate, cfg.compile.enable
+    )
     return cfg
 
 
-def check_fp8_compiled(device_type: str, capability: tuple[int, int] | None, fp8: bool,
-                       emulate: str, compiled: bool) -> None:
+def check_fp8_compiled(
+    device_type: str, capability: tuple[int, int] | None, fp8: bool, emulate: str, compiled: bool
+) -> None:
     """Real FP8 without torch.compile casts every operand in separate, unfused kernels: slower and
     larger than bf16 on the GPUs that have FP8 units. torchtitan requires compile; so do we."""
     real = device_type == "cuda" and capability is not None and tuple(capability) >= ADA
     if fp8 and real and emulate != "true" and not compiled:
-        raise TitanliteError("float8.enable on a GPU with FP8 tensor cores needs torch.compile (eager FP8 "
-                             "casts every operand unfused: slower and larger than bf16): set "
-                             "--compile.enable true, or train in bf16")
+        raise TitanliteError(
+            "float8.enable on a GPU with FP8 tensor cores needs torch.compile (eager FP8 "
+            "casts every operand unfused: slower and larger than bf16): set "
+            "--compile.enable true, or train in bf16"
+        )
 
 
 def use_fused_adamw(device_type: str) -> bool:
@@ -142,19 +175,32 @@ def sdpa_priority(device_type: str) -> list | None:
     """The order SDPA tries its CUDA kernels in: cuDNN (fastest on Hopper/Blackwell training
     shapes), flash, memory-efficient, math. torch's own default puts math before cuDNN, so cuDNN
     would never run; each kernel skips inputs it does not take. None: torch's choice (CPU, MPS)."""
-    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-            SDPBackend.MATH] if device_type == "cuda" else None
+    return (
+        [
+            SDPBackend.CUDNN_ATTENTION,
+            SDPBackend.FLASH_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH,
+        ]
+        if device_type == "cuda"
+        else None
+    )
 
 
 def allocator_settings(device_type: str, env=os.environ) -> str | None:
     """The CUDA caching allocator's settings to use: expandable segments (fewer fragmented,
     unusable blocks as activation sizes vary), unless the user set PYTORCH_CUDA_ALLOC_CONF."""
-    return None if device_type != "cuda" or "PYTORCH_CUDA_ALLOC_CONF" in env else "expandable_segments:True"
+    return (
+        None
+        if device_type != "cuda" or "PYTORCH_CUDA_ALLOC_CONF" in env
+        else "expandable_segments:True"
+    )
 
 
 # ---- processes, backends, devices -----------------------------------------------------------
-def backend_and_device_for(device_type: str, world_size: int, backend: str = "auto",
-                           explicit: bool = False) -> tuple[str | None, str, str | None]:
+def backend_and_device_for(
+    device_type: str, world_size: int, backend: str = "auto", explicit: bool = False
+) -> tuple[str | None, str, str | None]:
     """(process-group backend or None, device type each rank trains on, note or None). nccl moves
     CUDA tensors, gloo CPU ones; nothing moves MPS tensors between processes, so ranks on a Mac
     train on the CPU (said in the note), or the job is refused if mps was named (`explicit`)."""
@@ -162,37 +208,56 @@ def backend_and_device_for(device_type: str, world_size: int, backend: str = "au
         return None, device_type, None
     if device_type == "mps":
         if explicit or backend == "nccl":
-            raise TitanliteError(f"--training.device mps with {world_size} processes: no "
-                                 "process-group backend moves MPS tensors (gloo is CPU-only, nccl "
-                                 "CUDA-only): use --training.device cpu, or run a single process")
-        return "gloo", "cpu", (f"{world_size} ranks on a Mac: gloo cannot move MPS tensors, so "
-                               "each rank trains on the CPU")
+            raise TitanliteError(
+                f"--training.device mps with {world_size} processes: no "
+                "process-group backend moves MPS tensors (gloo is CPU-only, nccl "
+                "CUDA-only): use --training.device cpu, or run a single process"
+            )
+        return (
+            "gloo",
+            "cpu",
+            (
+                f"{world_size} ranks on a Mac: gloo cannot move MPS tensors, so "
+                "each rank trains on the CPU"
+            ),
+        )
     if backend == "auto":
         return ("nccl" if device_type == "cuda" else "gloo"), device_type, None
     if backend == "nccl" and device_type != "cuda":
-        raise TitanliteError(f"parallel.backend=nccl only moves CUDA tensors, but training.device "
-                             f"is {device_type}: use --parallel.backend gloo or --training.device cuda")
+        raise TitanliteError(
+            f"parallel.backend=nccl only moves CUDA tensors, but training.device "
+            f"is {device_type}: use --parallel.backend gloo or --training.device cuda"
+        )
     return backend, device_type, None
 
 
-def cuda_index_for(requested_index: int | None, local_rank: int, local_world_size: int,
-                   device_count: int) -> int:
+def cuda_index_for(
+    requested_index: int | None, local_rank: int, local_world_size: int, device_count: int
+) -> int:
     """Which GPU this process takes: alone, `cuda:N` as named (bare `cuda`: 0); under torchrun with
     several local ranks, cuda:local_rank (one named index would put every rank on one GPU: refused;
     CUDA_VISIBLE_DEVICES chooses which GPUs a job uses)."""
     if requested_index is not None and local_world_size > 1:
-        raise TitanliteError(f"--training.device cuda:{requested_index} names one GPU, but torchrun "
-                             f"started {local_world_size} processes on this machine and each needs "
-                             f"its own: use --training.device cuda (rank r takes cuda:r), and "
-                             f"CUDA_VISIBLE_DEVICES to choose which GPUs")
+        raise TitanliteError(
+            f"--training.device cuda:{requested_index} names one GPU, but torchrun "
+            f"started {local_world_size} processes on this machine and each needs "
+            f"its own: use --training.device cuda (rank r takes cuda:r), and "
+            f"CUDA_VISIBLE_DEVICES to choose which GPUs"
+        )
     if requested_index is None and local_world_size > 1 and device_count == 1:
         return 0  # one GPU visible per process (SLURM --gpus-per-task=1, Kubernetes): it is ours
-    index = local_rank if requested_index is None and local_world_size > 1 else (requested_index or 0)
+    index = (
+        local_rank if requested_index is None and local_world_size > 1 else (requested_index or 0)
+    )
     if index >= device_count:
         if local_world_size > 1:
-            raise TitanliteError(f"local rank {local_rank} has no GPU: this machine has {device_count}; "
-                                 f"start at most {device_count} processes per node "
-                                 f"(--nproc-per-node {device_count})")
-        raise TitanliteError(f"cuda:{index} requested but torch sees {device_count} CUDA GPU(s): "
-                             f"use cuda:0..cuda:{device_count - 1} or auto")
+            raise TitanliteError(
+                f"local rank {local_rank} has no GPU: this machine has {device_count}; "
+                f"start at most {device_count} processes per node "
+                f"(--nproc-per-node {device_count})"
+            )
+        raise TitanliteError(
+            f"cuda:{index} requested but torch sees {device_count} CUDA GPU(s): "
+            f"use cuda:0..cuda:{device_count - 1} or auto"
+        )
     return index

@@ -1,8 +1,9 @@
 """What the model can do so far: its loss on held-out text, and text it writes.
 
-    loss = validation_loss(loss_on, batches, device)         # mean over target tokens
-    text = generate(model, tokenizer, "The ", max_new_tokens=48, context=256)
+loss = validation_loss(loss_on, batches, device)         # mean over target tokens
+text = generate(model, tokenizer, "The ", max_new_tokens=48, context=256)
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,16 @@ def validation_loss(loss_on, batches, device, distributed: bool = False) -> floa
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int, context: int,
-             temperature: float = 0.8, top_k: int = 40, seed: int = 1234) -> str:
+def generate(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    context: int,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 1234,
+) -> str:
     """Continue `prompt` with top-k sampling over the last `context` tokens. A generator of
     its own, so sampling never moves the training run's random streams."""
     ids = tokenizer.encode(prompt) or [tokenizer.eos_token_id or 0]
@@ -42,10 +51,14 @@ def generate(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int
     for _ in range(max_new_tokens):
         with eager():  # prompts of every length would each trigger a recompile
             logits = model(x[:, -context:])
-        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # TP: vocab-sharded
+        logits = (
+            logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        )  # TP: vocab-sharded
         logits = logits[0, -1].float().cpu() / max(temperature, 1e-5)
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         probs = torch.softmax(logits.masked_fill(logits < kth, -float("inf")), dim=-1)
-        x = torch.cat([x, torch.multinomial(probs, 1, generator=gen).to(x.device).view(1, 1)], dim=1)
+        x = torch.cat(
+            [x, torch.multinomial(probs, 1, generator=gen).to(x.device).view(1, 1)], dim=1
+        )
     model.train(was_training)
     return tokenizer.decode(x[0].tolist())

@@ -1,6 +1,7 @@
 """Which device, which dtypes, and its name: detect_device (cuda → mps → cpu), resolve_dtype
 (refusing one the device cannot run), device_name, synchronize. How fast it is lives in peaks.py;
 how much memory a step used in memory.py (MEMORY_METRIC_DOC says what each device's counter counts)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +18,14 @@ from ._compat.torch_internals import set_cuda_allocator_settings
 from .errors import TitanliteError, closest
 
 _DEVICE_TYPES = ("auto", "cuda", "mps", "cpu")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def detect_device(requested: str = "auto") -> torch.device:
@@ -26,22 +33,32 @@ def detect_device(requested: str = "auto") -> torch.device:
     text = str(requested).strip().lower()
     kind, _, index = text.partition(":")
     if kind not in _DEVICE_TYPES or (index and not index.isdigit()):
-        raise TitanliteError(f"unknown device {requested!r}{closest(kind, _DEVICE_TYPES)}: "
-                             "use auto, cpu, cuda, cuda:N or mps")
+        raise TitanliteError(
+            f"unknown device {requested!r}{closest(kind, _DEVICE_TYPES)}: "
+            "use auto, cpu, cuda, cuda:N or mps"
+        )
     if kind == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "mps" if _mps_available() else "cpu")
+        return torch.device(
+            "cuda" if torch.cuda.is_available() else "mps" if _mps_available() else "cpu"
+        )
     fix = "use --training.device auto or cpu"
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise TitanliteError(f"device {requested!r} requested but no CUDA GPU is visible to torch "
-                                 f"(torch.cuda.is_available() is False): {fix}")
+            raise TitanliteError(
+                f"device {requested!r} requested but no CUDA GPU is visible to torch "
+                f"(torch.cuda.is_available() is False): {fix}"
+            )
         count = torch.cuda.device_count()
         if index and int(index) >= count:
-            raise TitanliteError(f"device {requested!r} requested but torch sees {count} CUDA GPU(s) "
-                                 f"(cuda:0..cuda:{count - 1}): use one of those or auto")
+            raise TitanliteError(
+                f"device {requested!r} requested but torch sees {count} CUDA GPU(s) "
+                f"(cuda:0..cuda:{count - 1}): use one of those or auto"
+            )
     if kind == "mps" and not _mps_available():
-        raise TitanliteError(f"device {requested!r} requested but MPS is not available (needs "
-                             f"Apple Silicon, macOS >= 12.3 and a torch built with MPS): {fix}")
+        raise TitanliteError(
+            f"device {requested!r} requested but MPS is not available (needs "
+            f"Apple Silicon, macOS >= 12.3 and a torch built with MPS): {fix}"
+        )
     return torch.device(text)
 
 
@@ -55,8 +72,9 @@ def resolve_dtype(name, device) -> torch.dtype:
         name = str(name).removeprefix("torch.")
     key = str(name).strip().lower()
     if key not in _DTYPES:
-        raise TitanliteError(f"unknown dtype {name!r}{closest(key, _DTYPES)}: "
-                             "use float32, bfloat16 or float16")
+        raise TitanliteError(
+            f"unknown dtype {name!r}{closest(key, _DTYPES)}: use float32, bfloat16 or float16"
+        )
     dtype, device = _DTYPES[key], torch.device(device)
     if device.type == "cuda" and dtype == torch.bfloat16:
         major, minor = torch.cuda.get_device_capability(device)
@@ -66,8 +84,10 @@ def resolve_dtype(name, device) -> torch.dtype:
         try:  # Metal gained bf16 in macOS 14; probing is more reliable than parsing versions
             torch.ones(1, dtype=dtype, device=device)
         except (RuntimeError, TypeError):
-            raise TitanliteError("bfloat16 is not supported by MPS on this macOS (needs macOS 14+): "
-                                 "use --training.dtype float16 or float32") from None
+            raise TitanliteError(
+                "bfloat16 is not supported by MPS on this macOS (needs macOS 14+): "
+                "use --training.dtype float16 or float32"
+            ) from None
     return dtype
 
 
@@ -75,9 +95,11 @@ def bf16_refusal(gpu_name: str, capability: tuple[int, int]) -> str:
     """The one line that refuses bf16 before Ampere, advising fp32 weights + fp16 autocast: GradScaler needs
     fp32 master weights to unscale into (fp16 weights fail: "Attempting to unscale FP16 gradients")."""
     major, minor = capability
-    return (f"bfloat16 needs a CUDA GPU with compute capability >= 8.0, but {gpu_name} is "
-            f"sm_{major}{minor}: keep --training.dtype float32 and use --training.mixed_precision "
-            f"fp16 (autocast + GradScaler), or auto")
+    return (
+        f"bfloat16 needs a CUDA GPU with compute capability >= 8.0, but {gpu_name} is "
+        f"sm_{major}{minor}: keep --training.dtype float32 and use --training.mixed_precision "
+        f"fp16 (autocast + GradScaler), or auto"
+    )
 
 
 def _cpu_model() -> str:
@@ -87,8 +109,15 @@ def _cpu_model() -> str:
                 return line.split(":", 1)[1].strip()
     if sys.platform == "darwin":
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
-                                  text=True, timeout=5).stdout.strip() or platform.machine()
+            return (
+                subprocess.run(
+                    ["sysctl", "-n", "machdep.cpu.brand_string"],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                ).stdout.strip()
+                or platform.machine()
+            )
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
@@ -118,7 +147,9 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds CUDA and MPS generators
     if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before first use
+        os.environ.setdefault(
+            "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
+        )  # deterministic cuBLAS, before first use
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
 

@@ -2,6 +2,7 @@
 are not comparable across devices (MEMORY_METRIC_DOC says what each one counts). On CUDA
 `allocator_readings` adds what the allocated peak hides: memory *reserved* from the driver (cache
 and fragmentation included) and the allocator's retries after a failed allocation."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,14 +13,14 @@ import torch
 
 MEMORY_METRIC_DOC = {
     "cuda": "torch.cuda.max_memory_allocated: peak bytes of live tensors in PyTorch's caching "
-            "allocator since the last reset. Excludes cached-but-free blocks, the CUDA context and "
-            "other processes, so nvidia-smi shows more.",
+    "allocator since the last reset. Excludes cached-but-free blocks, the CUDA context and "
+    "other processes, so nvidia-smi shows more.",
     "mps": "running max of torch.mps.driver_allocated_memory: bytes Metal has given this process, "
-           "including the allocator's cache of freed blocks. MPS has no resettable peak, and the "
-           "cache is not emptied (that would slow every step), so it is a peak since process start.",
+    "including the allocator's cache of freed blocks. MPS has no resettable peak, and the "
+    "cache is not emptied (that would slow every step), so it is a peak since process start.",
     "cpu": "peak resident set size (RSS) of the whole process - Python and torch libraries included "
-           "(hundreds of MiB before any tensor), so compare differences. Linux: VmHWM, resettable via "
-           "/proc/self/clear_refs; elsewhere getrusage ru_maxrss, a lifetime peak.",
+    "(hundreds of MiB before any tensor), so compare differences. Linux: VmHWM, resettable via "
+    "/proc/self/clear_refs; elsewhere getrusage ru_maxrss, a lifetime peak.",
 }
 
 
@@ -45,7 +46,9 @@ def reset_peak_memory(device) -> None:
     elif device.type == "mps":
         _MPS_PEAK.sample(torch.mps.driver_allocated_memory())  # no window to open
     else:  # macOS / a locked-down container cannot: the peak stays a lifetime peak
-        with contextlib.suppress(OSError):  # "5" resets this process's RSS high-water mark (Linux >= 4.0)
+        with contextlib.suppress(
+            OSError
+        ):  # "5" resets this process's RSS high-water mark (Linux >= 4.0)
             Path("/proc/self/clear_refs").write_text("5")
 
 
@@ -61,6 +64,7 @@ def peak_memory_bytes(device) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     import resource  # POSIX only (not on Windows), hence imported here
+
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # macOS: bytes; Linux: KiB
 
@@ -76,5 +80,7 @@ def allocator_readings(device) -> dict:
 
 def readings_from_stats(stats: dict) -> dict:
     """The record fields from a `torch.cuda.memory_stats()` dict (empty before any allocation)."""
-    return {"reserved_memory_bytes": int(stats.get("reserved_bytes.all.peak", 0)),
-            "alloc_retries": int(stats.get("num_alloc_retries", 0))}
+    return {
+        "reserved_memory_bytes": int(stats.get("reserved_bytes.all.peak", 0)),
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+    }

@@ -3,6 +3,7 @@
 JSONL because it is append-only (a crash loses at most the line being written), streams (a live
 plot can tail it while another process trains) and needs no library to read. Record kinds:
 "train" (one per logged step), "val" (one per evaluation), "checkpoint" (one per save)."""
+
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ from .paths import check_output_dir
 @dataclass
 class History:
     """What `fit()` returns: the records it logged, plus text samples before and after."""
+
     train: list[dict] = field(default_factory=list)
     val: list[dict] = field(default_factory=list)
     samples: dict[int, str] = field(default_factory=dict)
@@ -34,28 +36,58 @@ class History:
         return [r["val_loss"] for r in self.val]
 
 
-def train_record(step: int, out: dict, *, lr: float, step_time: float, elapsed: float,
-                 tokens_per_step: int, achieved_flops: float, peak, datasheet, device,
-                 world_size: int, precision, extra: dict) -> dict:
+def train_record(
+    step: int,
+    out: dict,
+    *,
+    lr: float,
+    step_time: float,
+    elapsed: float,
+    tokens_per_step: int,
+    achieved_flops: float,
+    peak,
+    datasheet,
+    device,
+    world_size: int,
+    precision,
+    extra: dict,
+) -> dict:
     """The record of a logged step: its loss and gradient norm (`out`, train_step's result),
     speed, MFU against `peak`, memory, and what watchers added (`extra`)."""
-    record = {"kind": "train", "step": step, "loss": out["loss"], "lr": lr, "grad_norm": out["grad_norm"],
-              "tokens_per_sec": tokens_per_step / step_time, "mfu": peaks.mfu(achieved_flops, peak),
-              # the figure published MFUs (torchtitan, nanoGPT, PaLM) use; None off the table
-              "mfu_datasheet": achieved_flops / datasheet.flops if datasheet else None,
-              "peak_memory_bytes": peak_memory_bytes(device), **allocator_readings(device),  # reserved, retries (CUDA)
-              "step_time_s": step_time, "elapsed_s": elapsed, "tokens": step * tokens_per_step,
-              "peak_label": peak.label, "ready_s": out["ready_s"]}
+    record = {
+        "kind": "train",
+        "step": step,
+        "loss": out["loss"],
+        "lr": lr,
+        "grad_norm": out["grad_norm"],
+        "tokens_per_sec": tokens_per_step / step_time,
+        "mfu": peaks.mfu(achieved_flops, peak),
+        # the figure published MFUs (torchtitan, nanoGPT, PaLM) use; None off the table
+        "mfu_datasheet": achieved_flops / datasheet.flops if datasheet else None,
+        "peak_memory_bytes": peak_memory_bytes(device),
+        **allocator_readings(device),  # reserved, retries (CUDA)
+        "step_time_s": step_time,
+        "elapsed_s": elapsed,
+        "tokens": step * tokens_per_step,
+        "peak_label": peak.label,
+        "ready_s": out["ready_s"],
+    }
     if world_size > 1:  # MFU is per device: the job's FLOPs over all peaks
         record.update(world_size=world_size)
     record.update(extra)
     if precision.scaler.is_enabled():
-        record.update(loss_scale=precision.scale, skipped=out["skipped"], skipped_steps=precision.skipped_steps)
+        record.update(
+            loss_scale=precision.scale,
+            skipped=out["skipped"],
+            skipped_steps=precision.skipped_steps,
+        )
     return record
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = False, filename: str = "metrics.jsonl"):
+    def __init__(
+        self, run_dir: str | Path, tensorboard: bool = False, filename: str = "metrics.jsonl"
+    ):
         self.run_dir = check_output_dir(run_dir, "run folder (metrics.log_dir / metrics.run_name)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / filename
@@ -63,10 +95,14 @@ class MetricsLogger:
         self._tb = None
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard is not a dependency
+                from torch.utils.tensorboard import (
+                    SummaryWriter,  # optional: tensorboard is not a dependency
+                )
             except ImportError as e:  # tensorboard is a declared dependency, but be clear
-                raise TitanliteError(f"metrics.tensorboard=true needs the tensorboard package "
-                                     f"({e}): pip install tensorboard") from None
+                raise TitanliteError(
+                    f"metrics.tensorboard=true needs the tensorboard package "
+                    f"({e}): pip install tensorboard"
+                ) from None
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 
     def log(self, record: dict) -> None:
@@ -74,8 +110,14 @@ class MetricsLogger:
         self._file.write(line + "\n")
         if self._tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(f"{record.get('kind', 'train')}/{key}", value, record["step"])
+                if (
+                    key != "step"
+                    and isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                ):
+                    self._tb.add_scalar(
+                        f"{record.get('kind', 'train')}/{key}", value, record["step"]
+                    )
 
     def close(self) -> None:
         self._file.close()

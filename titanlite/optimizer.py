@@ -1,8 +1,9 @@
 """AdamW and its learning-rate schedule: linear warm-up, then cosine (or linear) decay.
 
-    optimizer = build_optimizer(model_parts, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+optimizer = build_optimizer(model_parts, cfg)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 """
+
 from __future__ import annotations
 
 import math
@@ -10,16 +11,25 @@ import math
 import torch
 
 
-def build_optimizer(parts: list[torch.nn.Module], cfg, fused: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    parts: list[torch.nn.Module], cfg, fused: bool = False
+) -> torch.optim.Optimizer:
     """AdamW over this rank's model parts. Matrices decay; norm gains and other vectors do not (shrinking
     a gain towards zero regularises nothing and hurts). `fused`: one kernel for the whole step (CUDA)."""
     params = [p for part in parts for p in part.parameters()]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     o = cfg.optimizer
-    return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": o.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        fused=fused or None,
+    )
 
 
 def lr_lambda(cfg):

@@ -3,6 +3,7 @@
 MFU = achieved / peak FLOP/s is only as honest as the peak. The default peak is *measured*: the best
 square-matmul rate this device reaches in this dtype (`matmul_peak`: cached a week at most, measured
 again once if a run beats it). Vendor datasheet peaks (tools/datasheet.py), upper bounds, are labelled so."""
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,8 @@ def time_fn(fn, device, budget_s: float = 0.2) -> float:
 @dataclass(frozen=True)
 class Peak:
     flops: float  # FLOP/s
-    source: str   # "measured" or "datasheet"
-    label: str    # says where the number came from, for plots and logs
+    source: str  # "measured" or "datasheet"
+    label: str  # says where the number came from, for plots and logs
 
 
 def _tf32_enabled() -> bool:
@@ -53,7 +54,9 @@ def _tf32_enabled() -> bool:
     mode = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # torch >= 2.9 API
     if mode in ("tf32", "ieee"):
         return mode == "tf32"
-    with contextlib.suppress(RuntimeError):  # raised when the legacy and new precision APIs were mixed
+    with contextlib.suppress(
+        RuntimeError
+    ):  # raised when the legacy and new precision APIs were mixed
         return bool(torch.backends.cuda.matmul.allow_tf32)
     return False
 
@@ -69,8 +72,10 @@ def measure_matmul_peak(device, dtype, budget_s: float = 2.0, matmul=None) -> Pe
     bf16 matmul at n=4096 takes minutes on a CPU). `matmul(n)`: a no-argument n x n matmul to time instead."""
     device = torch.device(device)
     if matmul is None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TitanliteError(f"cannot measure a matmul peak in {dtype}: use float32, bfloat16 or "
-                             "float16 (float8_e4m3fn: tools.datasheet.measure_matmul_peak)")
+        raise TitanliteError(
+            f"cannot measure a matmul peak in {dtype}: use float32, bfloat16 or "
+            "float16 (float8_e4m3fn: tools.datasheet.measure_matmul_peak)"
+        )
     # Small sizes keep the peak honest on a busy CPU (a one-thread matmul can beat a big one).
     sizes = [128, 256, 512, 1024, 2048, 4096] + ([8192] if device.type == "cuda" else [])
     deadline, best, best_n, last = time.perf_counter() + budget_s, 0.0, 0, 0.0
@@ -79,11 +84,19 @@ def measure_matmul_peak(device, dtype, budget_s: float = 2.0, matmul=None) -> Pe
         # warm-up + one timed call must fit this size's share (emulated dtypes slow as n grows)
         if last and 2 * (2 * n**3 / last) > share:
             break
-        last = 2 * n**3 / time_fn(matmul(n) if matmul else _square_matmul(n, device, dtype), device, share)
+        last = (
+            2
+            * n**3
+            / time_fn(matmul(n) if matmul else _square_matmul(n, device, dtype), device, share)
+        )
         if last > best:
             best, best_n = last, n
-    return Peak(best, "measured", f"measured {_matmul_label(device, dtype)} matmul peak, "
-                                  f"{hardware.device_name(device)} (best at n={best_n})")
+    return Peak(
+        best,
+        "measured",
+        f"measured {_matmul_label(device, dtype)} matmul peak, "
+        f"{hardware.device_name(device)} (best at n={best_n})",
+    )
 
 
 def _square_matmul(n: int, device, dtype):
@@ -102,7 +115,9 @@ _RECHECKED: set[str] = set()  # "device | dtype" keys recheck_peak has measured 
 _WARNED: set[str] = set()  # peaks mfu has warned about
 
 
-def peak_is_stale(entry, now: float, threads: int, torch_version: str, device_name: str) -> str | None:
+def peak_is_stale(
+    entry, now: float, threads: int, torch_version: str, device_name: str
+) -> str | None:
     """Why a cached peak must be measured again, or None: a peak changes with the thread count,
     the torch build and the device, and one measured on a busy day inflates every later MFU."""
     if not isinstance(entry, dict) or not {"flops", "label", "measured_at"} <= entry.keys():
@@ -120,20 +135,33 @@ def matmul_peak(device, dtype, refresh: bool = False) -> Peak:
     """Measured matmul peak, cached on disk (measuring costs seconds, every run needs it);
     measured again when asked (refresh) or when `peak_is_stale` says so."""
     device = torch.device(device)
-    facts = {"threads": torch.get_num_threads(), "torch": torch.__version__, "device": hardware.device_name(device)}
-    key = (f"{facts['device']} | {_matmul_label(device, dtype)} | "
-           f"threads={facts['threads']} | torch={facts['torch']}")
+    facts = {
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": hardware.device_name(device),
+    }
+    key = (
+        f"{facts['device']} | {_matmul_label(device, dtype)} | "
+        f"threads={facts['threads']} | torch={facts['torch']}"
+    )
     path = cache_dir() / "matmul_peaks.json"
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):  # missing or corrupt: start afresh rather than fail
         table = {}
     entry = table.get(key)
-    if not refresh and not peak_is_stale(entry, time.time(), *facts.values()):  # threads, torch, device
+    if not refresh and not peak_is_stale(
+        entry, time.time(), *facts.values()
+    ):  # threads, torch, device
         return Peak(entry["flops"], "measured", f"{entry['label']} [cached {entry['when']}]")
     peak = measure_matmul_peak(device, dtype)
-    table[key] = {"flops": peak.flops, "label": peak.label, "when": time.strftime("%Y-%m-%d %H:%M"),
-                  "measured_at": time.time(), **facts}
+    table[key] = {
+        "flops": peak.flops,
+        "label": peak.label,
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "measured_at": time.time(),
+        **facts,
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # write, then rename: never half a file
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".matmul_peaks.", suffix=".tmp")
@@ -141,12 +169,18 @@ def matmul_peak(device, dtype, refresh: bool = False) -> Peak:
             json.dump(table, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     except OSError as e:  # a read-only home must not stop training; it only costs a re-measure
-        warnings.warn(f"could not cache the matmul peak in {path} ({e}): set TITANLITE_CACHE_DIR "
-                      "to a writable folder", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"could not cache the matmul peak in {path} ({e}): set TITANLITE_CACHE_DIR "
+            "to a writable folder",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return peak
 
 
-def recheck_peak(achieved_flops_per_s: float, peak: Peak, device, dtype, say=print, sheet: Peak | None = None) -> Peak:
+def recheck_peak(
+    achieved_flops_per_s: float, peak: Peak, device, dtype, say=print, sheet: Peak | None = None
+) -> Peak:
     """The peak to keep using: one a run beat was measured on a busy machine, so measure it again (once
     per device and dtype) and say so; never a datasheet peak (beating that is a FLOP-count bug)."""
     device = torch.device(device)
@@ -155,14 +189,23 @@ def recheck_peak(achieved_flops_per_s: float, peak: Peak, device, dtype, say=pri
         return peak
     _RECHECKED.add(key)
     fresh = _with_datasheet(matmul_peak(device, dtype, refresh=True), sheet)
-    say(f"titanlite: this run reached {achieved_flops_per_s / 1e12:.4g} TFLOP/s, above the peak of "
-        f"{peak.flops / 1e12:.4g} ({peak.label}); re-measured it: {fresh.flops / 1e12:.4g} TFLOP/s")
+    say(
+        f"titanlite: this run reached {achieved_flops_per_s / 1e12:.4g} TFLOP/s, above the peak of "
+        f"{peak.flops / 1e12:.4g} ({peak.label}); re-measured it: {fresh.flops / 1e12:.4g} TFLOP/s"
+    )
     return fresh
 
 
 def _with_datasheet(peak: Peak, sheet: Peak | None) -> Peak:
-    return peak if sheet is None else Peak(peak.flops, peak.source, f"{peak.label}; {sheet.label} "
-                                                                    f"({peak.flops / sheet.flops:.0%} of it)")
+    return (
+        peak
+        if sheet is None
+        else Peak(
+            peak.flops,
+            peak.source,
+            f"{peak.label}; {sheet.label} ({peak.flops / sheet.flops:.0%} of it)",
+        )
+    )
 
 
 def get_peak(device, dtype, source: str = "auto", datasheet=None) -> Peak:
@@ -170,16 +213,23 @@ def get_peak(device, dtype, source: str = "auto", datasheet=None) -> Peak:
     quoted beside it). `datasheet(device, dtype) -> Peak | None` looks vendor figures up: a tool
     (titanlite.tools.datasheet.datasheet_peak) the caller hands in, as `titanlite train` does."""
     if source not in ("auto", "measured", "datasheet"):
-        raise TitanliteError(f"unknown peak source {source!r}"
-                             f"{closest(source, ('auto', 'measured', 'datasheet'))}: "
-                             "use auto, measured or datasheet")
+        raise TitanliteError(
+            f"unknown peak source {source!r}"
+            f"{closest(source, ('auto', 'measured', 'datasheet'))}: "
+            "use auto, measured or datasheet"
+        )
     sheet = datasheet(device, dtype) if datasheet is not None else None
     if source == "datasheet":
         if sheet is None:
-            raise TitanliteError(f"no datasheet peak for {hardware.device_name(device)} in "
-                                 f"{str(dtype).removeprefix('torch.')}: use source='measured'"
-                                 + ("" if datasheet else " (or hand in tools.datasheet.datasheet_peak, "
-                                                         "as titanlite train does)"))
+            raise TitanliteError(
+                f"no datasheet peak for {hardware.device_name(device)} in "
+                f"{str(dtype).removeprefix('torch.')}: use source='measured'"
+                + (
+                    ""
+                    if datasheet
+                    else " (or hand in tools.datasheet.datasheet_peak, as titanlite train does)"
+                )
+            )
         return sheet
     return _with_datasheet(matmul_peak(device, dtype), sheet if source == "auto" else None)
 
@@ -200,13 +250,19 @@ def mfu(achieved_flops_per_s: float, peak: Peak) -> float:
     """achieved / peak. Above 1 the peak is wrong (stale, measured while busy): said once per
     peak, and the true ratio returned rather than clamped out of sight."""
     if peak.flops <= 0:
-        raise TitanliteError(f"peak of {peak.flops} FLOP/s ({peak.label}) is not positive: "
-                             "re-measure with matmul_peak(device, dtype, refresh=True)")
+        raise TitanliteError(
+            f"peak of {peak.flops} FLOP/s ({peak.label}) is not positive: "
+            "re-measure with matmul_peak(device, dtype, refresh=True)"
+        )
     ratio = achieved_flops_per_s / peak.flops
     key = peak.label.split(" [cached")[0]  # the same peak, whether measured now or read back
     if ratio > 1 and key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(f"MFU {ratio:.2f} > 1 against '{peak.label}': the peak is too low - "
-                      "re-measure with matmul_peak(..., refresh=True) or use get_peak(..., "
-                      "source='datasheet')", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"MFU {ratio:.2f} > 1 against '{peak.label}': the peak is too low - "
+            "re-measure with matmul_peak(..., refresh=True) or use get_peak(..., "
+            "source='datasheet')",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return ratio

@@ -7,16 +7,17 @@
 
 Run by each torchrun worker as its Trainer starts, and first by `launch`: bad input costs no process
 start-up. Each refusal is one line naming the key and the fix. No device or process group is touched."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .config import Config
+from .data.tokenizer import load_tokenizer
 from .distributed.mesh import ParallelDims
 from .distributed.parallelize import sequence_parallel_enabled
 from .efficiency.accumulation import resolve_batch
 from .errors import TitanliteError
-from .data.tokenizer import load_tokenizer
 from .models.llama import ModelArgs
 from .resilience.faults import check_fault
 
@@ -41,7 +42,9 @@ def preflight(cfg: Config, world_size: int, vocab_size: int, start_from=None) ->
     p, t = cfg.parallel, cfg.training
     dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, world_size, tp=p.tp, pp=p.pp)
     check_fault(cfg.fault, t.steps, world_size)
-    micro, accum, global_batch = resolve_batch(t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=dims.dp)
+    micro, accum, global_batch = resolve_batch(
+        t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=dims.dp
+    )
     args = model_args_for(cfg, vocab_size, start_from)
     check_parallel_config(cfg, dims, args)
     return Plan(dims, micro, accum, global_batch, args)
@@ -63,25 +66,38 @@ def model_args_for(cfg: Config, vocab_size: int, start_from=None) -> ModelArgs:
     overrides; checked against the tokenizer and seq_len."""
     m = cfg.model
     if cfg.checkpoint.initial_load_path and start_from is None:
-        raise TitanliteError("checkpoint.initial_load_path starts from a Hugging Face model, which a tool "
-                             "reads: pass Trainer(cfg, start_from=HuggingFaceStart.from_config(cfg)) "
-                             "(titanlite.tools.hf_start); `titanlite train` does")
+        raise TitanliteError(
+            "checkpoint.initial_load_path starts from a Hugging Face model, which a tool "
+            "reads: pass Trainer(cfg, start_from=HuggingFaceStart.from_config(cfg)) "
+            "(titanlite.tools.hf_start); `titanlite train` does"
+        )
     if start_from is not None:
         args = start_from.model_args(cfg)
     else:
-        args = ModelArgs.preset(m.preset, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
-                                n_kv_heads=m.n_kv_heads, vocab_size=m.vocab_size,
-                                max_seq_len=m.max_seq_len, tie_embeddings=m.tie_embeddings)
+        args = ModelArgs.preset(
+            m.preset,
+            dim=m.dim,
+            n_layers=m.n_layers,
+            n_heads=m.n_heads,
+            n_kv_heads=m.n_kv_heads,
+            vocab_size=m.vocab_size,
+            max_seq_len=m.max_seq_len,
+            tie_embeddings=m.tie_embeddings,
+        )
         if m.vocab_size is None and m.preset in VOCAB_FROM_TOKENIZER:
             args.vocab_size = vocab_size
     if args.vocab_size < vocab_size:
-        raise TitanliteError(f"the tokenizer has {vocab_size} tokens but the model's vocab_size is "
-                             f"{args.vocab_size}, so token ids would be out of range: set --model.vocab_size "
-                             f"{vocab_size} (or leave it unset), or use a smaller tokenizer")
+        raise TitanliteError(
+            f"the tokenizer has {vocab_size} tokens but the model's vocab_size is "
+            f"{args.vocab_size}, so token ids would be out of range: set --model.vocab_size "
+            f"{vocab_size} (or leave it unset), or use a smaller tokenizer"
+        )
     if cfg.training.seq_len > args.max_seq_len:
-        raise TitanliteError(f"training.seq_len={cfg.training.seq_len} exceeds the model's maximum "
-                             f"({args.max_seq_len} for preset '{m.preset}'): lower --training.seq_len or "
-                             "raise --model.max_seq_len")
+        raise TitanliteError(
+            f"training.seq_len={cfg.training.seq_len} exceeds the model's maximum "
+            f"({args.max_seq_len} for preset '{m.preset}'): lower --training.seq_len or "
+            "raise --model.max_seq_len"
+        )
     return args
 
 
@@ -90,34 +106,58 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
     fsdp = dims.strategy in ("fsdp", "hsdp")
     p, t = cfg.parallel, cfg.training
     if cfg.float8.enable and cfg.float8.fsdp_all_gather and not fsdp:
-        raise TitanliteError("float8.fsdp_all_gather needs FSDP (parallel.dp_shard > 1), but this run "
-                             f"is '{dims.strategy}': drop --float8.fsdp_all_gather or run under FSDP")
+        raise TitanliteError(
+            "float8.fsdp_all_gather needs FSDP (parallel.dp_shard > 1), but this run "
+            f"is '{dims.strategy}': drop --float8.fsdp_all_gather or run under FSDP"
+        )
     if fsdp and t.mixed_precision == "fp16":
-        raise TitanliteError("fp16 with a GradScaler is not supported with FSDP here (every rank "
-                             "would have to agree on skipped steps): use --training.mixed_precision "
-                             "bf16, or --parallel.param_dtype bfloat16")
+        raise TitanliteError(
+            "fp16 with a GradScaler is not supported with FSDP here (every rank "
+            "would have to agree on skipped steps): use --training.mixed_precision "
+            "bf16, or --parallel.param_dtype bfloat16"
+        )
     if not fsdp and (p.param_dtype == "bfloat16" or p.cpu_offload) and dims.world_size > 1:
-        raise TitanliteError(f"parallel.param_dtype / parallel.cpu_offload are FSDP options, but "
-                             f"this run is '{dims.strategy}': set parallel.dp_shard > 1, or use "
-                             f"training.mixed_precision for autocast")
+        raise TitanliteError(
+            f"parallel.param_dtype / parallel.cpu_offload are FSDP options, but "
+            f"this run is '{dims.strategy}': set parallel.dp_shard > 1, or use "
+            f"training.mixed_precision for autocast"
+        )
     if dims.strategy == "ddp" and (dims.tp > 1 or dims.pp > 1):
-        raise TitanliteError("combine tensor or pipeline parallelism with FSDP (parallel.dp_shard), "
-                             "not DDP: set --parallel.dp_replicate 1 and --parallel.dp_shard -1")
+        raise TitanliteError(
+            "combine tensor or pipeline parallelism with FSDP (parallel.dp_shard), "
+            "not DDP: set --parallel.dp_replicate 1 and --parallel.dp_shard -1"
+        )
     if (dims.tp > 1 or dims.pp > 1) and cfg.float8.enable:
-        raise TitanliteError("FP8 with tensor or pipeline parallelism is not supported here: turn off "
-                             "--float8.enable, or use FSDP only")
+        raise TitanliteError(
+            "FP8 with tensor or pipeline parallelism is not supported here: turn off "
+            "--float8.enable, or use FSDP only"
+        )
     if (dims.pp > 1 or dims.tp > 1) and t.mixed_precision == "fp16":
-        raise TitanliteError("fp16 + GradScaler is not supported with tensor or pipeline parallelism "
-                             "(each rank would check only its own shard for overflow): use "
-                             "--training.mixed_precision bf16")
+        raise TitanliteError(
+            "fp16 + GradScaler is not supported with tensor or pipeline parallelism "
+            "(each rank would check only its own shard for overflow): use "
+            "--training.mixed_precision bf16"
+        )
     if dims.tp > 1:
         from .distributed.tensor_parallel import check_tp  # loads TP's part of torch: tp > 1 only
-        check_tp(args, dims.tp, seq_len=t.seq_len, sequence_parallel=sequence_parallel_enabled(cfg, dims))
+
+        check_tp(
+            args, dims.tp, seq_len=t.seq_len, sequence_parallel=sequence_parallel_enabled(cfg, dims)
+        )
     if dims.pp > 1 and p.pp_schedule == "zbv" and cfg.eval.every:
-        raise TitanliteError("torch's zero-bubble V schedule cannot run forward-only, so it cannot "
-                             "evaluate: set --eval.every 0, or use --parallel.pp_schedule interleaved_zb")
+        raise TitanliteError(
+            "torch's zero-bubble V schedule cannot run forward-only, so it cannot "
+            "evaluate: set --eval.every 0, or use --parallel.pp_schedule interleaved_zb"
+        )
     if dims.pp > 1:
         from .distributed.pipeline import check_pipeline, microbatches  # pipelining: pp > 1 only
-        check_pipeline(pp=dims.pp, schedule=p.pp_schedule, n_layers=args.n_layers,
-                       n_microbatches=microbatches(cfg, dims), batch_size=t.batch_size,
-                       stages_per_rank=p.pp_stages_per_rank, tie_embeddings=args.tie_embeddings)
+
+        check_pipeline(
+            pp=dims.pp,
+            schedule=p.pp_schedule,
+            n_layers=args.n_layers,
+            n_microbatches=microbatches(cfg, dims),
+            batch_size=t.batch_size,
+            stages_per_rank=p.pp_stages_per_rank,
+            tie_embeddings=args.tie_embeddings,
+        )

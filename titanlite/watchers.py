@@ -11,6 +11,7 @@ is their point), so the losses are the same with any of them on or off:
 
 Each watcher is told what it needs - the run's facts (`Run`) and the few things it calls - and
 never holds the trainer, so what it can touch is written in its constructor."""
+
 from __future__ import annotations
 
 import time
@@ -30,17 +31,18 @@ from .resilience.faults import attempt, inject_fault
 @dataclass(frozen=True)
 class Run:
     """The facts of one run that watchers read (all of them, and nothing they could change)."""
+
     cfg: Config
     run_dir: Path
     rank: int
     world_size: int
     device: torch.device
-    tokens_per_step: int        # the global batch's tokens
+    tokens_per_step: int  # the global batch's tokens
     flops_per_token: float
     compute_dtype: torch.dtype  # what the matmuls run in: the MFU peak's dtype
-    peak: peaks.Peak            # the MFU denominator at the start
+    peak: peaks.Peak  # the MFU denominator at the start
     datasheet: peaks.Peak | None  # the vendor's figure, if a tool looked it up
-    start_step: int = 0         # a resumed run starts at its checkpoint's step
+    start_step: int = 0  # a resumed run starts at its checkpoint's step
     restore_s: float | None = None  # and took this long to load it
 
     @property
@@ -54,10 +56,10 @@ class Run:
 
 @dataclass
 class StepEnd:
-    step: int          # the step just finished (1-based)
-    seconds: float     # its wall time; only logged steps wait for the device (see Trainer.fit)
-    out: dict          # train_step's result: loss and grad_norm are read on logged steps only
-    logged: bool       # a train record is due at this step
+    step: int  # the step just finished (1-based)
+    seconds: float  # its wall time; only logged steps wait for the device (see Trainer.fit)
+    out: dict  # train_step's result: loss and grad_norm are read on logged steps only
+    logged: bool  # a train record is due at this step
     extra: dict = field(default_factory=dict)  # fields watchers add to this step's train record
 
 
@@ -114,10 +116,16 @@ class TrainLog(Watcher):
     def __init__(self, run: Run, history: History, callbacks, lr, precision):
         self.run, self.history, self.callbacks = run, history, callbacks
         self.lr_now, self.precision, self.lr = lr, precision, 0.0
-        self.logger = MetricsLogger(run.run_dir, run.cfg.metrics.tensorboard and run.is_main,
-                                    "metrics.jsonl" if run.is_main else f"metrics.rank{run.rank}.jsonl")
-        self.bar = progress_bar(run.cfg.training.steps, enabled=run.cfg.metrics.progress and run.is_main,
-                                initial=run.start_step)
+        self.logger = MetricsLogger(
+            run.run_dir,
+            run.cfg.metrics.tensorboard and run.is_main,
+            "metrics.jsonl" if run.is_main else f"metrics.rank{run.rank}.jsonl",
+        )
+        self.bar = progress_bar(
+            run.cfg.training.steps,
+            enabled=run.cfg.metrics.progress and run.is_main,
+            initial=run.start_step,
+        )
         self.peak = run.peak  # re-measured if a step beats it (peaks.recheck_peak)
         self.start = None  # when the first step began
         self.interval_s, self.interval_steps = 0.0, 0  # since the last train record
@@ -136,7 +144,9 @@ class TrainLog(Watcher):
             record["attempt"] = attempt()
         self.logger.log(record)
         history = self.history
-        {"train": history.train, "val": history.val}.get(record["kind"], history.checkpoints).append(record)
+        {"train": history.train, "val": history.val}.get(
+            record["kind"], history.checkpoints
+        ).append(record)
         for callback in self.callbacks:
             callback(record)
 
@@ -149,26 +159,46 @@ class TrainLog(Watcher):
     def on_step_end(self, end: StepEnd) -> None:
         # Steps between records do not wait for the device, so one step's time means little on
         # a GPU; the interval's average, ended by the logged step's wait, is honest.
-        self.interval_s, self.interval_steps = self.interval_s + end.seconds, self.interval_steps + 1
+        self.interval_s, self.interval_steps = (
+            self.interval_s + end.seconds,
+            self.interval_steps + 1,
+        )
         if end.logged:
             self.emit(self.train_record(end))
             self.interval_s, self.interval_steps = 0.0, 0
         if self.bar is not None:
             self.bar.update(1)
             if end.logged:
-                self.bar.set_postfix(loss=f"{end.out['loss']:.3f}",
-                                     tok_s=f"{self.history.train[-1]['tokens_per_sec']:,.0f}")
+                self.bar.set_postfix(
+                    loss=f"{end.out['loss']:.3f}",
+                    tok_s=f"{self.history.train[-1]['tokens_per_sec']:,.0f}",
+                )
 
     def train_record(self, end: StepEnd) -> dict:
         run = self.run
         step_time = self.interval_s / self.interval_steps
-        achieved = run.flops_per_token * run.tokens_per_step / step_time / run.world_size  # per device
+        achieved = (
+            run.flops_per_token * run.tokens_per_step / step_time / run.world_size
+        )  # per device
         if not run.distributed:  # ranks sharing a machine would disturb a re-measurement
-            self.peak = peaks.recheck_peak(achieved, self.peak, run.device, run.compute_dtype, self.say, run.datasheet)
-        return train_record(end.step, end.out, lr=self.lr, step_time=step_time, elapsed=self.elapsed(),
-                            tokens_per_step=run.tokens_per_step, achieved_flops=achieved, peak=self.peak,
-                            datasheet=run.datasheet, device=run.device, world_size=run.world_size,
-                            precision=self.precision, extra=end.extra)
+            self.peak = peaks.recheck_peak(
+                achieved, self.peak, run.device, run.compute_dtype, self.say, run.datasheet
+            )
+        return train_record(
+            end.step,
+            end.out,
+            lr=self.lr,
+            step_time=step_time,
+            elapsed=self.elapsed(),
+            tokens_per_step=run.tokens_per_step,
+            achieved_flops=achieved,
+            peak=self.peak,
+            datasheet=run.datasheet,
+            device=run.device,
+            world_size=run.world_size,
+            precision=self.precision,
+            extra=end.extra,
+        )
 
     def on_train_end(self) -> None:
         for callback in self.callbacks:
@@ -221,11 +251,23 @@ class Checkpoints(Watcher):
         if not self.due(end.step):
             return
         # [fault] during="save" strikes before the commit
-        saved = self.checkpointer.save(self.train_state(), end.step, before_commit=lambda: inject_fault(
-            self.run.cfg.fault, end.step, self.run.rank, phase="save"))
+        saved = self.checkpointer.save(
+            self.train_state(),
+            end.step,
+            before_commit=lambda: inject_fault(
+                self.run.cfg.fault, end.step, self.run.rank, phase="save"
+            ),
+        )
         # What training stood still for, for watchers that account for it (tools.goodput).
         end.extra["checkpoint_blocked_s"] = saved.blocked_s
-        self.log.emit({"kind": "checkpoint", "step": end.step, "blocked_s": saved.blocked_s, "mode": saved.mode})
+        self.log.emit(
+            {
+                "kind": "checkpoint",
+                "step": end.step,
+                "blocked_s": saved.blocked_s,
+                "mode": saved.mode,
+            }
+        )
 
     def on_train_end(self) -> None:
         blocked = self.checkpointer.wait()
@@ -242,12 +284,29 @@ class Evaluation(Watcher):
 
     def on_step_end(self, end: StepEnd) -> None:
         if end.step % self.run.cfg.eval.every == 0 or end.step == self.run.cfg.training.steps:
-            self.log.emit({"kind": "val", "step": end.step, "val_loss": self.evaluate(),
-                           "elapsed_s": self.log.elapsed()})
+            self.log.emit(
+                {
+                    "kind": "val",
+                    "step": end.step,
+                    "val_loss": self.evaluate(),
+                    "elapsed_s": self.log.elapsed(),
+                }
+            )
 
 
-def build_watchers(run: Run, history: History, *, callbacks=(), extra=(), lr, precision, sample,
-                   evaluate, checkpointer=None, train_state=None) -> Watchers:
+def build_watchers(
+    run: Run,
+    history: History,
+    *,
+    callbacks=(),
+    extra=(),
+    lr,
+    precision,
+    sample,
+    evaluate,
+    checkpointer=None,
+    train_state=None,
+) -> Watchers:
     """The watchers a run's config asks for, after those `extra` makes from the run (tools handed in
     by the caller, such as the profiler, whose step must end with train_step, before evaluations
     and saves). Call it only once the run is accepted: creating them writes into the run directory."""
@@ -257,7 +316,14 @@ def build_watchers(run: Run, history: History, *, callbacks=(), extra=(), lr, pr
     chain += [log, Samples(run, history, log, sample)]
     chain += [Checkpoints(run, log, checkpointer, train_state)] if checkpointer is not None else []
     chain += [Evaluation(run, log, evaluate)] if run.cfg.eval.every else []
-    if run.cfg.profile.steps and not any(getattr(w, "profiles", False) for w in extra) and run.is_main:
-        say("profile.steps is set, but profiling is a tool: hand it to the loop with "
-            "fit(watchers=[StepProfiler]) (titanlite.tools.profiling); `titanlite train` does", None)
+    if (
+        run.cfg.profile.steps
+        and not any(getattr(w, "profiles", False) for w in extra)
+        and run.is_main
+    ):
+        say(
+            "profile.steps is set, but profiling is a tool: hand it to the loop with "
+            "fit(watchers=[StepProfiler]) (titanlite.tools.profiling); `titanlite train` does",
+            None,
+        )
     return Watchers(chain)

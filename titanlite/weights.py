@@ -3,6 +3,7 @@
 Full training state (optimizer, data position, RNG) is the checkpointing module's job; these
 are the weights a finished run hands to `titanlite export-hf` or to transformers.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,13 +32,22 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = False) -> dict:
     return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
 
 
-def save_weights(parts: list[torch.nn.Module], args: ModelArgs, dtype: torch.dtype, tokenizer,
-                 run_dir: str | Path, *, pp: int = 1, is_main: bool = True) -> Path:
+def save_weights(
+    parts: list[torch.nn.Module],
+    args: ModelArgs,
+    dtype: torch.dtype,
+    tokenizer,
+    run_dir: str | Path,
+    *,
+    pp: int = 1,
+    is_main: bool = True,
+) -> Path:
     """Final weights (model.safetensors) and tokenizer beside run.json, for `titanlite export-hf`
     and transformers. Collective when the weights are sharded or staged: every rank calls it, only
     rank 0 ever holds the whole model (in CPU memory), and writes it once every rank is done talking
     (a peer waiting in a barrier while rank 0 writes gigabytes would hit the group's timeout)."""
     from safetensors.torch import save_model  # the run's last act, in `titanlite train` only
+
     run_dir = Path(run_dir)
     state = {}
     for part in parts:  # a pipeline's stages live on other ranks: those cannot be rank 0's alone
@@ -65,8 +75,10 @@ def load_weights(run_dir: str | Path):
     info, weights = run_dir / "run.json", run_dir / "model.safetensors"
     for f in (info, weights):
         if not f.is_file():
-            raise TitanliteError(f"'{f}' is missing: pass the directory of a finished "
-                                 f"`titanlite train` run (runs/<name>)")
+            raise TitanliteError(
+                f"'{f}' is missing: pass the directory of a finished "
+                f"`titanlite train` run (runs/<name>)"
+            )
     args = ModelArgs(**json.loads(info.read_text())["model_args"])
     model = build_model(args, "cpu")
     load_model(model, str(weights))

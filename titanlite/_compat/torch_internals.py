@@ -1,5 +1,6 @@
 """The torch internals the core touches, each with why and what if it moves. Names and signatures
 checked in torch 2.11, 2.12 and 2.13 ("2.11-2.13" below); the tools' internals are in torch_tools.py."""
+
 from __future__ import annotations
 
 import contextlib
@@ -7,10 +8,13 @@ import importlib.util
 
 import torch
 from torch import nn
+
 # checkpoint_wrapper: the activation-checkpoint wrapper torchtitan uses (state-dict keys keep
 # their names, unlike wrapping by hand). Only reachable from this private module in 2.11-2.13.
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401
-    CheckpointWrapper, checkpoint_wrapper)
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
 
 # `module.compile()` compiles in place by setting `_compiled_call_impl`, which `__call__` uses when
 # set (2.11-2.13); torch has no public "is this compiled?" nor "run uncompiled for a moment". If the
@@ -41,7 +45,9 @@ def cpp_compiler_error() -> Exception | None:
     """Why Inductor on CPU has no C++ compiler (its exception), or None. Inductor itself calls this
     probe (2.11-2.13); if it moves we return None, and the trial compile that follows decides."""
     try:
-        from torch._inductor.cpp_builder import get_cpp_compiler  # Inductor: compiling on a CPU only
+        from torch._inductor.cpp_builder import (
+            get_cpp_compiler,  # Inductor: compiling on a CPU only
+        )
     except ImportError:
         return None
     try:
@@ -67,7 +73,9 @@ def stop_dcp_writer_process() -> None:
     would fail the next run's saves ("background process is dead"). Its `__del__` sends TERMINATE, joins
     5 s, then SIGTERMs (2.11-2.13). If the module or global moves, this does nothing (torch's again)."""
     try:
-        from torch.distributed.checkpoint import _async_process_executor as executor  # async_process only
+        from torch.distributed.checkpoint import (
+            _async_process_executor as executor,  # async_process only
+        )
     except ImportError:
         return
     if (proc := getattr(executor, "_CHECKPOINT_PROCESS", None)) is not None:
@@ -88,6 +96,7 @@ def dcp_storage_info(file: str, offset: int, length: int, tags: list[str] | None
     """DCP's record of where an entry lies (file, byte range, stream tags), which its file reader reads
     back: a storage writer of our own must make it, and torch keeps it private (`_StorageInfo`, 2.11-2.13)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
+
     return _StorageInfo(file, offset, length, transform_descriptors=tags)
 
 

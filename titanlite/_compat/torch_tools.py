@@ -3,9 +3,12 @@ each with why and what if it moves: the dispatch-mode base class (collectives co
 memory measured), pytree, fake tensors, process-group names, the PipelineStage methods the
 pipeline timeline shadows. Names and signatures checked in torch 2.11-2.13.
 """
+
 from __future__ import annotations
 
-from ..errors import TitanliteError
+# FakeTensor: comm.CommCounter skips collectives traced on fake tensors (a compile's tracing
+# pass), which would otherwise be counted twice.
+from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402,F401
 
 # TorchDispatchMode: the documented way to see every operator call (`__torch_dispatch__`); torch
 # has only ever exported it from this module. comm.CommCounter counts collectives with it and
@@ -19,9 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 # module up to 2.13; the private one has been stable for years and torch.compile relies on it.
 from torch.utils._pytree import tree_leaves  # noqa: E402,F401
 
-# FakeTensor: comm.CommCounter skips collectives traced on fake tensors (a compile's tracing
-# pass), which would otherwise be counted twice.
-from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402,F401
+from ..errors import TitanliteError
 
 
 def process_group_named(name: str):
@@ -32,8 +33,11 @@ def process_group_named(name: str):
         from torch.distributed.distributed_c10d import _resolve_process_group
     except ImportError as e:
         import torch
-        raise TitanliteError(f"this torch ({torch.__version__}) cannot resolve process group "
-                             f"names ({e}): CommCounter was written for torch 2.11-2.13") from e
+
+        raise TitanliteError(
+            f"this torch ({torch.__version__}) cannot resolve process group "
+            f"names ({e}): CommCounter was written for torch 2.11-2.13"
+        ) from e
     return _resolve_process_group(name)
 
 
@@ -53,8 +57,11 @@ def replace_stage_method(stage, name: str, make_replacement) -> None:
     original = getattr(stage, name, None)
     if name not in STAGE_METHODS or not callable(original):
         import torch
-        raise TitanliteError(f"this torch ({torch.__version__}) PipelineStage has no {name}(): the "
-                             f"pipeline timeline was written for torch 2.11-2.13; use one of those")
+
+        raise TitanliteError(
+            f"this torch ({torch.__version__}) PipelineStage has no {name}(): the "
+            f"pipeline timeline was written for torch 2.11-2.13; use one of those"
+        )
     setattr(stage, name, make_replacement(original))
 
 
@@ -67,6 +74,7 @@ def fake_process_group(world_size: int) -> None:
     """Make this process rank 0 of `world_size` fake ranks (the default group)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
@@ -78,6 +86,9 @@ def load_whole_dcp_state(storage_reader) -> dict:
     a private loader and planner), but through `storage_reader`: titanlite's stores tensors as bytes."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
     state: dict = {}
-    _load_state_dict(state, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(
+        state, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     return state

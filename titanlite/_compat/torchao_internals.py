@@ -1,19 +1,27 @@
 """The torchao internals titanlite touches beyond the public `torchao.float8`, checked in torchao
 0.14-0.18. Imported on first use: one that moved fails with a TitanliteError naming the fix, never at
 `import titanlite`."""
+
 from __future__ import annotations
 
 from ..errors import TitanliteError
 
 CHECKED = "0.14-0.18"
-ROLES = ("input", "weight", "grad_output")  # the operands a Linear casts; upper-cased, GemmInputRoles
+ROLES = (
+    "input",
+    "weight",
+    "grad_output",
+)  # the operands a Linear casts; upper-cased, GemmInputRoles
 
 
 def _moved(what: str, error: ImportError) -> TitanliteError:
     import torchao
-    return TitanliteError(f"this torchao ({getattr(torchao, '__version__', '?')}) has no {what} "
-                          f"({error}); titanlite's FP8 was checked with torchao {CHECKED}: "
-                          f"pip install 'torchao>=0.14,<0.19'")
+
+    return TitanliteError(
+        f"this torchao ({getattr(torchao, '__version__', '?')}) has no {what} "
+        f"({error}); titanlite's FP8 was checked with torchao {CHECKED}: "
+        f"pip install 'torchao>=0.14,<0.19'"
+    )
 
 
 def float8_linear_class() -> type:

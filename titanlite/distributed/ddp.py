@@ -4,6 +4,7 @@
 
 Unlike `scratch_ddp.ScratchDataParallel`, gradients travel in ~25 MB buckets (few large messages beat
 many small ones), each all-reduced as soon as it is complete, overlapping the rest of backward."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,17 +14,30 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def apply_ddp(model: nn.Module, mesh=None, *, bucket_cap_mb: float = 25.0, process_group=None) -> nn.Module:
+def apply_ddp(
+    model: nn.Module, mesh=None, *, bucket_cap_mb: float = 25.0, process_group=None
+) -> nn.Module:
     """Wrap the model in DistributedDataParallel over the mesh's (1-D) data-parallel group."""
-    group = process_group if process_group is not None else (mesh.get_group() if mesh is not None else None)
+    group = (
+        process_group
+        if process_group is not None
+        else (mesh.get_group() if mesh is not None else None)
+    )
     device = next(model.parameters()).device
     # The only buffers, the RoPE tables, are equal on every rank by construction: DDP would
     # otherwise re-broadcast them before every forward (torch >= 2.13 renamed the switch).
     params = inspect.signature(DDP.__init__).parameters
-    buffer_switch = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-    return DDP(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
-               device_ids=[device] if device.type == "cuda" else None,
-               find_unused_parameters=False, **{buffer_switch: False})  # all used every step: no graph search
+    buffer_switch = (
+        "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    )
+    return DDP(
+        model,
+        process_group=group,
+        bucket_cap_mb=bucket_cap_mb,
+        device_ids=[device] if device.type == "cuda" else None,
+        find_unused_parameters=False,
+        **{buffer_switch: False},
+    )  # all used every step: no graph search
 
 
 @contextlib.contextmanager

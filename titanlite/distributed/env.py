@@ -4,6 +4,7 @@
 
 Every process runs the same script; torchrun tells each one who it is: RANK (across all machines),
 LOCAL_RANK (on this machine), WORLD_SIZE, MASTER_ADDR/MASTER_PORT (where rank 0 listens)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ..device_policy import backend_and_device_for, cuda_index_for
-from ..hardware import detect_device
 from ..errors import TitanliteError
+from ..hardware import detect_device
 
 
 @dataclass
@@ -44,14 +45,20 @@ def torchrun_env() -> tuple[int, int, int] | None:
     """(rank, local_rank, world_size) when started by torchrun, else None."""
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         return None
-    return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
+    return (
+        int(os.environ["RANK"]),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ["WORLD_SIZE"]),
+    )
 
 
 def pick_backend(requested: str, device_type: str) -> str:
     """nccl for CUDA (GPU-to-GPU over NVLink/InfiniBand), gloo for everything else (CPU)."""
     if requested == "nccl" and not torch.cuda.is_available():
-        raise TitanliteError("parallel.backend=nccl needs CUDA GPUs, and none is available here: "
-                             "use --parallel.backend gloo (or auto)")
+        raise TitanliteError(
+            "parallel.backend=nccl needs CUDA GPUs, and none is available here: "
+            "use --parallel.backend gloo (or auto)"
+        )
     return backend_and_device_for(device_type, 2, requested)[0]
 
 
@@ -59,13 +66,17 @@ def device_for_rank(requested: str, local_rank: int, local_world_size: int = 1) 
     """One accelerator per process: alone, `cuda:N` is honoured; under torchrun local rank r takes cuda:r."""
     device = detect_device(requested)
     if device.type == "cuda":
-        device = torch.device("cuda", cuda_index_for(device.index, local_rank, local_world_size,
-                                                     torch.cuda.device_count()))
+        device = torch.device(
+            "cuda",
+            cuda_index_for(device.index, local_rank, local_world_size, torch.cuda.device_count()),
+        )
         torch.cuda.set_device(device)
     return device
 
 
-def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300) -> DistEnv:
+def init_distributed(
+    device: str = "auto", backend: str = "auto", timeout_s: float = 300
+) -> DistEnv:
     """Join the job's process group (if torchrun started us); return who we are."""
     ids = torchrun_env()
     if ids is None or ids[2] == 1 or not dist.is_available():
@@ -87,9 +98,14 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
             print(f"[titanlite] {note}", file=sys.stderr, flush=True)
     if not dist.is_initialized():
         # Past the timeout a collective raises instead of hanging: a dead peer becomes an error.
-        dist.init_process_group(name, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=dev if dev.type == "cuda" else None)
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, backend=name, device=dev)
+        dist.init_process_group(
+            name,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    return DistEnv(
+        rank=rank, local_rank=local_rank, world_size=world_size, backend=name, device=dev
+    )
 
 
 def destroy_distributed(barrier: bool = False) -> None:

@@ -4,6 +4,7 @@
 
 Each block's weights are all-gathered before its forward and its backward and freed after; gradients
 are reduce-scattered. One `fully_shard` per block lets block i+1's all-gather overlap block i's compute."""
+
 from __future__ import annotations
 
 import warnings
@@ -12,16 +13,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from ..errors import TitanliteError
 
 RESHARD_CHOICES = ("default", "always", "never")
 
 
-def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: str = "default",
-               cpu_offload: bool = False, pp: int = 1) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: str = "default",
+    cpu_offload: bool = False,
+    pp: int = 1,
+) -> nn.Module:
     """Shard each transformer block, then the root (embeddings, final norm, output), in place.
     param_dtype: FSDP gathers and computes in it (bf16 halves all-gather bytes; the shards and the
     optimizer keep the parameters' dtype). reduce_dtype: of the gradients' reduce-scatter (fp32 keeps
@@ -30,8 +43,11 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = None
     backward (ZeRO-2-like), "default" all but the last block's (none under PP: `reshard_flags`).
     cpu_offload: shards, gradients and the optimizer step live in CPU memory; pp: the PP degree."""
     flags = reshard_flags(reshard_after_forward, len(model.layers), pp)  # checks the choice first
-    common = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
-              "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    common = {
+        "mesh": mesh,
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    }
     for block, reshard in zip(list(model.layers.values()), flags):
         fully_shard(block, reshard_after_forward=reshard, **common)
     fully_shard(model, **common)
@@ -42,16 +58,18 @@ def reshard_flags(policy: str, n_blocks: int, pp: int = 1) -> list[bool]:
     """Per block: free its gathered weights after forward? A pipeline stage runs forward once per
     micro-batch and backward later, so under PP "default" keeps them gathered, as torchtitan does."""
     if policy not in RESHARD_CHOICES:
-        raise TitanliteError(f"parallel.reshard_after_forward='{policy}' is not one of "
-                             f"{', '.join(RESHARD_CHOICES)}")
+        raise TitanliteError(
+            f"parallel.reshard_after_forward='{policy}' is not one of {', '.join(RESHARD_CHOICES)}"
+        )
     if policy != "default" or pp > 1:  # under PP, "default" is all False
         return [policy == "always"] * n_blocks
     # The last block's backward starts right after its forward: resharding it only costs an all-gather.
     return [i < n_blocks - 1 for i in range(n_blocks)]
 
 
-def shard_and_init(model_on_meta: nn.Module, init_full_model, mesh, device: torch.device,
-                   **fsdp_kwargs) -> nn.Module:
+def shard_and_init(
+    model_on_meta: nn.Module, init_full_model, mesh, device: torch.device, **fsdp_kwargs
+) -> nn.Module:
     """Meta-device init: shard a model that has no memory yet, then give each rank its shard.
     Only rank 0 builds the full model (`init_full_model()`, on CPU) and broadcasts it shard by shard:
     DTensor's CPU random init would not reproduce a single process's weights."""
@@ -61,5 +79,7 @@ def shard_and_init(model_on_meta: nn.Module, init_full_model, mesh, device: torc
     with torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators")
         model.init_weights()  # buffers (RoPE tables); the weights are overwritten next
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     return model

@@ -3,6 +3,7 @@
 As in picotron, the ranks 0..world-1 form a grid (pp, dp_replicate, dp_shard, tp); each line along one axis
 is a process group. tp (innermost) talks in every layer: the fastest links (one node); dp_shard is FSDP,
 dp_replicate DDP (HSDP: both); pp (outermost) passes activations once per micro-batch: the slowest links."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,25 +24,31 @@ class ParallelDims:
     pp: int = 1
 
     @classmethod
-    def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int, tp: int = 1,
-                pp: int = 1) -> "ParallelDims":
+    def resolve(
+        cls, dp_replicate: int, dp_shard: int, world_size: int, tp: int = 1, pp: int = 1
+    ) -> "ParallelDims":
         """Fill in dp_shard=-1 ("every rank not used otherwise") and check the product."""
         for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp)):
             if value < 1:
                 raise TitanliteError(f"parallel.{name} must be at least 1, got {value}")
         if dp_shard == 0 or dp_shard < -1:
-            raise TitanliteError(f"parallel.dp_shard must be positive or -1 (all ranks left over), "
-                                 f"got {dp_shard}")
+            raise TitanliteError(
+                f"parallel.dp_shard must be positive or -1 (all ranks left over), got {dp_shard}"
+            )
         others = dp_replicate * tp * pp
         if dp_shard == -1 and world_size % others:
-            raise TitanliteError(f"dp_replicate × tp × pp = {dp_replicate} × {tp} × {pp} = {others} "
-                                 f"does not divide the {world_size} processes: choose degrees "
-                                 f"whose product divides {world_size}")
+            raise TitanliteError(
+                f"dp_replicate × tp × pp = {dp_replicate} × {tp} × {pp} = {others} "
+                f"does not divide the {world_size} processes: choose degrees "
+                f"whose product divides {world_size}"
+            )
         dp_shard = world_size // others if dp_shard == -1 else dp_shard
         if others * dp_shard != world_size:
-            raise TitanliteError(f"pp × dp_replicate × dp_shard × tp = {pp} × {dp_replicate} × "
-                                 f"{dp_shard} × {tp} = {others * dp_shard}, but {world_size} processes "
-                                 f"were started: make the product equal the number of processes")
+            raise TitanliteError(
+                f"pp × dp_replicate × dp_shard × tp = {pp} × {dp_replicate} × "
+                f"{dp_shard} × {tp} = {others * dp_shard}, but {world_size} processes "
+                f"were started: make the product equal the number of processes"
+            )
         return cls(dp_replicate, dp_shard, world_size, tp, pp)
 
     @property
@@ -60,7 +67,9 @@ class ParallelDims:
         return "ddp" if self.dp_shard == 1 else "hsdp" if self.dp_replicate > 1 else "fsdp"
 
     def describe(self) -> str:
-        return " × ".join(f"{n}={d}" for n, d in zip(DIM_NAMES, self.shape) if d > 1) or "one process"
+        return (
+            " × ".join(f"{n}={d}" for n, d in zip(DIM_NAMES, self.shape) if d > 1) or "one process"
+        )
 
     def layout(self) -> torch.Tensor:
         """The rank grid itself: layout()[p, r, s, t] is the rank at those coordinates."""
@@ -79,6 +88,7 @@ class ParallelDims:
         if self.world_size == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh  # multi-rank runs only
+
         return init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
 
     def groups(self, dim: str) -> list[list[int]]:

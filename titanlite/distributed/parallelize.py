@@ -11,6 +11,7 @@
 7. DDP/FSDP - last: they wrap or shard whatever the model finally is.
 
 Each technique's part of torch (or torchao) is imported only where a run asks for the technique."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,18 +25,32 @@ from .env import DistEnv
 from .mesh import ParallelDims
 
 
-def parallelize(args: ModelArgs, cfg, env: DistEnv, dims: ParallelDims, mesh, dtype: torch.dtype,
-                autocast_dtype: torch.dtype | None = None) -> tuple[list[nn.Module], object]:
+def parallelize(
+    args: ModelArgs,
+    cfg,
+    env: DistEnv,
+    dims: ParallelDims,
+    mesh,
+    dtype: torch.dtype,
+    autocast_dtype: torch.dtype | None = None,
+) -> tuple[list[nn.Module], object]:
     """This rank's model parts (one, or one per pipeline stage it holds) and the pipeline.
     `autocast_dtype`: the run's mixed precision, which the trial compile runs under."""
     p = cfg.parallel
     fsdp = dims.strategy in ("fsdp", "hsdp")
-    fsdp_kwargs = dict(param_dtype=getattr(torch, p.param_dtype) if p.param_dtype != str(dtype)[6:] else None,
-                       reduce_dtype=getattr(torch, p.reduce_dtype), cpu_offload=p.cpu_offload, pp=dims.pp,
-                       reshard_after_forward=p.reshard_after_forward)
+    fsdp_kwargs = dict(
+        param_dtype=getattr(torch, p.param_dtype) if p.param_dtype != str(dtype)[6:] else None,
+        reduce_dtype=getattr(torch, p.reduce_dtype),
+        cpu_offload=p.cpu_offload,
+        pp=dims.pp,
+        reshard_after_forward=p.reshard_after_forward,
+    )
     # HSDP shards within a replica group and all-reduces across groups: a 2-D mesh.
-    dp_mesh = None if mesh is None else (mesh["dp_replicate", "dp_shard"] if dims.strategy == "hsdp"
-                                         else mesh["dp_shard"])
+    dp_mesh = (
+        None
+        if mesh is None
+        else (mesh["dp_replicate", "dp_shard"] if dims.strategy == "hsdp" else mesh["dp_shard"])
+    )
     if fsdp:
         from .fsdp import apply_fsdp, shard_and_init  # torch.distributed.fsdp: sharded runs only
     if fsdp and dims.tp == 1 and dims.pp == 1:
@@ -44,21 +59,39 @@ def parallelize(args: ModelArgs, cfg, env: DistEnv, dims: ParallelDims, mesh, dt
         # The FP8 and compile checks' trial runs must not move the RNG before rank 0 draws the weights.
         with torch.random.fork_rng(devices=[]):
             model = apply_efficiency(model, cfg, env.device, autocast_dtype)
-        return [shard_and_init(model, lambda: build_model(args, "cpu").to(dtype), dp_mesh,
-                               env.device, **fsdp_kwargs)], None
+        return [
+            shard_and_init(
+                model,
+                lambda: build_model(args, "cpu").to(dtype),
+                dp_mesh,
+                env.device,
+                **fsdp_kwargs,
+            )
+        ], None
     # Initialised on the CPU: the same seed gives the same weights on every device and layout.
     model = build_model(args, "cpu").to(device=env.device, dtype=dtype)
     stages, parts, pipe = [], [model], None
     if dims.pp > 1:
         from .pipeline import Pipeline, pipeline_split  # torch.distributed.pipelining: pp > 1 only
-        stages, parts = pipeline_split(model, mesh["pp"], schedule=p.pp_schedule,
-                                       stages_per_rank=p.pp_stages_per_rank, device=env.device)
+
+        stages, parts = pipeline_split(
+            model,
+            mesh["pp"],
+            schedule=p.pp_schedule,
+            stages_per_rank=p.pp_stages_per_rank,
+            device=env.device,
+        )
         pipe = Pipeline(stages, cfg, mesh["pp"])
     for i, part in enumerate(parts):
         if dims.tp > 1:
             from .tensor_parallel import apply_tp  # torch.distributed.tensor.parallel: tp > 1 only
-            apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel_enabled(cfg, dims),
-                     loss_parallel=loss_parallel_enabled(cfg, dims))
+
+            apply_tp(
+                part,
+                mesh["tp"],
+                sequence_parallel=sequence_parallel_enabled(cfg, dims),
+                loss_parallel=loss_parallel_enabled(cfg, dims),
+            )
         part = apply_efficiency(part, cfg, env.device, autocast_dtype)
         if fsdp:
             part = apply_fsdp(part, dp_mesh, **fsdp_kwargs)
@@ -87,28 +120,48 @@ def loss_context_for(cfg, dims: ParallelDims):
     if not loss_parallel_enabled(cfg, dims):
         return contextlib.nullcontext
     from .tensor_parallel import loss_context  # tp > 1 only
+
     return lambda: loss_context(True)
 
 
-def apply_efficiency(model: nn.Module, cfg, device: torch.device,
-                     autocast_dtype: torch.dtype | None = None) -> nn.Module:
+def apply_efficiency(
+    model: nn.Module, cfg, device: torch.device, autocast_dtype: torch.dtype | None = None
+) -> nn.Module:
     """FP8, then AC, then compile (the order: above); `autocast_dtype`: the run's, for the trial compile."""
     if cfg.float8.enable:
         from ..efficiency.fp8 import apply_fp8, set_precision_casts_for  # torchao: FP8 runs only
+
         f = cfg.float8
-        model = apply_fp8(model, recipe=f.recipe, device=device, min_dim=f.min_dim,
-                          emulate=None if f.emulate == "auto" else f.emulate == "true",
-                          fsdp_all_gather=f.fsdp_all_gather)
+        model = apply_fp8(
+            model,
+            recipe=f.recipe,
+            device=device,
+            min_dim=f.min_dim,
+            emulate=None if f.emulate == "auto" else f.emulate == "true",
+            fsdp_all_gather=f.fsdp_all_gather,
+        )
         if cfg.compile.enable:
             set_precision_casts_for(f.recipe, compiled=True)
     if cfg.activation_checkpoint.mode != "none":
-        from ..efficiency.activation_checkpoint import apply_ac  # torch.utils.checkpoint: AC runs only
-        model = apply_ac(model, cfg.activation_checkpoint.mode, every=cfg.activation_checkpoint.every)
+        from ..efficiency.activation_checkpoint import (
+            apply_ac,  # torch.utils.checkpoint: AC runs only
+        )
+
+        model = apply_ac(
+            model, cfg.activation_checkpoint.mode, every=cfg.activation_checkpoint.every
+        )
     if cfg.compile.enable:
         from ..efficiency.compile import apply_compile  # Dynamo and Inductor: compiled runs only
+
         backend = {} if cfg.compile.backend == "inductor" else {"backend": cfg.compile.backend}
         # The trial compile runs a real block on a batch of the run's shape: fall back here, not at step 1.
-        model = apply_compile(model, scope=cfg.compile.scope, fallback=cfg.compile.fallback, device=device,
-                              example_shape=(cfg.training.batch_size, cfg.training.seq_len),
-                              autocast_dtype=autocast_dtype, **backend)
+        model = apply_compile(
+            model,
+            scope=cfg.compile.scope,
+            fallback=cfg.compile.fallback,
+            device=device,
+            example_shape=(cfg.training.batch_size, cfg.training.seq_len),
+            autocast_dtype=autocast_dtype,
+            **backend,
+        )
     return model

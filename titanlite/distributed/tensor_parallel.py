@@ -10,6 +10,7 @@ TP splits every weight matrix over `tp` ranks reading the same batch. A block's 
 o_proj and down_proj partial sums, added by one all-reduce per pair. Sequence parallelism splits it into
 reduce-scatter + all-gather: norms and residual adds run on 1/tp of the sequence. Loss parallelism keeps
 the logits split over the vocabulary: cross-entropy all-reduces 3·B·T numbers, not B·T·V logits."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,9 +18,15 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import (DTensor, Replicate, Shard, distribute_module)
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
 
 from .._compat.torch_internals import is_checkpoint_wrapped, is_compiled_in_place
@@ -27,37 +34,56 @@ from ..efficiency.accumulation import loss_sum
 from ..errors import TitanliteError
 
 
-def apply_tp(model: nn.Module, tp_mesh, *, sequence_parallel: bool = True,
-             loss_parallel: bool = True) -> nn.Module:
+def apply_tp(
+    model: nn.Module, tp_mesh, *, sequence_parallel: bool = True, loss_parallel: bool = True
+) -> nn.Module:
     """torchtitan's plan for our Llama, in place: between blocks the residual stream is split on the
     sequence (SP) or whole, inside a block the heads / hidden units; `loss_parallel`: Shard(-1) logits."""
     _check_order(model)
     check_tp(model.args, tp_mesh.size(), sequence_parallel=sequence_parallel)
-    between, norm = (Shard(1), SequenceParallel) if sequence_parallel else (Replicate(), ReplicateParallel)
+    between, norm = (
+        (Shard(1), SequenceParallel) if sequence_parallel else (Replicate(), ReplicateParallel)
+    )
     # Vocabulary rows split: each rank embeds the tokens it owns (zeros elsewhere); the sum is exact.
-    ends = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-            "norm": norm(),
-            "output": ColwiseParallel(input_layouts=between,  # each rank: its vocabulary slice's logits
-                                      output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                      use_local_output=not loss_parallel)}
+    ends = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "norm": norm(),
+        "output": ColwiseParallel(
+            input_layouts=between,  # each rank: its vocabulary slice's logits
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
     # A pipeline stage holds only some of the ends (the others are None).
-    parallelize_module(model, tp_mesh, {k: v for k, v in ends.items() if getattr(model, k) is not None})
+    parallelize_module(
+        model, tp_mesh, {k: v for k, v in ends.items() if getattr(model, k) is not None}
+    )
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": norm(),
-            # The matmuls need the whole sequence: all-gather it (a no-op without SP).
-            "attention": PrepareModuleInput(input_layouts=(between, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.q_proj": ColwiseParallel(),  # whole heads per rank: attention stays local
-            "attention.k_proj": ColwiseParallel(),
-            "attention.v_proj": ColwiseParallel(),
-            "attention.o_proj": RowwiseParallel(output_layouts=between),  # sum of partial outputs
-            "ffn_norm": norm(),
-            "feed_forward": PrepareModuleInput(input_layouts=(between,),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.gate_proj": ColwiseParallel(),  # SwiGLU is elementwise per hidden unit
-            "feed_forward.up_proj": ColwiseParallel(),
-            "feed_forward.down_proj": RowwiseParallel(output_layouts=between)})
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": norm(),
+                # The matmuls need the whole sequence: all-gather it (a no-op without SP).
+                "attention": PrepareModuleInput(
+                    input_layouts=(between, None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                ),
+                "attention.q_proj": ColwiseParallel(),  # whole heads per rank: attention stays local
+                "attention.k_proj": ColwiseParallel(),
+                "attention.v_proj": ColwiseParallel(),
+                "attention.o_proj": RowwiseParallel(
+                    output_layouts=between
+                ),  # sum of partial outputs
+                "ffn_norm": norm(),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(between,), desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.gate_proj": ColwiseParallel(),  # SwiGLU is elementwise per hidden unit
+                "feed_forward.up_proj": ColwiseParallel(),
+                "feed_forward.down_proj": RowwiseParallel(output_layouts=between),
+            },
+        )
     if model.args.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
         # Both split the same [vocab, dim] matrix by rows but got separate DTensors above: tie again.
         model.output.weight = model.tok_embeddings.weight
@@ -79,7 +105,7 @@ def _pad_sequence(model, args, tp):
 
 
 def _cut_padding(model, args, logits):
-    return logits[:, :model._tp_length] if logits.shape[1] != model._tp_length else None
+    return logits[:, : model._tp_length] if logits.shape[1] != model._tp_length else None
 
 
 class ReplicateParallel(ParallelStyle):
@@ -88,10 +114,19 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
         def as_dtensor(mod, inputs, mesh):
-            return tuple(x if isinstance(x, DTensor) else
-                         DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
-        return distribute_module(module, mesh, input_fn=as_dtensor,  # parameters: replicated
-                                 output_fn=lambda mod, out, mesh: out.to_local())
+            return tuple(
+                x
+                if isinstance(x, DTensor)
+                else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                for x in inputs
+            )
+
+        return distribute_module(
+            module,
+            mesh,
+            input_fn=as_dtensor,  # parameters: replicated
+            output_fn=lambda mod, out, mesh: out.to_local(),
+        )
 
 
 def _finish_partial_grad(p: torch.Tensor) -> None:
@@ -104,36 +139,51 @@ def _finish_partial_grad(p: torch.Tensor) -> None:
 def _check_order(model: nn.Module) -> None:
     """TP names plain modules: apply it after FP8 (swaps Linears), before AC, compile and FSDP (wrappers)."""
     if not hasattr(model, "layers") or not hasattr(model, "args"):
-        raise TitanliteError(f"apply_tp expects titanlite's Transformer, got {type(model).__name__}: "
-                             f"apply it before compile, DDP or FSDP wrap the model")
+        raise TitanliteError(
+            f"apply_tp expects titanlite's Transformer, got {type(model).__name__}: "
+            f"apply it before compile, DDP or FSDP wrap the model"
+        )
     if is_checkpoint_wrapped(model) or is_compiled_in_place(model):
-        raise TitanliteError("apply_tp found activation-checkpointed or compiled blocks: apply tensor "
-                             "parallelism first, then activation checkpointing, compile and FSDP")
+        raise TitanliteError(
+            "apply_tp found activation-checkpointed or compiled blocks: apply tensor "
+            "parallelism first, then activation checkpointing, compile and FSDP"
+        )
     if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise TitanliteError("this model's weights are already DTensors (FSDP or TP applied): apply "
-                             "tensor parallelism once, before FSDP")
+        raise TitanliteError(
+            "this model's weights are already DTensors (FSDP or TP applied): apply "
+            "tensor parallelism once, before FSDP"
+        )
 
 
 def check_tp(args, tp: int, seq_len: int | None = None, sequence_parallel: bool = True) -> None:
     """Refuse a TP degree that does not split the model (or sequence) evenly, naming which degrees would."""
     if tp < 1:
         raise TitanliteError(f"tensor-parallel degree must be positive, got tp={tp}")
-    splits = {"n_heads": (args.n_heads, "each rank computes whole attention heads"),
-              "n_kv_heads": (args.n_kv_heads, "each rank holds whole key/value heads"),
-              "hidden_dim": (args.hidden_dim, "the MLP's hidden units split evenly"),
-              "dim": (args.dim, "o_proj and down_proj split their inputs evenly"),
-              "vocab_size": (args.vocab_size, "embedding rows and logits split evenly")}
+    splits = {
+        "n_heads": (args.n_heads, "each rank computes whole attention heads"),
+        "n_kv_heads": (args.n_kv_heads, "each rank holds whole key/value heads"),
+        "hidden_dim": (args.hidden_dim, "the MLP's hidden units split evenly"),
+        "dim": (args.dim, "o_proj and down_proj split their inputs evenly"),
+        "vocab_size": (args.vocab_size, "embedding rows and logits split evenly"),
+    }
     if sequence_parallel:
-        splits["max_seq_len"] = (args.max_seq_len, "sequence parallel pads sequences to a multiple of tp")
+        splits["max_seq_len"] = (
+            args.max_seq_len,
+            "sequence parallel pads sequences to a multiple of tp",
+        )
     if bad := [f"model.{k}={v} ({why})" for k, (v, why) in splits.items() if v % tp]:
         g = math.gcd(*(v for v, _ in splits.values()))
         valid = ", ".join(str(d) for d in range(1, g + 1) if g % d == 0)
-        raise TitanliteError(f"tensor-parallel degree {tp} (parallel.tp) does not divide "
-                             f"{'; '.join(bad)}: choose one of {valid}")
+        raise TitanliteError(
+            f"tensor-parallel degree {tp} (parallel.tp) does not divide "
+            f"{'; '.join(bad)}: choose one of {valid}"
+        )
     if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise TitanliteError(f"sequence parallel splits each sequence over the {tp} TP ranks, but "
-                             f"training.seq_len={seq_len} is not a multiple of {tp}: choose a "
-                             f"multiple of {tp}, or set parallel.sequence_parallel=false")
+        raise TitanliteError(
+            f"sequence parallel splits each sequence over the {tp} TP ranks, but "
+            f"training.seq_len={seq_len} is not a multiple of {tp}: choose a "
+            f"multiple of {tp}, or set parallel.sequence_parallel=false"
+        )
 
 
 def loss_context(enabled: bool):

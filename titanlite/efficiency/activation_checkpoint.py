@@ -9,13 +9,18 @@ A checkpointed block keeps only its input; backward runs its forward again to re
 ("SAC", as in torchtitan): keep the outputs of matmuls, attention and TP's reduce-scatters, recompute
 the pointwise ops (RMSNorm, rotary, SiLU, gating). Matmuls are where the FLOPs are; pointwise ops are
 nearly free to recompute, yet their outputs are as big as a matmul's: dropping them saves the memory."""
+
 from __future__ import annotations
 
 import contextlib
 import functools
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from .._compat.torch_internals import CheckpointWrapper, checkpoint_wrapper
 from ..errors import TitanliteError, closest
@@ -25,16 +30,26 @@ MODES = ("none", "full", "selective", "op")
 
 aten = torch.ops.aten
 # Each fused attention kernel SDPA may pick (CUDA flash/efficient/cuDNN, CPU, MPS), where this build has it
-_SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_attention_math_for_mps", "_scaled_dot_product_fused_attention_overrideable")
+_SDPA_OPS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_attention_math_for_mps",
+    "_scaled_dot_product_fused_attention_overrideable",
+)
 # FP8 matmuls (torchao's `_scaled_mm`) are matmuls too; with TP + sequence parallel a row-wise Linear
 # ends in a reduce-scatter, which recomputing would repeat (torchtitan's `_save_list` keeps that one).
 _FP8_AND_TP_OPS = [torch.ops.aten._scaled_mm.default]
-with contextlib.suppress(AttributeError, RuntimeError):  # a torch without distributed has no c10d ops
+with contextlib.suppress(
+    AttributeError, RuntimeError
+):  # a torch without distributed has no c10d ops
     _FP8_AND_TP_OPS.append(torch.ops._c10d_functional.reduce_scatter_tensor.default)
-SAVE_OPS = frozenset([aten.mm.default, aten.addmm.default, aten.bmm.default] + _FP8_AND_TP_OPS +
-                     [getattr(aten, name).default for name in _SDPA_OPS if hasattr(aten, name)])
+SAVE_OPS = frozenset(
+    [aten.mm.default, aten.addmm.default, aten.bmm.default]
+    + _FP8_AND_TP_OPS
+    + [getattr(aten, name).default for name in _SDPA_OPS if hasattr(aten, name)]
+)
 
 
 def apply_ac(model: Transformer, mode: str, every: int = 2) -> Transformer:
@@ -42,25 +57,39 @@ def apply_ac(model: Transformer, mode: str, every: int = 2) -> Transformer:
     2·every, ...) | op. After name-based plans (TP, FP8: parameter names gain a `_checkpoint_wrapped_module`
     level; state_dict() keeps the plain ones) and before compile, as the trainer's `apply_efficiency`."""
     if mode not in MODES:
-        raise TitanliteError(f"activation checkpointing mode '{mode}' is not one of "
-                             f"{', '.join(MODES)}{closest(mode, MODES)}")
+        raise TitanliteError(
+            f"activation checkpointing mode '{mode}' is not one of "
+            f"{', '.join(MODES)}{closest(mode, MODES)}"
+        )
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise TitanliteError(f"activation_checkpoint.every must be a positive integer, got "
-                             f"{every!r}: e.g. every=2 checkpoints blocks 0, 2, 4, ...")
+        raise TitanliteError(
+            f"activation_checkpoint.every must be a positive integer, got "
+            f"{every!r}: e.g. every=2 checkpoints blocks 0, 2, 4, ..."
+        )
     if mode == "none":
         return model
     # Non-reentrant: it works with keyword arguments, torch.compile and FSDP2, and (unlike the old
     # reentrant version) gives gradients even when the block's input does not require any.
-    sac = {"context_fn": functools.partial(create_selective_checkpoint_contexts, save_matmuls_policy)}
+    sac = {
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, save_matmuls_policy)
+    }
     for index, (name, block) in enumerate(list(model.layers.items())):
         if isinstance(block, CheckpointWrapper):
-            raise TitanliteError(f"block {name} is already checkpointed: apply_ac once, on a "
-                                 f"freshly built model")
+            raise TitanliteError(
+                f"block {name} is already checkpointed: apply_ac once, on a freshly built model"
+            )
         if mode == "selective" and index % every:
             continue
-        wrapped = checkpoint_wrapper(block, checkpoint_fn=checkpoint, use_reentrant=False,
-                                     preserve_rng_state=True, **(sac if mode == "op" else {}))
-        model.layers.register_module(name, wrapped)  # on an existing key: keeps the block's position, name
+        wrapped = checkpoint_wrapper(
+            block,
+            checkpoint_fn=checkpoint,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            **(sac if mode == "op" else {}),
+        )
+        model.layers.register_module(
+            name, wrapped
+        )  # on an existing key: keeps the block's position, name
     return model
 
 

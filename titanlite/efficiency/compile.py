@@ -5,6 +5,7 @@
 Regional: every block runs the same code on same-shaped tensors and Dynamo guards on the block's
 type, so block 0's compiled graph serves every later block: compile time is one block's, however
 deep the model. Compile is lazy, so a failure would surface mid-run: a trial compile comes first."""
+
 from __future__ import annotations
 
 import warnings
@@ -23,32 +24,57 @@ class CompileFallbackWarning(UserWarning):
     """torch.compile cannot run here; the model was left eager."""
 
 
-def apply_compile(model: nn.Module, scope: str = "regional", fallback: bool = True,
-                  device: torch.device | str | None = None, example_shape: tuple[int, int] | None = None,
-                  autocast_dtype: torch.dtype | None = None, **compile_kwargs) -> nn.Module:
+def apply_compile(
+    model: nn.Module,
+    scope: str = "regional",
+    fallback: bool = True,
+    device: torch.device | str | None = None,
+    example_shape: tuple[int, int] | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    **compile_kwargs,
+) -> nn.Module:
     """Compile `model` in place ("regional": each block, "model": all of it) and return it. `device`:
     where it will run (default: its parameters'; pass it for a meta-device model); the trial compiles
     block 0 on an `example_shape` (batch, seq_len) batch under the run's `autocast_dtype`."""
     if scope not in SCOPES:
-        raise TitanliteError(f"compile scope '{scope}' is not one of {', '.join(SCOPES)}"
-                             f"{closest(scope, SCOPES)}: regional compiles each transformer "
-                             f"block, model compiles the whole model")
-    if scope == "regional" and not isinstance(getattr(model, "layers", None), (nn.ModuleDict, nn.ModuleList)):
-        raise TitanliteError(f"regional compile needs model.layers (the transformer blocks), which "
-                             f"{type(model).__name__} does not have: use scope='model'")
-    device = torch.device(device if device is not None else
-                          next((p.device for p in model.parameters()), "cpu"))
+        raise TitanliteError(
+            f"compile scope '{scope}' is not one of {', '.join(SCOPES)}"
+            f"{closest(scope, SCOPES)}: regional compiles each transformer "
+            f"block, model compiles the whole model"
+        )
+    if scope == "regional" and not isinstance(
+        getattr(model, "layers", None), (nn.ModuleDict, nn.ModuleList)
+    ):
+        raise TitanliteError(
+            f"regional compile needs model.layers (the transformer blocks), which "
+            f"{type(model).__name__} does not have: use scope='model'"
+        )
+    device = torch.device(
+        device if device is not None else next((p.device for p in model.parameters()), "cpu")
+    )
     args = getattr(model, "args", None)  # a Transformer's ModelArgs: the block's shapes
-    support = compile_support(device, block=_trial_block(model), args=args, example_shape=example_shape,
-                              autocast_dtype=autocast_dtype, **compile_kwargs)
+    support = compile_support(
+        device,
+        block=_trial_block(model),
+        args=args,
+        example_shape=example_shape,
+        autocast_dtype=autocast_dtype,
+        **compile_kwargs,
+    )
     if not support.works:
         if not fallback:
-            raise TitanliteError(f"torch.compile cannot run here: {support.why}. Fix: {support.fix}, "
-                                 f"or set [compile] fallback=true to train eagerly") from support.error
+            raise TitanliteError(
+                f"torch.compile cannot run here: {support.why}. Fix: {support.fix}, "
+                f"or set [compile] fallback=true to train eagerly"
+            ) from support.error
         more = " ([compile] fallback=false raises with the full traceback)" if support.error else ""
-        warnings.warn(f"torch.compile cannot run here, so training continues eagerly (same "
-                      f"results, slower): {support.why}. Fix: {support.fix}{more}, or set "
-                      f"[compile] enable=false to skip compiling", CompileFallbackWarning, stacklevel=2)
+        warnings.warn(
+            f"torch.compile cannot run here, so training continues eagerly (same "
+            f"results, slower): {support.why}. Fix: {support.fix}{more}, or set "
+            f"[compile] enable=false to skip compiling",
+            CompileFallbackWarning,
+            stacklevel=2,
+        )
         return model
     if scope == "regional":
         for block in model.layers.children():
@@ -62,5 +88,13 @@ def _trial_block(model: nn.Module) -> nn.Module | None:
     """Block 0, if a copy of it can run alone. Tensor-parallel blocks (DTensor weights) expect
     sharded inputs and collectives on every rank: those get the tiny trial instead."""
     layers = getattr(model, "layers", None)
-    block = next(layers.children(), None) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else None
-    return None if block is None or any(hasattr(p, "placements") for p in block.parameters()) else block
+    block = (
+        next(layers.children(), None)
+        if isinstance(layers, (nn.ModuleDict, nn.ModuleList))
+        else None
+    )
+    return (
+        None
+        if block is None or any(hasattr(p, "placements") for p in block.parameters())
+        else block
+    )

@@ -9,6 +9,7 @@
 bf16 keeps fp32's exponent range: gradients do not underflow, no scaler needed. fp16 has 3 more mantissa
 bits but 5 exponent bits: small gradients flush to zero, so `torch.amp.GradScaler` scales the loss up before
 backward and the gradients back down before the step, skipping the step and halving the scale on overflow."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,28 +30,50 @@ class Precision:
     """Autocast + (for fp16) loss scaling, behind the three calls the training step makes. "auto": bf16
     on CUDA SM 8.0+, fp16 on older GPUs, fp32 on CPU/MPS. tf32 None: TF32 for fp32 CUDA matmuls on SM 8.0+."""
 
-    def __init__(self, mode: str, device, init_scale: float = 2.0**16, growth_interval: int = 2000,
-                 tf32: bool | None = None, scaler_ok: bool = True, param_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        mode: str,
+        device,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        tf32: bool | None = None,
+        scaler_ok: bool = True,
+        param_dtype: torch.dtype | None = None,
+    ):
         check_mode(mode, allow_auto=True)
         device = torch.device(device)
         if not _present(device.type):
-            raise TitanliteError(f"mixed precision '{mode}' was asked for on {device.type}, which "
-                                 f"this machine does not have: use --training.device auto")
+            raise TitanliteError(
+                f"mixed precision '{mode}' was asked for on {device.type}, which "
+                f"this machine does not have: use --training.device auto"
+            )
         mode = resolve_mixed_precision(mode, device, scaler_ok)
         if param_dtype is not None:  # known now (the trainer): refuse before any step runs
             check_param_dtype(mode, param_dtype)
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        if tf32 or (tf32 is None and tf32_default(device.type, capability)):  # None: the device's default
+        if tf32 or (
+            tf32 is None and tf32_default(device.type, capability)
+        ):  # None: the device's default
             enable_tf32()  # fp32 matmuls that remain (and fp32 runs) on TF32 tensor cores
         if (failure := probe(mode, str(device))) is not None:
-            raise TitanliteError(f"mixed precision '{mode}' is not available on {device.type}: {failure}")
+            raise TitanliteError(
+                f"mixed precision '{mode}' is not available on {device.type}: {failure}"
+            )
         self.mode, self.device, self.dtype = mode, device, MODES[mode]
-        self.scaler = torch.amp.GradScaler(device.type, init_scale=init_scale,  # fp16 only (off: a no-op)
-                                           growth_interval=growth_interval, enabled=(mode == "fp16"))
+        self.scaler = torch.amp.GradScaler(
+            device.type,
+            init_scale=init_scale,  # fp16 only (off: a no-op)
+            growth_interval=growth_interval,
+            enabled=(mode == "fp16"),
+        )
         self.skipped_steps = 0
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+        return (
+            torch.autocast(self.device.type, dtype=self.dtype)
+            if self.dtype
+            else contextlib.nullcontext()
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
@@ -66,36 +89,50 @@ class Precision:
             for dtype in {p.dtype for p in params}:
                 check_param_dtype(self.mode, dtype)
         self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0
-                else torch.nn.utils.get_total_norm([p.grad for p in params]))
+        norm = (
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            if grad_clip > 0
+            else torch.nn.utils.get_total_norm([p.grad for p in params])
+        )
         scale_before = self.scale
         self.scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/nan
-        self.scaler.update()         # ... and then halves the scale: that is how we see a skip
+        self.scaler.update()  # ... and then halves the scale: that is how we see a skip
         skipped = self.scaler.is_enabled() and self.scale < scale_before
         self.skipped_steps += int(skipped)
         if hasattr(norm, "full_tensor"):  # FSDP: the norm is a DTensor, already summed over ranks
             norm = norm.full_tensor()
-        return norm.detach(), skipped  # the norm stays on the device: float() it when needed (that waits)
+        return (
+            norm.detach(),
+            skipped,
+        )  # the norm stays on the device: float() it when needed (that waits)
 
 
 def check_mode(mode: str, allow_auto: bool = False) -> str:
     choices = CHOICES if allow_auto else tuple(MODES)
     if mode not in choices:
-        raise TitanliteError(f"training.mixed_precision='{mode}' is not one of "
-                             f"{', '.join(choices)}{closest(str(mode), choices)}")
+        raise TitanliteError(
+            f"training.mixed_precision='{mode}' is not one of "
+            f"{', '.join(choices)}{closest(str(mode), choices)}"
+        )
     return mode
 
 
 def check_param_dtype(mode: str, param_dtype: torch.dtype) -> None:
     """fp16 autocast needs fp32 master weights: GradScaler will not unscale fp16 gradients in place."""
     if mode == "fp16" and param_dtype == torch.float16:
-        raise TitanliteError("training.dtype float16 with training.mixed_precision fp16: GradScaler "
-                             "needs fp32 weights to unscale into: use --training.dtype float32 "
-                             "(fp16 autocast still runs the matmuls in fp16)")
+        raise TitanliteError(
+            "training.dtype float16 with training.mixed_precision fp16: GradScaler "
+            "needs fp32 weights to unscale into: use --training.dtype float32 "
+            "(fp16 autocast still runs the matmuls in fp16)"
+        )
 
 
 def _present(kind: str) -> bool:
-    return torch.cuda.is_available() if kind == "cuda" else kind != "mps" or torch.backends.mps.is_available()
+    return (
+        torch.cuda.is_available()
+        if kind == "cuda"
+        else kind != "mps" or torch.backends.mps.is_available()
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,17 +141,28 @@ def probe(mode: str, device_str: str) -> str | None:
     device = torch.device(device_str)
     version = torch.__version__.split("+")[0]
     # Older GPUs can emulate bf16, slowly; refuse it (as hardware.resolve_dtype does) and say why.
-    if (device.type == "cuda" and mode == "bf16"
-            and not torch.cuda.is_bf16_supported(including_emulation=False)):
+    if (
+        device.type == "cuda"
+        and mode == "bf16"
+        and not torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
         major, minor = torch.cuda.get_device_capability(device)
-        return (f"bf16 needs an Ampere or newer GPU (SM 8.0+), this is SM {major}.{minor}: "
-                f"use fp16 (with the scaler) or fp32")
+        return (
+            f"bf16 needs an Ampere or newer GPU (SM 8.0+), this is SM {major}.{minor}: "
+            f"use fp16 (with the scaler) or fp32"
+        )
     if (failure := _probe_step(mode, device)) is None:
         return None
-    fix = {"fp32": "report this as a bug", "bf16": "use fp32", "fp16": "use bf16 (no scaler needed) or fp32"}[mode]
+    fix = {
+        "fp32": "report this as a bug",
+        "bf16": "use fp32",
+        "fp16": "use bf16 (no scaler needed) or fp32",
+    }[mode]
     if device.type == "mps" and mode == "bf16":
-        fix = (f"bf16 on MPS needs macOS 14+ (this is "
-               f"{'' if torch.backends.mps.is_macos_or_newer(14, 0) else 'not '}14+): use fp32")
+        fix = (
+            f"bf16 on MPS needs macOS 14+ (this is "
+            f"{'' if torch.backends.mps.is_macos_or_newer(14, 0) else 'not '}14+): use fp32"
+        )
     if device.type == "mps" and mode == "fp16":
         fix = f"GradScaler('mps') needs torch >= 2.8 (this is {version}): use bf16 or fp32"
     return f"the probe step failed ({failure}): {fix}"
@@ -132,7 +180,9 @@ def _probe_step(mode: str, device: torch.device) -> str | None:
             opt = torch.optim.SGD([w], lr=0.1)
             scaler = torch.amp.GradScaler(device.type, enabled=(mode == "fp16"))
             for inject_inf in (False, True):
-                with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+                with (
+                    torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+                ):
                     out = x @ w
                 if dtype is not None and out.dtype != dtype:
                     notes = "; ".join(str(c.message).splitlines()[0] for c in caught)

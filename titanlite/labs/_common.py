@@ -1,6 +1,7 @@
 """What several labs share, once: join the job, a seeded tiny model, random tokens, the
 next-token loss, a plain AdamW loop to compare a parallel run against, and progress reports.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,20 +13,30 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..distributed.env import init_distributed, pick_backend, torchrun_env
-from ..tools.run_function import report
 from ..efficiency.accumulation import count_targets, loss_sum
 from ..errors import TitanliteError
 from ..models.llama import ModelArgs, build_model
+from ..tools.run_function import report
 
 
 def group_device() -> str:
     """The device type the running process group moves: nccl CUDA tensors, gloo CPU ones
     (a job launched on CPU ranks stays on the CPU even on a machine with GPUs)."""
-    return "cuda" if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return (
+        "cuda"
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+        else "cpu"
+    )
 
 
-def join(device: str | None = None, *, mesh_dim: str | None = None, world_of_one: bool = False,
-         threads: int | None = None, deterministic: bool = False):
+def join(
+    device: str | None = None,
+    *,
+    mesh_dim: str | None = None,
+    world_of_one: bool = False,
+    threads: int | None = None,
+    deterministic: bool = False,
+):
     """This rank's DistEnv, and a 1-D DeviceMesh named `mesh_dim` over every rank (or None).
 
     The caller (torchrun, or titanlite's launch_function) started the ranks; this joins their
@@ -36,11 +47,16 @@ def join(device: str | None = None, *, mesh_dim: str | None = None, world_of_one
     env = init_distributed(device or group_device())
     if not dist.is_initialized():
         if not world_of_one:
-            raise TitanliteError("this lab needs several processes in a process group: start it with "
-                                 "titanlite's launch_function(..., nproc=2) or torchrun")
+            raise TitanliteError(
+                "this lab needs several processes in a process group: start it with "
+                "titanlite's launch_function(..., nproc=2) or torchrun"
+            )
         alone = {} if torchrun_env() else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-        dist.init_process_group(pick_backend("auto", env.device.type),
-                                device_id=env.device if env.device.type == "cuda" else None, **alone)
+        dist.init_process_group(
+            pick_backend("auto", env.device.type),
+            device_id=env.device if env.device.type == "cuda" else None,
+            **alone,
+        )
         env.world_size, env.backend = 1, dist.get_backend()
     if threads:  # several ranks on one machine's cores: each takes its share, not all of them
         torch.set_num_threads(threads)
@@ -52,6 +68,7 @@ def join(device: str | None = None, *, mesh_dim: str | None = None, world_of_one
     if mesh_dim is None:
         return env, None
     from torch.distributed.device_mesh import init_device_mesh
+
     return env, init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=(mesh_dim,))
 
 
@@ -73,8 +90,16 @@ def next_token_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
 
 
-def train_adamw(model, batches, *, lr: float, grad_clip: float = 1.0, loss_sum_fn=loss_sum,
-                loss_context=contextlib.nullcontext, on_step=None) -> dict:
+def train_adamw(
+    model,
+    batches,
+    *,
+    lr: float,
+    grad_clip: float = 1.0,
+    loss_sum_fn=loss_sum,
+    loss_context=contextlib.nullcontext,
+    on_step=None,
+) -> dict:
     """The reference loop a parallel run is held against: one AdamW step per (x, y) pair, the
     loss a mean over the targets that count (padding does not), gradients clipped at
     `grad_clip`. `loss_context()` wraps the loss and its backward (loss parallelism needs both
@@ -86,7 +111,9 @@ def train_adamw(model, batches, *, lr: float, grad_clip: float = 1.0, loss_sum_f
             loss = loss_sum_fn(model(x), y) / count_targets(y)
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        out["grad_norms"].append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
+        out["grad_norms"].append(
+            (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+        )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         out["losses"].append(loss.item())

@@ -8,6 +8,7 @@ trainer. Run in every rank by
 The planner (distributed/planner.py) predicts; this measures what it predicted: the ranks of
 each process group, and the parameter elements each rank stores (vs `planner.stage_params`).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,10 +32,16 @@ def inspect_layout(mesh, parts) -> dict:
         group = mesh.get_group(n)
         answered = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(mesh[n].size())]
         dist.all_gather(answered, torch.tensor([rank], device=device), group=group)
-        out[n] = {"mesh": mesh[n].mesh.tolist(), "group": dist.get_process_group_ranks(group),
-                  "answered": [int(t) for t in answered]}
-    out["param_elements"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
-                                for part in parts for p in part.parameters())
+        out[n] = {
+            "mesh": mesh[n].mesh.tolist(),
+            "group": dist.get_process_group_ranks(group),
+            "answered": [int(t) for t in answered],
+        }
+    out["param_elements"] = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel()
+        for part in parts
+        for p in part.parameters()
+    )
     return out
 
 
@@ -47,7 +54,18 @@ def layout_lab(cfg) -> dict:
     trainer = Trainer(cfg)
     layout = inspect_layout(trainer.mesh, trainer.model_parts)
     history = trainer.fit(callbacks=[report])
-    save_weights(trainer.model_parts, trainer.model_args, trainer.dtype, trainer.tokenizer,
-                 history.run_dir, pp=trainer.dims.pp, is_main=trainer.dist.is_main)
-    return {"layout": layout, "losses": history.losses, "grad_norms": [r["grad_norm"] for r in history.train],
-            "run_dir": str(history.run_dir)}
+    save_weights(
+        trainer.model_parts,
+        trainer.model_args,
+        trainer.dtype,
+        trainer.tokenizer,
+        history.run_dir,
+        pp=trainer.dims.pp,
+        is_main=trainer.dist.is_main,
+    )
+    return {
+        "layout": layout,
+        "losses": history.losses,
+        "grad_norms": [r["grad_norm"] for r in history.train],
+        "run_dir": str(history.run_dir),
+    }

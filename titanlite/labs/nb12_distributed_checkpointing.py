@@ -10,6 +10,7 @@
 train_and_save and load_resharded return the trainer's whole state (sharded tensors gathered to full
 ones), so a notebook can compare what one layout saved with what another loaded, tensor by tensor.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,9 +25,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .._compat.torch_internals import stop_dcp_writer_process
 from ..errors import TitanliteError
 from ..models.llama import ModelArgs
-from .._compat.torch_internals import stop_dcp_writer_process
 from ..resilience.checkpoint import Checkpointer
 from ..resilience.checkpoint_files import committed
 from ._common import next_token_loss, random_tokens, seeded_model
@@ -34,13 +35,17 @@ from ._common import next_token_loss, random_tokens, seeded_model
 SAVE_MODES = ("torch.save", "sync", "async", "async_process")
 
 
-def disk_write_bandwidth(folder: str | Path, nbytes: int = 256 << 20, block: int = 8 << 20) -> float:
+def disk_write_bandwidth(
+    folder: str | Path, nbytes: int = 256 << 20, block: int = 8 << 20
+) -> float:
     """Bytes per second for writing `nbytes` of random data to a file in `folder` and fsyncing
     it (random: no file system can compress it away). The file is removed afterwards. As titanlite's
     checkpoint writer does, the disk is set to work on each block as it comes (a background fdatasync),
     so a save is compared with the best this disk does, not with a write that idles it until fsync."""
     if nbytes < block or block <= 0:
-        raise TitanliteError(f"disk_write_bandwidth needs nbytes >= block > 0, got {nbytes} and {block}")
+        raise TitanliteError(
+            f"disk_write_bandwidth needs nbytes >= block > 0, got {nbytes} and {block}"
+        )
     Path(folder).mkdir(parents=True, exist_ok=True)
     path = Path(folder) / f".bandwidth-{os.getpid()}.bin"
     data = os.urandom(block)
@@ -52,7 +57,9 @@ def disk_write_bandwidth(folder: str | Path, nbytes: int = 256 << 20, block: int
                 f.write(data[:n])
                 if flushing is None or not flushing.is_alive():
                     f.flush()
-                    flushing = threading.Thread(target=getattr(os, "fdatasync", os.fsync), args=(f.fileno(),))
+                    flushing = threading.Thread(
+                        target=getattr(os, "fdatasync", os.fsync), args=(f.fileno(),)
+                    )
                     flushing.start()
             f.flush()
             os.fsync(f.fileno())  # until the disk has it, not only the page cache
@@ -67,6 +74,7 @@ def training_state(preset: str = "small", seed: int = 0):
     """A model of `preset` after one AdamW step (so the moments exist), and its state in the
     shape TrainState saves: {"model": ..., "optimizer": ...} with flat, per-parameter keys."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
     args = ModelArgs.preset(preset)
     model = seeded_model(args, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -75,8 +83,9 @@ def training_state(preset: str = "small", seed: int = 0):
     optimizer.zero_grad(set_to_none=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model_sd, optim_sd = get_state_dict(model, optimizer,
-                                            options=StateDictOptions(flatten_optimizer_state_dict=True))
+        model_sd, optim_sd = get_state_dict(
+            model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+        )
     return model, {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -102,6 +111,7 @@ def _cpu_seconds() -> dict[str, float]:
         except OSError:  # no /proc (macOS), or a child that just ended
             return None
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
     if (trainer := used(os.getpid())) is None:
         return {}
     children = (used(p.pid) for p in multiprocessing.active_children())
@@ -129,6 +139,7 @@ def _stderr_to(path: Path):
     """Point file descriptor 2 at `path`. DCP's checkpoint process, spawned inside, inherits it
     and logs INFO lines there for good, instead of into the notebook's output."""
     import sys
+
     sys.stderr.flush()
     saved = os.dup(2)
     with open(path, "a") as f:
@@ -141,8 +152,9 @@ def _stderr_to(path: Path):
         os.close(saved)
 
 
-def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=None,
-              disk_beside: bool = False) -> dict:
+def _time_dcp(
+    mode: str, state: dict, folder: Path, repeats: int, overlap_with=None, disk_beside: bool = False
+) -> dict:
     """`repeats` saves through a Checkpointer. blocked: the save() call plus wait_for_staging()
     right after it (the most an async save can stall training); done: until committed.
     overlapped (async, with overlap_with): a forward+backward runs between the two, as the
@@ -153,9 +165,23 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
     cpu_alone_s: the CPU seconds of the trainer and of the writer process over those two stretches.
     disk_beside (sync): after each save, the disk's bandwidth for as many bytes (disk_bytes_per_s)."""
     ckpt = Checkpointer(folder, mode=mode, keep_latest_k=1)
-    out = {k: [] for k in ("blocked_s", "call_s", "staging_s", "done_s", "overlapped_s", "residual_s",
-                           "compute_s", "write_steps_s", "alone_steps_s", "cpu_beside_s", "cpu_alone_s",
-                           "disk_bytes_per_s")}
+    out = {
+        k: []
+        for k in (
+            "blocked_s",
+            "call_s",
+            "staging_s",
+            "done_s",
+            "overlapped_s",
+            "residual_s",
+            "compute_s",
+            "write_steps_s",
+            "alone_steps_s",
+            "cpu_beside_s",
+            "cpu_alone_s",
+            "disk_bytes_per_s",
+        )
+    }
     steps = iter(range(1, 2 * repeats + 1))
     try:
         for _ in range(repeats):
@@ -164,10 +190,16 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
             out["staging_s"].append(ckpt.wait_for_staging())
             out["blocked_s"].append(time.perf_counter() - start)
             ckpt.wait()  # async: written, committed and the previous one pruned; sync: only that pruning
-            out["done_s"].append(out["blocked_s"][-1] if mode == "sync" else time.perf_counter() - start)
-            if mode == "sync" and disk_beside:  # this disk's speed swings within a run: the same moment
+            out["done_s"].append(
+                out["blocked_s"][-1] if mode == "sync" else time.perf_counter() - start
+            )
+            if (
+                mode == "sync" and disk_beside
+            ):  # this disk's speed swings within a run: the same moment
                 nbytes = _bytes_in(committed(folder)[-1])
-                out["disk_bytes_per_s"].append(disk_write_bandwidth(folder, nbytes, min(nbytes, 8 << 20)))
+                out["disk_bytes_per_s"].append(
+                    disk_write_bandwidth(folder, nbytes, min(nbytes, 8 << 20))
+                )
             if mode != "sync" and overlap_with is not None:
                 before = _cpu_seconds()
                 call = ckpt.save(state, next(steps)).blocked_s
@@ -182,19 +214,31 @@ def _time_dcp(mode: str, state: dict, folder: Path, repeats: int, overlap_with=N
                 waiter.join()
                 out["write_steps_s"].append(beside)
                 middle = _cpu_seconds()
-                out["alone_steps_s"].append([_seconds(overlap_with) for _ in range(1 + len(beside))])
+                out["alone_steps_s"].append(
+                    [_seconds(overlap_with) for _ in range(1 + len(beside))]
+                )
                 after = _cpu_seconds()
-                out["cpu_beside_s"].append({k: middle[k] - before[k] for k in before.keys() & middle.keys()})
-                out["cpu_alone_s"].append({k: after[k] - middle[k] for k in middle.keys() & after.keys()})
+                out["cpu_beside_s"].append(
+                    {k: middle[k] - before[k] for k in before.keys() & middle.keys()}
+                )
+                out["cpu_alone_s"].append(
+                    {k: after[k] - middle[k] for k in middle.keys() & after.keys()}
+                )
         out["bytes"] = _bytes_in(committed(folder)[-1])
     finally:
         ckpt.close()
     return {k: v for k, v in out.items() if v != []}
 
 
-def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench",
-                   modes=SAVE_MODES, repeats: int = 3, overlap: bool = True, keep: bool = False,
-                   disk_beside: bool = False) -> dict:
+def blocking_times(
+    preset: str = "small",
+    folder: str | Path = "runs/ckpt-bench",
+    modes=SAVE_MODES,
+    repeats: int = 3,
+    overlap: bool = True,
+    keep: bool = False,
+    disk_beside: bool = False,
+) -> dict:
     """How long each way of saving stops training, on a `preset` model with its AdamW state.
 
     Returns {"preset", "params", "state_bytes", "compute_alone_s", "modes": {mode: {"bytes",
@@ -204,15 +248,25 @@ def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench"
     disk_beside for "sync" "disk_bytes_per_s"}}. The first async_process save spawns the writer process (in `done_s[0]`)."""
     unknown = [m for m in modes if m not in SAVE_MODES]
     if unknown or repeats < 1:
-        raise TitanliteError(f"blocking_times: modes must be among {SAVE_MODES} (got {unknown}) and "
-                             f"repeats >= 1 (got {repeats})")
+        raise TitanliteError(
+            f"blocking_times: modes must be among {SAVE_MODES} (got {unknown}) and "
+            f"repeats >= 1 (got {repeats})"
+        )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model, state = training_state(preset)
-    storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()  # tied weights once
-                for part in state.values() for v in part.values() if torch.is_tensor(v)}
-    result = {"preset": preset, "params": sum(p.numel() for p in model.parameters()),
-              "state_bytes": sum(storages.values()), "modes": {}}
+    storages = {
+        v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()  # tied weights once
+        for part in state.values()
+        for v in part.values()
+        if torch.is_tensor(v)
+    }
+    result = {
+        "preset": preset,
+        "params": sum(p.numel() for p in model.parameters()),
+        "state_bytes": sum(storages.values()),
+        "modes": {},
+    }
     # Async saves write on a gloo group of their own, and the process mode's worker joins one:
     # a plain process gets a world of one for the measurement (ended below).
     own_group = not dist.is_initialized()
@@ -228,7 +282,11 @@ def blocking_times(preset: str = "small", folder: str | Path = "runs/ckpt-bench"
             if mode == "torch.save":
                 target = folder / f"state.rank{dist.get_rank()}.pt"
                 runs = [_time_torch_save(state, target) for _ in range(repeats)]
-                r = {"blocked_s": [s for s, _ in runs], "done_s": [s for s, _ in runs], "bytes": runs[0][1]}
+                r = {
+                    "blocked_s": [s for s, _ in runs],
+                    "done_s": [s for s, _ in runs],
+                    "bytes": runs[0][1],
+                }
             elif mode == "async_process":
                 with _stderr_to(folder / "checkpoint-process.log"):
                     r = _time_dcp(mode, state, folder / mode, repeats, step)
@@ -255,6 +313,7 @@ def anatomy(checkpoint: str | Path) -> dict:
     byte range that hold it. Sharded tensors show one chunk per rank that owned a piece."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     path = Path(checkpoint)
     files = {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
     meta = FileSystemReader(str(path)).read_metadata()
@@ -265,48 +324,78 @@ def anatomy(checkpoint: str | Path) -> dict:
             chunks = []
             for c in m.chunks:
                 s = where.get((key, tuple(c.offsets)))
-                chunks.append({"offsets": list(c.offsets), "sizes": list(c.sizes),
-                               "file": s.relative_path if s else None,
-                               "byte_offset": s.offset if s else None, "length": s.length if s else None})
-            entries[key] = {"kind": "tensor", "shape": list(m.size), "dtype": str(m.properties.dtype),
-                            "chunks": chunks}
+                chunks.append(
+                    {
+                        "offsets": list(c.offsets),
+                        "sizes": list(c.sizes),
+                        "file": s.relative_path if s else None,
+                        "byte_offset": s.offset if s else None,
+                        "length": s.length if s else None,
+                    }
+                )
+            entries[key] = {
+                "kind": "tensor",
+                "shape": list(m.size),
+                "dtype": str(m.properties.dtype),
+                "chunks": chunks,
+            }
         else:  # pickled Python values: step counters, the schedule, RNG states
             s = where.get((key, ()))
-            entries[key] = {"kind": "bytes", "file": s.relative_path if s else None,
-                            "byte_offset": s.offset if s else None, "length": s.length if s else None}
-    return {"path": str(path), "files": files,
-            "data_bytes": sum(v for k, v in files.items() if k.endswith(".distcp")),
-            "metadata_bytes": files.get(".metadata", 0), "entries": entries}
+            entries[key] = {
+                "kind": "bytes",
+                "file": s.relative_path if s else None,
+                "byte_offset": s.offset if s else None,
+                "length": s.length if s else None,
+            }
+    return {
+        "path": str(path),
+        "files": files,
+        "data_bytes": sum(v for k, v in files.items() if k.endswith(".distcp")),
+        "metadata_bytes": files.get(".metadata", 0),
+        "entries": entries,
+    }
 
 
 # ----- in every rank of a launch_function job (or a plain process: a world of one) ---------
+
 
 def full_train_state(trainer) -> dict:
     """TrainState's model and optimizer entries as whole CPU tensors (every rank must call
     it: DTensor shards are gathered), plus the step."""
     from torch.distributed.tensor import DTensor
+
     state = trainer.train_state().state_dict()
 
     def whole(v):
         if isinstance(v, DTensor):
             v = v.full_tensor()
         return v.detach().cpu().clone() if torch.is_tensor(v) else v
-    return {"model": {k: whole(v) for k, v in state["model"].items()},
-            "optimizer": {k: whole(v) for k, v in state["optimizer"].items()}, "step": state["step"]}
+
+    return {
+        "model": {k: whole(v) for k, v in state["model"].items()},
+        "optimizer": {k: whole(v) for k, v in state["optimizer"].items()},
+        "step": state["step"],
+    }
 
 
 def _layout(trainer, key: str = "layers.0.attention.o_proj.weight") -> dict:
     """How this rank holds one weight: its local shape and placements (the layout, shown)."""
     p = dict(trainer.model.named_parameters())[key]
     local = p.to_local() if hasattr(p, "to_local") else p
-    return {"layout": trainer.dims.describe(), "rank": trainer.dist.rank, "key": key,
-            "shape": list(p.shape), "local_shape": list(local.shape),
-            "placements": [str(x) for x in getattr(p, "placements", ())]}
+    return {
+        "layout": trainer.dims.describe(),
+        "rank": trainer.dist.rank,
+        "key": key,
+        "shape": list(p.shape),
+        "local_shape": list(local.shape),
+        "placements": [str(x) for x in getattr(p, "placements", ())],
+    }
 
 
 def _trainer(overrides: dict):
     from ..config import load_config
     from ..train import Trainer
+
     o = dict(overrides)
     job = os.environ.get("TITANLITE_JOB_DIR")
     if job:  # log where launch_function tails, so the notebook's live plot sees the steps
@@ -320,9 +409,12 @@ def train_and_save(overrides: dict) -> dict:
     trainer = _trainer({**overrides, "checkpoint.enable": True})
     history = trainer.fit()
     state = full_train_state(trainer)  # fit() ends with the last save committed
-    return {**_layout(trainer), "state": state if trainer.dist.is_main else None,
-            "checkpoints": history.checkpoints,
-            "committed": [p.name for p in committed(trainer.cfg.checkpoint.folder)]}
+    return {
+        **_layout(trainer),
+        "state": state if trainer.dist.is_main else None,
+        "checkpoints": history.checkpoints,
+        "committed": [p.name for p in committed(trainer.cfg.checkpoint.folder)],
+    }
 
 
 def load_resharded(overrides: dict, checkpoint: str | Path) -> dict:
@@ -337,8 +429,12 @@ def load_resharded(overrides: dict, checkpoint: str | Path) -> dict:
     finally:
         ckpt.close()
     state = full_train_state(trainer)
-    return {**_layout(trainer), "step": step, "load_s": seconds,
-            "state": state if trainer.dist.is_main else None}
+    return {
+        **_layout(trainer),
+        "step": step,
+        "load_s": seconds,
+        "state": state if trainer.dist.is_main else None,
+    }
 
 
 def where_the_bytes_go(overrides: dict) -> dict:
@@ -347,17 +443,31 @@ def where_the_bytes_go(overrides: dict) -> dict:
     Returns this rank's bytes written and read each way, the checkpoint's data bytes, and a digest
     of the state each load produced (equal digests: the same state)."""
     from ..config import load_config
-    from ..tools.checkpoint_io import CountingReader, bytes_written_per_rank, data_bytes, state_digest
+    from ..tools.checkpoint_io import (
+        CountingReader,
+        bytes_written_per_rank,
+        data_bytes,
+        state_digest,
+    )
     from ..train import Trainer
+
     trainer = Trainer(load_config(None, overrides))
     run_dir = trainer.fit().run_dir
     step = committed(run_dir / "checkpoints")[-1]
     rank = trainer.dist.rank
-    out = {"rank": rank, "written": bytes_written_per_rank(step).get(rank, 0), "size": data_bytes(step),
-           "read": {}, "digest": {}}
+    out = {
+        "rank": rank,
+        "written": bytes_written_per_rank(step).get(rank, 0),
+        "size": data_bytes(step),
+        "read": {},
+        "digest": {},
+    }
     for read_once in (False, True):
         state, reader = trainer.train_state(), CountingReader(step)
         Checkpointer(step.parent, read_once=read_once).load(state, step, reader=reader)
-        out["read"][read_once], out["digest"][read_once] = reader.bytes_read, state_digest(state.state_dict())
+        out["read"][read_once], out["digest"][read_once] = (
+            reader.bytes_read,
+            state_digest(state.state_dict()),
+        )
     trainer.close(barrier=True)
     return out

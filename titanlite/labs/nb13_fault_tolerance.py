@@ -11,6 +11,7 @@ part of a run cost from its goodput.jsonl - step time, checkpoint stall, start-u
 restore) - and where in the work each failure struck; `measured_vs_model` feeds those to
 `goodput_model.replay_run`, the same model the cluster-scale simulations use.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,29 +42,46 @@ def final_losses(records: list[dict], rank: int = 0) -> list[float]:
 
 @dataclass
 class ExpectedFailure:
-    message: str    # the launcher's one-line TitanliteError
+    message: str  # the launcher's one-line TitanliteError
     traceback: str  # what it printed about the failing rank (its traceback), if anything
     wall_s: float
 
 
-def launch_expecting_failure(cfg, nproc: int, *, overrides: dict | None = None, callbacks=(),
-                             timeout_s: float = 180, max_restarts: int = 0) -> ExpectedFailure:
+def launch_expecting_failure(
+    cfg,
+    nproc: int,
+    *,
+    overrides: dict | None = None,
+    callbacks=(),
+    timeout_s: float = 180,
+    max_restarts: int = 0,
+) -> ExpectedFailure:
     """Launch a job that its [fault] section breaks; return the error instead of raising it.
     The failing rank's traceback, which the launcher prints to stderr, is captured so a notebook
     can show it as ordinary output."""
     from ..tools.launcher import launch
+
     captured, start = io.StringIO(), time.perf_counter()
     with contextlib.redirect_stderr(captured):
         try:
-            launch(cfg, nproc, overrides=overrides, callbacks=callbacks, timeout_s=timeout_s,
-                   max_restarts=max_restarts)
+            launch(
+                cfg,
+                nproc,
+                overrides=overrides,
+                callbacks=callbacks,
+                timeout_s=timeout_s,
+                max_restarts=max_restarts,
+            )
         except TitanliteError as e:
             return ExpectedFailure(str(e), captured.getvalue(), time.perf_counter() - start)
-    raise TitanliteError(f"the job finished although it was meant to fail (overrides {overrides}): "
-                         f"set fault.kind to exception, kill or hang, at a step the job reaches")
+    raise TitanliteError(
+        f"the job finished although it was meant to fail (overrides {overrides}): "
+        f"set fault.kind to exception, kill or hang, at a step the job reaches"
+    )
 
 
 # ----- what a run cost, from its goodput.jsonl ------------------------------------------------
+
 
 def split_attempts(events: list[dict]) -> list[list[dict]]:
     """The log cut into attempts, each from its "start" event: torchrun's restarts, and also a
@@ -78,16 +96,18 @@ def split_attempts(events: list[dict]) -> list[list[dict]]:
 
 @dataclass
 class RunCosts:
-    steps: int              # steps of the whole job
-    every: int              # checkpoint interval in steps (0: only after the last step)
-    step_s: float           # mean time of a kept step
-    ckpt_cost_s: float      # mean stall of a checkpoint taken before the last step
-    startup_s: float        # first attempt: process start -> its first step
-    restarts_s: list[float] = field(default_factory=list)  # per failure: last event -> next first step
-    tail_s: float = 0.0     # last step -> end (the final save, the final sample)
+    steps: int  # steps of the whole job
+    every: int  # checkpoint interval in steps (0: only after the last step)
+    step_s: float  # mean time of a kept step
+    ckpt_cost_s: float  # mean stall of a checkpoint taken before the last step
+    startup_s: float  # first attempt: process start -> its first step
+    restarts_s: list[float] = field(
+        default_factory=list
+    )  # per failure: last event -> next first step
+    tail_s: float = 0.0  # last step -> end (the final save, the final sample)
     failures_at_step: list[float] = field(default_factory=list)  # work done when each failure hit
-    restored_from: list[int] = field(default_factory=list)       # the step each restart resumed at
-    lost_steps: int = 0     # steps computed and then thrown away
+    restored_from: list[int] = field(default_factory=list)  # the step each restart resumed at
+    lost_steps: int = 0  # steps computed and then thrown away
 
     @property
     def restart_s(self) -> float:
@@ -112,9 +132,14 @@ def measure_costs(run_dir: str | Path) -> RunCosts:
         return None if first is None else first["t"] - first["seconds"]
 
     began = first_step_start(0) if first_step_start(0) is not None else by[0][-1]["t"]
-    costs = RunCosts(steps=steps, every=every, step_s=sum(kept.values()) / len(kept), ckpt_cost_s=0.0,
-                     startup_s=began - by[0][0].get("process_start", by[0][0]["t"]),
-                     lost_steps=len(step_events) - len(kept))
+    costs = RunCosts(
+        steps=steps,
+        every=every,
+        step_s=sum(kept.values()) / len(kept),
+        ckpt_cost_s=0.0,
+        startup_s=began - by[0][0].get("process_start", by[0][0]["t"]),
+        lost_steps=len(step_events) - len(kept),
+    )
     restored = [next((e["step"] for e in mine if e["event"] == "restore"), 0) for mine in by]
     # Saves before the last step that finished, whichever attempt took them (a lost attempt's
     # count too). A save finished if its attempt logged more after it, or the next attempt
@@ -122,8 +147,14 @@ def measure_costs(run_dir: str | Path) -> RunCosts:
     saves = 0
     for a, mine in enumerate(by):
         ends = {e["step"]: i for i, e in enumerate(mine) if e["event"] == "checkpoint"}
-        saves += sum(1 for step, i in ends.items() if every and step % every == 0 and step < steps
-                     and (i < len(mine) - 1 or (a + 1 < len(by) and restored[a + 1] == step)))
+        saves += sum(
+            1
+            for step, i in ends.items()
+            if every
+            and step % every == 0
+            and step < steps
+            and (i < len(mine) - 1 or (a + 1 < len(by) and restored[a + 1] == step))
+        )
     stall = sum(e["seconds"] for e in events if e["event"] == "checkpoint" and e["step"] < steps)
     costs.ckpt_cost_s = stall / saves if saves else 0.0
     for a, nxt in zip(range(len(by)), range(1, len(by))):
@@ -146,8 +177,13 @@ def predict(costs: RunCosts) -> dict:
     fails = [x * costs.step_s for x in costs.failures_at_step]
     replay = goodput_model.replay_run(work, tau, costs.ckpt_cost_s, costs.restart_s, fails)
     wall = costs.startup_s + replay.wall_s + costs.tail_s
-    return {"wall_s": wall, "goodput": work / wall, "lost_steps": replay.lost_work_s / costs.step_s,
-            "checkpoints": replay.checkpoints, "replay": replay}
+    return {
+        "wall_s": wall,
+        "goodput": work / wall,
+        "lost_steps": replay.lost_work_s / costs.step_s,
+        "checkpoints": replay.checkpoints,
+        "replay": replay,
+    }
 
 
 def measured_vs_model(run_dir: str | Path, costs_from: str | Path | RunCosts | None = None) -> dict:
@@ -161,10 +197,18 @@ def measured_vs_model(run_dir: str | Path, costs_from: str | Path | RunCosts | N
     if costs_from is not None:
         src = costs_from if isinstance(costs_from, RunCosts) else measure_costs(costs_from)
         if not src.restarts_s and own.failures_at_step:
-            raise TitanliteError("costs_from holds no restart to measure its cost: pass a run "
-                                 "that failed and resumed at least once")
-        used = replace(own, step_s=src.step_s, ckpt_cost_s=src.ckpt_cost_s, startup_s=src.startup_s,
-                       restarts_s=[src.restart_s] * len(own.failures_at_step), tail_s=src.tail_s)
+            raise TitanliteError(
+                "costs_from holds no restart to measure its cost: pass a run "
+                "that failed and resumed at least once"
+            )
+        used = replace(
+            own,
+            step_s=src.step_s,
+            ckpt_cost_s=src.ckpt_cost_s,
+            startup_s=src.startup_s,
+            restarts_s=[src.restart_s] * len(own.failures_at_step),
+            tail_s=src.tail_s,
+        )
     measured = summarize(run_dir)
     measured["lost_steps"] = own.lost_steps
     return {"measured": measured, "model": predict(used), "costs": own, "costs_used": used}
@@ -175,15 +219,26 @@ def model_breakdown(cmp: dict) -> dict:
     c, m = cmp["costs_used"], cmp["model"]
     work, lost = c.steps * c.step_s, m["replay"].lost_work_s
     ckpt = m["checkpoints"] * c.ckpt_cost_s
-    return {"wall_s": m["wall_s"], "productive_s": work, "lost_s": lost, "checkpoint_s": ckpt,
-            "restore_s": 0.0, "other_s": m["wall_s"] - work - lost - ckpt, "goodput": m["goodput"]}
+    return {
+        "wall_s": m["wall_s"],
+        "productive_s": work,
+        "lost_s": lost,
+        "checkpoint_s": ckpt,
+        "restore_s": 0.0,
+        "other_s": m["wall_s"] - work - lost - ckpt,
+        "goodput": m["goodput"],
+    }
 
 
 # ----- pictures -------------------------------------------------------------------------------
 
-PARTS = (("productive_s", "productive", "tab:green"), ("lost_s", "lost (redone)", "tab:red"),
-         ("checkpoint_s", "checkpoint stall", "tab:blue"), ("restore_s", "restore", "tab:purple"),
-         ("other_s", "start-up, restarts, other", "tab:gray"))
+PARTS = (
+    ("productive_s", "productive", "tab:green"),
+    ("lost_s", "lost (redone)", "tab:red"),
+    ("checkpoint_s", "checkpoint stall", "tab:blue"),
+    ("restore_s", "restore", "tab:purple"),
+    ("other_s", "start-up, restarts, other", "tab:gray"),
+)
 
 
 def plot_goodput_breakdown(breakdowns: dict[str, dict], title: str = ""):
@@ -221,14 +276,27 @@ def plot_timeline(run_dir: str | Path, title: str = ""):
         restored = next((e["step"] for e in mine if e["event"] == "restore"), 0)
         xs = [steps[0]["t"] - steps[0]["seconds"] - t0] if steps else []
         color = colors[a % len(colors)]
-        ax.plot(xs + [e["t"] - t0 for e in steps], [restored] * bool(xs) + [e["step"] for e in steps],
-                ".-", color=color, label=f"attempt {a}" + (f" (resumed at step {restored})" if restored else ""))
+        ax.plot(
+            xs + [e["t"] - t0 for e in steps],
+            [restored] * bool(xs) + [e["step"] for e in steps],
+            ".-",
+            color=color,
+            label=f"attempt {a}" + (f" (resumed at step {restored})" if restored else ""),
+        )
         ax.axvspan(start - t0, xs[0] if xs else mine[-1]["t"] - t0, color=color, alpha=0.12)
         if mine[-1]["event"] != "end":  # this attempt died: mark where its log stops
-            ax.plot(mine[-1]["t"] - t0, steps[-1]["step"] if steps else restored, "x", color="black",
-                    markersize=9, label=None if a else "failure")
+            ax.plot(
+                mine[-1]["t"] - t0,
+                steps[-1]["step"] if steps else restored,
+                "x",
+                color="black",
+                markersize=9,
+                label=None if a else "failure",
+            )
     ax.set(xlabel="wall time since the first process started (s)", ylabel="step completed")
-    ax.set_title(title or "progress against wall time (shaded: start-up of each attempt)", fontsize=9)
+    ax.set_title(
+        title or "progress against wall time (shaded: start-up of each attempt)", fontsize=9
+    )
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()

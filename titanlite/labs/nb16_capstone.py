@@ -17,6 +17,7 @@ A row that the device runs in a slower, emulated form (FP8 without FP8 tensor co
 CPU without bf16 units) is measured as what it is and labelled so. A row the device cannot run
 at all keeps its one-line error instead of numbers.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -24,9 +25,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..errors import TitanliteError
-from .nb16_report import (DrillCheck, against_reference, by_name, choose_recipe, drift,  # noqa: F401
-                          drill_vs_model, noise, published_bars, published_table, table, verdict,
-                          why_cpu_differs)  # the reading of the rows, re-exported
+from .nb16_report import (  # noqa: F401
+    DrillCheck,
+    against_reference,
+    by_name,
+    choose_recipe,
+    drift,
+    drill_vs_model,
+    noise,
+    published_bars,
+    published_table,
+    table,
+    verdict,
+    why_cpu_differs,  # the reading of the rows, re-exported
+)
 
 # Published, not measured here (labelled wherever they are shown). Both are cumulative tables:
 # each row adds one technique to the row before, so a technique's own gain is its row ÷ the row before.
@@ -38,7 +50,11 @@ TORCHTITAN_8B_H100 = {"FSDP": 5762, "+compile": 6667, "+FP8": 8532}
 # for FP8 is over the FSDP baseline, with compile: FP8's own step is 8,624 / 7,166.
 SAGEMAKER_8B_H100 = {"FSDP": 6475, "+compile": 7166, "+FP8": 8624, "+FP8 all-gather": 8950}
 # The ladder's row that takes each published step.
-PUBLISHED_ROWS = {"+compile": "+compile", "+FP8": "+FP8 tensorwise", "+FP8 all-gather": "+FP8 all-gather"}
+PUBLISHED_ROWS = {
+    "+compile": "+compile",
+    "+FP8": "+FP8 tensorwise",
+    "+FP8 all-gather": "+FP8 all-gather",
+}
 
 
 def step_gains(cumulative: dict[str, float]) -> dict[str, float]:
@@ -50,10 +66,15 @@ def step_gains(cumulative: dict[str, float]) -> dict[str, float]:
 def _published(step: str) -> str:
     """The labelled published figures for one step, each as its row ÷ the row before."""
     out = []
-    for source, rows in (("torchtitan 8×H100", TORCHTITAN_8B_H100), ("SageMaker 32×H100", SAGEMAKER_8B_H100)):
+    for source, rows in (
+        ("torchtitan 8×H100", TORCHTITAN_8B_H100),
+        ("SageMaker 32×H100", SAGEMAKER_8B_H100),
+    ):
         if step in rows:
             before = list(rows)[list(rows).index(step) - 1]
-            out.append(f"{source}: {before} {rows[before]:,} → {rows[step]:,} ({rows[step] / rows[before]:.2f}×)")
+            out.append(
+                f"{source}: {before} {rows[before]:,} → {rows[step]:,} ({rows[step] / rows[before]:.2f}×)"
+            )
     return "; ".join(out)
 
 
@@ -62,7 +83,7 @@ class Rung:
     name: str
     overrides: dict
     nproc: int = 1
-    carry: bool = True   # False: measured instead of the previous row, not kept for the next
+    carry: bool = True  # False: measured instead of the previous row, not kept for the next
     published: str = ""  # the labelled real-world figure for this step, if one exists
 
 
@@ -75,17 +96,31 @@ def ladder(nproc: int, every: int, ac_mode: str = "full", carry_compile: bool = 
     return [
         Rung("baseline", {}),
         Rung("+bf16", {"training.mixed_precision": "bf16"}),
-        Rung("+compile", {"compile.enable": True, "compile.scope": "regional"}, carry=carry_compile,
-             published=_published("+compile")),
+        Rung(
+            "+compile",
+            {"compile.enable": True, "compile.scope": "regional"},
+            carry=carry_compile,
+            published=_published("+compile"),
+        ),
         Rung("+FP8 rowwise", {"float8.enable": True, "float8.recipe": "rowwise"}, carry=False),
-        Rung("+FP8 tensorwise", {"float8.enable": True, "float8.recipe": "tensorwise"},
-             published=_published("+FP8")),
+        Rung(
+            "+FP8 tensorwise",
+            {"float8.enable": True, "float8.recipe": "tensorwise"},
+            published=_published("+FP8"),
+        ),
         Rung(f"+AC ({ac_mode})", {"activation_checkpoint.mode": ac_mode}),
         Rung(f"FSDP ×{nproc}", {"parallel.dp_shard": nproc}, nproc=nproc),
-        Rung("+FP8 all-gather", {"float8.fsdp_all_gather": True}, nproc=nproc,
-             published=_published("+FP8 all-gather")),
-        Rung("+async checkpoint", {"checkpoint.enable": True, "checkpoint.every": every,
-                                   "checkpoint.mode": "async"}, nproc=nproc),
+        Rung(
+            "+FP8 all-gather",
+            {"float8.fsdp_all_gather": True},
+            nproc=nproc,
+            published=_published("+FP8 all-gather"),
+        ),
+        Rung(
+            "+async checkpoint",
+            {"checkpoint.enable": True, "checkpoint.every": every, "checkpoint.mode": "async"},
+            nproc=nproc,
+        ),
     ]
 
 
@@ -130,8 +165,9 @@ def memory_is_own(device_type: str, fresh_process: bool) -> bool:
     return fresh_process or device_type == "cuda"
 
 
-def measure_row(name: str, result, warmup: int, nproc: int, datasheet_peak=None,
-                memory_own: bool = True) -> dict:
+def measure_row(
+    name: str, result, warmup: int, nproc: int, datasheet_peak=None, memory_own: bool = True
+) -> dict:
     """One row from a finished job's records: medians over the steps after `warmup` (the first
     steps compile and warm caches) and their spread, the set-up time before step 1 (wall time
     minus the steps'), memory the largest of any rank (None where the figure is not the row's
@@ -147,29 +183,40 @@ def measure_row(name: str, result, warmup: int, nproc: int, datasheet_peak=None,
         mfu_ds = [r["mfu"] * info["peak_flops"] / datasheet_peak.flops for r in timed]
     fp8 = info.get("float8") or {}
     speeds = [r["tokens_per_sec"] for r in timed]
-    return {"row": name, "nproc": nproc, "run_dir": str(result.run_dir),
-            "tokens_per_sec": statistics.median(speeds),
-            # the row's own noise: how far its timed steps spread, relative to their median
-            "spread": (max(speeds) - min(speeds)) / statistics.median(speeds),
-            # what came before step 1: start-up, building the model and, with compile, compiling
-            "setup_s": max(0.0, result.wall_s - sum(rank0[s]["step_time_s"] for s in steps)),
-            "step_s": statistics.median(r["step_time_s"] for r in timed),
-            "first_step_s": rank0[steps[0]]["step_time_s"],
-            "mfu": statistics.median(r["mfu"] for r in timed),
-            "mfu_datasheet": statistics.median(mfu_ds) if mfu_ds else None,
-            "peak_label": timed[-1].get("peak_label", ""),
-            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in train) if memory_own else None,
-            "loss": rank0[steps[-1]]["loss"], "first_loss": rank0[steps[0]]["loss"],
-            "tokens": rank0[steps[-1]].get("tokens"), "steps": len(steps),
-            "compute_dtype": info.get("compute_dtype", "?").replace("torch.", ""),
-            "threads": ((info.get("config") or {}).get("training") or {}).get("threads"),  # per rank; None: torch's
-            "fp8": (f"FP8 {fp8.get('recipe')}, " + ("emulated" if fp8.get("emulated") else "real")) if fp8 else "",
-            "wall_s": result.wall_s}
+    return {
+        "row": name,
+        "nproc": nproc,
+        "run_dir": str(result.run_dir),
+        "tokens_per_sec": statistics.median(speeds),
+        # the row's own noise: how far its timed steps spread, relative to their median
+        "spread": (max(speeds) - min(speeds)) / statistics.median(speeds),
+        # what came before step 1: start-up, building the model and, with compile, compiling
+        "setup_s": max(0.0, result.wall_s - sum(rank0[s]["step_time_s"] for s in steps)),
+        "step_s": statistics.median(r["step_time_s"] for r in timed),
+        "first_step_s": rank0[steps[0]]["step_time_s"],
+        "mfu": statistics.median(r["mfu"] for r in timed),
+        "mfu_datasheet": statistics.median(mfu_ds) if mfu_ds else None,
+        "peak_label": timed[-1].get("peak_label", ""),
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in train) if memory_own else None,
+        "loss": rank0[steps[-1]]["loss"],
+        "first_loss": rank0[steps[0]]["loss"],
+        "tokens": rank0[steps[-1]].get("tokens"),
+        "steps": len(steps),
+        "compute_dtype": info.get("compute_dtype", "?").replace("torch.", ""),
+        "threads": ((info.get("config") or {}).get("training") or {}).get(
+            "threads"
+        ),  # per rank; None: torch's
+        "fp8": (f"FP8 {fp8.get('recipe')}, " + ("emulated" if fp8.get("emulated") else "real"))
+        if fp8
+        else "",
+        "wall_s": result.wall_s,
+    }
 
 
 def _run_info(run_dir) -> dict:
     import json
     from pathlib import Path
+
     path = Path(run_dir) / "run.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -188,6 +235,7 @@ def as_a_fresh_process():
     `emulate_precision_casts` on, which would change the tensorwise rows' kernels)."""
     import torch
     import torch._inductor.config as inductor_config
+
     saved = inductor_config.get_config_copy()
     torch._dynamo.reset()
     try:
@@ -206,6 +254,7 @@ def train_here(cfg, overrides: dict, callbacks=()):
 
     from ..tools.launcher import LaunchResult
     from ..train import Trainer
+
     cfg = _row_config(cfg, overrides)
     threads = torch.get_num_threads()  # the Trainer sets the row's; the kernel gets its own back
     gc.collect()  # the row before's tensors go now, not inside this row's memory peak
@@ -217,8 +266,13 @@ def train_here(cfg, overrides: dict, callbacks=()):
         finally:
             trainer.close()
             torch.set_num_threads(threads)
-    return LaunchResult(run_dir=history.run_dir, command="in this process: Trainer(cfg).fit()",
-                        wall_s=time.perf_counter() - start, job_id="in-process", records=history.train)
+    return LaunchResult(
+        run_dir=history.run_dir,
+        command="in this process: Trainer(cfg).fit()",
+        wall_s=time.perf_counter() - start,
+        job_id="in-process",
+        records=history.train,
+    )
 
 
 def train_rows(cfg, rows: list[tuple[str, dict]]) -> list[dict]:
@@ -228,25 +282,40 @@ def train_rows(cfg, rows: list[tuple[str, dict]]) -> list[dict]:
     folder and wall time, or its one-line error."""
     import time
 
-
     from ..tools.run_function import report
     from ..train import Trainer
+
     out = []
     for name, overrides in rows:
         row_cfg = _row_config(cfg, overrides)
         start = time.perf_counter()
         try:  # no trainer.close(): it would leave the job's process group, which the next row uses
             with as_a_fresh_process():
-                history = Trainer(row_cfg).fit(callbacks=[lambda r, name=name: report({**r, "row": name})])
-        except TitanliteError as e:  # raised alike on every rank (config, device): the next row runs
+                history = Trainer(row_cfg).fit(
+                    callbacks=[lambda r, name=name: report({**r, "row": name})]
+                )
+        except (
+            TitanliteError
+        ) as e:  # raised alike on every rank (config, device): the next row runs
             out.append({"row": name, "error": str(e)})
             continue
-        out.append({"row": name, "run_dir": str(history.run_dir), "wall_s": time.perf_counter() - start})
+        out.append(
+            {"row": name, "run_dir": str(history.run_dir), "wall_s": time.perf_counter() - start}
+        )
     return out
 
 
-def run_ladder(cfg, rungs: list[Rung], *, warmup: int, callbacks_for=None, timeout_s: float = 900,
-               datasheet_peak=None, in_process: bool = False, on_phase=None) -> list[dict]:
+def run_ladder(
+    cfg,
+    rungs: list[Rung],
+    *,
+    warmup: int,
+    callbacks_for=None,
+    timeout_s: float = 900,
+    datasheet_peak=None,
+    in_process: bool = False,
+    on_phase=None,
+) -> list[dict]:
     """Every row, then the baseline again; return the measured rows. Each row is a fresh job
     (`launch`), or with `in_process` (smoke scale) the one-process rows train here, one after
     another (`train_here`), and each run of multi-process rows in one job (`train_rows`).
@@ -255,21 +324,32 @@ def run_ladder(cfg, rungs: list[Rung], *, warmup: int, callbacks_for=None, timeo
     the same tokens. `callbacks_for(row_name)` gives a row's callbacks; `on_phase(text)` hears
     what starts before a row's first step (a compile, processes), e.g. LivePlot.phase."""
     from ..tools.launcher import launch
+
     batch = cfg.training.batch_size
     plan = row_overrides(rungs)
     plan.append((Rung("baseline (again)", {}, carry=False), {}))
     reference = {**references(rungs), "baseline (again)": "baseline"}
     ranks = max(r.nproc for r, _ in plan)
     if batch % ranks or any(ranks % r.nproc for r, _ in plan):  # before any job: minutes of rows
-        raise TitanliteError(f"training.batch_size={batch} does not split over "  # must not end here
-                             f"{sorted({r.nproc for r, _ in plan})} ranks: use a multiple of {ranks}")
+        raise TitanliteError(
+            f"training.batch_size={batch} does not split over "  # must not end here
+            f"{sorted({r.nproc for r, _ in plan})} ranks: use a multiple of {ranks}"
+        )
     # The same micro-batches everywhere: one process accumulates `ranks` of them where FSDP's
     # ranks take one each. Every row then runs the same kernels per micro-batch (and compiles
     # the same graphs), so what a row changes is its technique, not its shapes.
-    plan = [(rung, {**overrides, "training.batch_size": batch // ranks,
-                    "training.grad_accum_steps": ranks // rung.nproc,
-                    "metrics.run_name": f"{cfg.metrics.run_name or 'ladder'}-{_slug(rung.name)}"})
-            for rung, overrides in plan]
+    plan = [
+        (
+            rung,
+            {
+                **overrides,
+                "training.batch_size": batch // ranks,
+                "training.grad_accum_steps": ranks // rung.nproc,
+                "metrics.run_name": f"{cfg.metrics.run_name or 'ladder'}-{_slug(rung.name)}",
+            },
+        )
+        for rung, overrides in plan
+    ]
     device_type = cfg.training.device.split(":")[0]
     rows, i = [], 0
     while i < len(plan):
@@ -288,21 +368,48 @@ def run_ladder(cfg, rungs: list[Rung], *, warmup: int, callbacks_for=None, timeo
                 results = _run_group(cfg, group, callbacks_for, timeout_s)
             else:
                 callbacks = callbacks_for(rung.name) if callbacks_for else ()
-                results = [train_here(cfg, overrides, callbacks) if in_process and rung.nproc == 1 else
-                           launch(cfg, rung.nproc, overrides=overrides, callbacks=callbacks, timeout_s=timeout_s)]
+                results = [
+                    train_here(cfg, overrides, callbacks)
+                    if in_process and rung.nproc == 1
+                    else launch(
+                        cfg,
+                        rung.nproc,
+                        overrides=overrides,
+                        callbacks=callbacks,
+                        timeout_s=timeout_s,
+                    )
+                ]
         except TitanliteError as e:  # rows this device cannot run: their one line, no numbers
             results = [e] * len(group)
         for n, ((rung, overrides), result) in enumerate(zip(group, results)):
             if isinstance(result, Exception):
-                rows.append({"row": rung.name, "nproc": rung.nproc, "error": str(result),
-                             "published": rung.published, "reference": reference.get(rung.name)})
+                rows.append(
+                    {
+                        "row": rung.name,
+                        "nproc": rung.nproc,
+                        "error": str(result),
+                        "published": rung.published,
+                        "reference": reference.get(rung.name),
+                    }
+                )
                 continue
             here = in_process and rung.nproc == 1
             fresh = not in_process or (rung.nproc > 1 and n == 0)  # the first its process trained
-            row = measure_row(rung.name, result, warmup, rung.nproc, datasheet_peak,
-                              memory_own=memory_is_own(device_type, fresh))
-            row.update(published=rung.published, overrides=overrides, in_process=here, fresh_process=fresh,
-                       reference=reference.get(rung.name))
+            row = measure_row(
+                rung.name,
+                result,
+                warmup,
+                rung.nproc,
+                datasheet_peak,
+                memory_own=memory_is_own(device_type, fresh),
+            )
+            row.update(
+                published=rung.published,
+                overrides=overrides,
+                in_process=here,
+                fresh_process=fresh,
+                reference=reference.get(rung.name),
+            )
             rows.append(row)
     return rows
 
@@ -313,10 +420,15 @@ def phase(group: list[tuple[Rung, dict]], in_process: bool = False) -> str:
     Inductor's cache is empty)."""
     names = ", ".join(rung.name for rung, _ in group)
     nproc = group[0][0].nproc
-    doing = f"building {names}" if in_process and nproc == 1 else \
-        f"starting {nproc} process{'es' * (nproc > 1)} for {names}"
+    doing = (
+        f"building {names}"
+        if in_process and nproc == 1
+        else f"starting {nproc} process{'es' * (nproc > 1)} for {names}"
+    )
     compiled = any(o.get("compile.enable") for _, o in group)
-    return doing + (" and compiling its graphs (slowest with an empty compile cache)" if compiled else "")
+    return doing + (
+        " and compiling its graphs (slowest with an empty compile cache)" if compiled else ""
+    )
 
 
 def _run_group(cfg, group, callbacks_for, timeout_s: float) -> list:
@@ -325,8 +437,11 @@ def _run_group(cfg, group, callbacks_for, timeout_s: float) -> list:
     from pathlib import Path
 
     from ..tools.launcher import LaunchResult, launch_function
+
     nproc = group[0][0].nproc
-    callbacks = {rung.name: list(callbacks_for(rung.name)) if callbacks_for else [] for rung, _ in group}
+    callbacks = {
+        rung.name: list(callbacks_for(rung.name)) if callbacks_for else [] for rung, _ in group
+    }
     records = {rung.name: [] for rung, _ in group}
 
     def dispatch(record):
@@ -336,18 +451,31 @@ def _run_group(cfg, group, callbacks_for, timeout_s: float) -> list:
             for cb in callbacks[name]:
                 cb(record)
 
-    outs = launch_function("titanlite.labs.nb16_capstone:train_rows", nproc, device=cfg.training.device,
-                           backend=cfg.parallel.backend, timeout_s=timeout_s, callbacks=[dispatch],
-                           log_dir=cfg.metrics.log_dir, cfg=cfg,
-                           rows=[(rung.name, overrides) for rung, overrides in group])
+    outs = launch_function(
+        "titanlite.labs.nb16_capstone:train_rows",
+        nproc,
+        device=cfg.training.device,
+        backend=cfg.parallel.backend,
+        timeout_s=timeout_s,
+        callbacks=[dispatch],
+        log_dir=cfg.metrics.log_dir,
+        cfg=cfg,
+        rows=[(rung.name, overrides) for rung, overrides in group],
+    )
     results = []
     for out in outs[0]:  # rank 0's account of each row
         if "error" in out:
             results.append(TitanliteError(out["error"]))
             continue
-        results.append(LaunchResult(run_dir=Path(out["run_dir"]), wall_s=out["wall_s"], job_id="shared job",
-                                    command=f"one job for {len(group)} rows: Trainer(cfg).fit() per row",
-                                    records=records[out["row"]]))
+        results.append(
+            LaunchResult(
+                run_dir=Path(out["run_dir"]),
+                wall_s=out["wall_s"],
+                job_id="shared job",
+                command=f"one job for {len(group)} rows: Trainer(cfg).fit() per row",
+                records=records[out["row"]],
+            )
+        )
     for cb in (cb for cbs in callbacks.values() for cb in cbs):
         if hasattr(cb, "on_train_end"):
             cb.on_train_end()
@@ -362,11 +490,17 @@ def _fresh(cfg, run_name: str) -> None:
     # A run directory with checkpoints would be resumed: every row starts from step 0.
     import shutil
     from pathlib import Path
+
     shutil.rmtree(Path(cfg.metrics.log_dir) / run_name, ignore_errors=True)
 
 
-def full_scale_floor_s(rungs: list[Rung], steps: int, tokens_per_step: int, flops_per_token: float,
-                       peaks: dict[str, float]) -> float:
+def full_scale_floor_s(
+    rungs: list[Rung],
+    steps: int,
+    tokens_per_step: int,
+    flops_per_token: float,
+    peaks: dict[str, float],
+) -> float:
     """A floor under a full-scale ladder's training time (predicted, not measured): every row's
     steps (the baseline twice) with every matmul at this machine's measured peak for its dtype,
     `peaks` = {"float32": FLOP/s, "bfloat16": FLOP/s}; FP8 rows, emulated in float32 off FP8 tensor
@@ -374,6 +508,10 @@ def full_scale_floor_s(rungs: list[Rung], steps: int, tokens_per_step: int, flop
     total = 0.0
     for _, overrides in row_overrides(rungs) + [(rungs[0], {})]:
         bf16 = overrides.get("training.mixed_precision") == "bf16"
-        peak = max(peaks.values()) if overrides.get("float8.enable") else peaks["bfloat16" if bf16 else "float32"]
+        peak = (
+            max(peaks.values())
+            if overrides.get("float8.enable")
+            else peaks["bfloat16" if bf16 else "float32"]
+        )
         total += steps * tokens_per_step * flops_per_token / peak
     return total

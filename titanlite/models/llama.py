@@ -5,6 +5,7 @@ Hugging Face's `LlamaForCausalLM`, so weights map one to one (tools/export.py). 
 `to_empty` + `init_weights()` on the target one, so a model can be sharded before memory is spent:
 
     model = build_model(ModelArgs.preset("small", vocab_size=4096), device="cpu")  # does just that"""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,6 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch.nn.attention import sdpa_kernel
 
 from ..device_policy import expand_kv_for_sdpa, sdpa_priority
@@ -43,34 +43,51 @@ class ModelArgs:
 
     @property
     def hidden_dim(self) -> int:
-        return self.ffn_hidden_dim or self.multiple_of * math.ceil(int(8 * self.dim / 3) / self.multiple_of)
+        return self.ffn_hidden_dim or self.multiple_of * math.ceil(
+            int(8 * self.dim / 3) / self.multiple_of
+        )
 
     def validate(self) -> "ModelArgs":
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise TitanliteError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.dim % self.n_heads:
-            raise TitanliteError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
-                                 f"choose n_heads dividing dim (e.g. {self.dim // 64 or 1})")
+            raise TitanliteError(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: "
+                f"choose n_heads dividing dim (e.g. {self.dim // 64 or 1})"
+            )
         if self.n_heads % self.n_kv_heads:
-            raise TitanliteError(f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads="
-                                 f"{self.n_kv_heads}: grouped-query attention shares each KV head among "
-                                 f"n_heads/n_kv_heads query heads")
+            raise TitanliteError(
+                f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads="
+                f"{self.n_kv_heads}: grouped-query attention shares each KV head among "
+                f"n_heads/n_kv_heads query heads"
+            )
         if self.head_dim % 2:
             raise TitanliteError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.rope_scaling is not None:
-            keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+            keys = {
+                "factor",
+                "low_freq_factor",
+                "high_freq_factor",
+                "original_max_position_embeddings",
+            }
             if self.rope_scaling.get("rope_type") != "llama3" or not keys <= set(self.rope_scaling):
-                raise TitanliteError(f"model.rope_scaling={self.rope_scaling} is not supported: use None or "
-                                     f"{{'rope_type': 'llama3', {', '.join(sorted(keys))}}} (Llama 3.1+)")
+                raise TitanliteError(
+                    f"model.rope_scaling={self.rope_scaling} is not supported: use None or "
+                    f"{{'rope_type': 'llama3', {', '.join(sorted(keys))}}} (Llama 3.1+)"
+                )
         return self
 
     @staticmethod
     def preset(name: str, **overrides) -> "ModelArgs":
         if name not in PRESETS:
-            raise TitanliteError(f"unknown model preset '{name}'{closest(name, PRESETS)}; "
-                                 f"choose one of {', '.join(PRESETS)}")
-        return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}).validate()
+            raise TitanliteError(
+                f"unknown model preset '{name}'{closest(name, PRESETS)}; "
+                f"choose one of {', '.join(PRESETS)}"
+            )
+        return replace(
+            PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}
+        ).validate()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,14 +95,40 @@ class ModelArgs:
 
 # debug and small train on a laptop CPU; 1B and 8B are Llama 3.2 1B and Llama 3 8B, for formulas and GPUs.
 PRESETS: dict[str, ModelArgs] = {
-    "debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, max_seq_len=256),
-    "small": ModelArgs(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=8192, max_seq_len=512),
-    "125M": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=32_000,
-                      max_seq_len=2048, tie_embeddings=False),
-    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128_256,
-                    ffn_hidden_dim=8192, max_seq_len=8192),
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128_256,
-                    ffn_hidden_dim=14336, max_seq_len=8192, tie_embeddings=False),
+    "debug": ModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, max_seq_len=256
+    ),
+    "small": ModelArgs(
+        dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=8192, max_seq_len=512
+    ),
+    "125M": ModelArgs(
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=4,
+        vocab_size=32_000,
+        max_seq_len=2048,
+        tie_embeddings=False,
+    ),
+    "1B": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        ffn_hidden_dim=8192,
+        max_seq_len=8192,
+    ),
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        ffn_hidden_dim=14336,
+        max_seq_len=8192,
+        tie_embeddings=False,
+    ),
 }
 
 
@@ -96,8 +139,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # x / rms(x) · weight in fp32, so bf16 activations do not lose the mean square
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        xf = (
+            x.float()
+        )  # x / rms(x) · weight in fp32, so bf16 activations do not lose the mean square
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(
+            x
+        ) * self.weight
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -114,11 +161,15 @@ def llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 def rope_cache(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape [max_seq_len, head_dim] in the rotate-half layout HF uses."""
-    inv_freq = 1.0 / (args.rope_theta ** (
-        torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32) / args.head_dim))
+    inv_freq = 1.0 / (
+        args.rope_theta
+        ** (torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32) / args.head_dim)
+    )
     if args.rope_scaling:
         inv_freq = llama3_scaled(inv_freq, args.rope_scaling)
-    freqs = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    freqs = torch.outer(
+        torch.arange(args.max_seq_len, device=device, dtype=torch.float32), inv_freq
+    )
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -144,14 +195,17 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
         # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
-        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(causal_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     expand_kv: bool | None = None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expand_kv: bool | None = None
+) -> torch.Tensor:
     """Causal SDPA with grouped-query attention: SDPA repeats the KV heads (`enable_gqa`) or we do first.
     expand_kv None: device_policy decides (on CUDA only flash takes `enable_gqa`; else slow math runs)."""
     groups = q.shape[1] // k.shape[1]
@@ -161,9 +215,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         expand_kv = expand_kv_for_sdpa("cuda", q.dtype, q.shape[-1], (props.major, props.minor))
     if expand_kv and groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    priority = sdpa_priority(q.device.type)  # torch's own order tries math before cuDNN: never reached
+    priority = sdpa_priority(
+        q.device.type
+    )  # torch's own order tries math before cuDNN: never reached
     with sdpa_kernel(priority, set_priority=True) if priority else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )
 
 
 class FeedForward(nn.Module):
@@ -201,22 +259,34 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        for name in ("rope_cos", "rope_sin"):  # rotary tables: derived data, not saved in checkpoints
-            self.register_buffer(name, torch.empty(args.max_seq_len, args.head_dim), persistent=False)
+        for name in (
+            "rope_cos",
+            "rope_sin",
+        ):  # rotary tables: derived data, not saved in checkpoints
+            self.register_buffer(
+                name, torch.empty(args.max_seq_len, args.head_dim), persistent=False
+            )
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Initialise in place on whatever device the parameters live on (after `to_empty`)."""
         if self.args.tie_embeddings:  # `to_empty()` gave each module a fresh tensor: tie them again
             self.output.weight = self.tok_embeddings.weight
-        for buf, table in zip((self.rope_cos, self.rope_sin), rope_cache(self.args, self.rope_cos.device)):
+        for buf, table in zip(
+            (self.rope_cos, self.rope_sin), rope_cache(self.args, self.rope_cos.device)
+        ):
             buf.copy_(table)
         # GPT-2/nanoGPT: projections into the residual stream get 1/sqrt(2·n_layers), so it does not grow.
         std, out_std = self.args.init_std, self.args.init_std / math.sqrt(2 * self.args.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for block in self.layers.values():
-            for lin in (block.attention.q_proj, block.attention.k_proj, block.attention.v_proj,
-                        block.feed_forward.gate_proj, block.feed_forward.up_proj):
+            for lin in (
+                block.attention.q_proj,
+                block.attention.k_proj,
+                block.attention.v_proj,
+                block.feed_forward.gate_proj,
+                block.feed_forward.up_proj,
+            ):
                 nn.init.normal_(lin.weight, std=std)
             nn.init.normal_(block.attention.o_proj.weight, std=out_std)
             nn.init.normal_(block.feed_forward.down_proj.weight, std=out_std)
@@ -231,8 +301,10 @@ class Transformer(nn.Module):
         None: without `tok_embeddings` it takes hidden states [B, T, dim]; without `output`, returns them."""
         T = tokens.shape[1]
         if T > self.args.max_seq_len:
-            raise TitanliteError(f"sequence length {T} exceeds the model's max_seq_len={self.args.max_seq_len}: "
-                                 f"use a shorter training.seq_len or raise model.max_seq_len")
+            raise TitanliteError(
+                f"sequence length {T} exceeds the model's max_seq_len={self.args.max_seq_len}: "
+                f"use a shorter training.seq_len or raise model.max_seq_len"
+            )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_cos[:T].to(h.dtype), self.rope_sin[:T].to(h.dtype)
         for block in self.layers.values():

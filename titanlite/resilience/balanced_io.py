@@ -7,6 +7,7 @@ rank; `BalancedSavePlanner` picks largest first, each for the holder with the fe
 Load: DCP has every rank read every replicated byte (N ranks, N times the checkpoint). Here each such
 entry is read by one rank - tensors spread by bytes, small pickled values by rank 0 - and broadcast;
 DTensor shards (FSDP, TP) are read by their owners, as before."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,10 @@ class BalancedSavePlanner(DefaultSavePlanner):
             rank = min(holders[index], key=load.__getitem__)
             load[rank] += size[index]
             keep[rank].add(index)
-        kept = [dataclasses.replace(plan, items=[i for i in plan.items if i.index in mine])
-                for plan, mine in zip(all_plans, keep)]
+        kept = [
+            dataclasses.replace(plan, items=[i for i in plan.items if i.index in mine])
+            for plan, mine in zip(all_plans, keep)
+        ]
         return super().create_global_plan(kept)
 
     def transform_object(self, write_item, object):
@@ -52,14 +55,20 @@ def leaves(sd: dict, prefix: str = "") -> dict[str, tuple[dict, str]]:
     """{name DCP gives it ("model.w"): (the dict holding it, its key)} for every non-dict value."""
     out = {}
     for key, value in sd.items():
-        out.update(leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": (sd, key)})
+        out.update(
+            leaves(value, f"{prefix}{key}.")
+            if isinstance(value, dict)
+            else {f"{prefix}{key}": (sd, key)}
+        )
     return out
 
 
 def _signature(value):  # what must match on every rank for a value to be one replicated entry
     if type(value) in (torch.Tensor, torch.nn.Parameter):
         return tuple(value.shape), str(value.dtype)
-    return None if isinstance(value, torch.Tensor) else "object"  # a DTensor is a shard: never shared
+    return (
+        None if isinstance(value, torch.Tensor) else "object"
+    )  # a DTensor is a shard: never shared
 
 
 def read_owners(sd: dict) -> dict[str, int]:
@@ -69,8 +78,12 @@ def read_owners(sd: dict) -> dict[str, int]:
     mine = {name: sig for name, value in values.items() if (sig := _signature(value)) is not None}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    common = [name for name in sorted(mine) if all(other.get(name) == mine[name] for other in every)]
-    nbytes = {n: values[n].numel() * values[n].element_size() for n in common if mine[n] != "object"}
+    common = [
+        name for name in sorted(mine) if all(other.get(name) == mine[name] for other in every)
+    ]
+    nbytes = {
+        n: values[n].numel() * values[n].element_size() for n in common if mine[n] != "object"
+    }
     owners, load = {n: 0 for n in common if n not in nbytes}, [0] * len(every)
     for name in sorted(nbytes, key=lambda n: -nbytes[n]):
         owners[name] = min(range(len(load)), key=load.__getitem__)
@@ -87,7 +100,11 @@ class ReadOncePlanner(DefaultLoadPlanner):
 
     def create_local_plan(self):
         plan = super().create_local_plan()
-        mine = [item for item in plan.items if self.owners.get(item.dest_index.fqn, self.rank) == self.rank]
+        mine = [
+            item
+            for item in plan.items
+            if self.owners.get(item.dest_index.fqn, self.rank) == self.rank
+        ]
         return dataclasses.replace(plan, items=mine)
 
 
@@ -95,7 +112,9 @@ def share_read_entries(sd: dict, owners: dict[str, int]) -> None:
     """Each entry from the rank that read it to all the others (tensors in place). Collective."""
     where = leaves(sd)
     values = {name: box[key] for name, (box, key) in where.items() if name in owners}
-    objects = [{name: value for name, value in values.items() if not isinstance(value, torch.Tensor)}]
+    objects = [
+        {name: value for name, value in values.items() if not isinstance(value, torch.Tensor)}
+    ]
     dist.broadcast_object_list(objects, src=0)
     for name, value in objects[0].items():
         box, key = where[name]

@@ -8,6 +8,7 @@ A save goes to step-N.partial/, renamed step-N/ once whole (atomic in POSIX): a 
 last good checkpoint loadable; a load first checks every file's size and CRC-32. "sync" blocks training for the
 whole write; "async" (a thread) and "async_process" (a process) copy the state to host memory in the background
 (`wait_for_staging()`, into kept buffers) and write it behind training on their own gloo group."""
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,16 @@ from .._compat.torch_internals import stop_dcp_writer_process
 from ..errors import TitanliteError
 from ..paths import check_output_dir
 from .balanced_io import BalancedSavePlanner, ReadOncePlanner, read_owners, share_read_entries
-from .checkpoint_files import COMMIT_FILE, RawWriter, committed, dcp_load, fsync_dir, size_and_crc, step_dir, verify
+from .checkpoint_files import (
+    COMMIT_FILE,
+    RawWriter,
+    committed,
+    dcp_load,
+    fsync_dir,
+    size_and_crc,
+    step_dir,
+    verify,
+)
 from .staging import make_stager, staging_options, tensor_device_types
 
 MODES = ("sync", "async", "async_process")
@@ -45,18 +55,36 @@ class SaveTiming(NamedTuple):
 class Checkpointer:
     """Saves into `folder`, keeps the newest `keep_latest_k` (0: all), loads the newest."""
 
-    def __init__(self, folder: str | Path, *, mode: str = "sync", keep_latest_k: int = 2,
-                 describe: dict | None = None, read_once: bool = True):
+    def __init__(
+        self,
+        folder: str | Path,
+        *,
+        mode: str = "sync",
+        keep_latest_k: int = 2,
+        describe: dict | None = None,
+        read_once: bool = True,
+    ):
         if mode not in MODES:
             raise TitanliteError(f"checkpoint mode '{mode}' is not one of {MODES}")
-        if isinstance(keep_latest_k, bool) or not isinstance(keep_latest_k, int) or keep_latest_k < 0:
-            raise TitanliteError(f"keep_latest_k must be 0 (keep all) or a positive integer, "
-                                 f"got {keep_latest_k!r}")
-        self.folder, self.mode, self.keep = check_output_dir(folder, "checkpoint folder"), mode, keep_latest_k
+        if (
+            isinstance(keep_latest_k, bool)
+            or not isinstance(keep_latest_k, int)
+            or keep_latest_k < 0
+        ):
+            raise TitanliteError(
+                f"keep_latest_k must be 0 (keep all) or a positive integer, got {keep_latest_k!r}"
+            )
+        self.folder, self.mode, self.keep = (
+            check_output_dir(folder, "checkpoint folder"),
+            mode,
+            keep_latest_k,
+        )
         self.describe = self._described = describe or {}  # what was trained: checked on load
         self.read_once = read_once
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.distributed else (0, 1)
+        self.rank, self.world = (
+            (dist.get_rank(), dist.get_world_size()) if self.distributed else (0, 1)
+        )
         self._staging = None  # the newest async save's copy of the state (a future)
         # Async saves not yet committed, oldest first: [stager, write, commit, step]. At most two: a save stages
         # into one stager while the previous save still writes from the other (ByteCheckpoint's ping-pong).
@@ -88,12 +116,19 @@ class Checkpointer:
             dist.barrier()
         sd = state.state_dict() if hasattr(state, "state_dict") else state
         self._described = state.describe() if hasattr(state, "describe") else self.describe
-        writer = RawWriter(tmp, sync_files=True)  # tensors as bytes, CRC as written: nothing read back
+        writer = RawWriter(
+            tmp, sync_files=True
+        )  # tensors as bytes, CRC as written: nothing read back
         writer.background = self.mode != "sync"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's notes on planners and deprecated names
             if self.mode == "sync":
-                dcp.save(sd, storage_writer=writer, planner=BalancedSavePlanner(), no_dist=self.world == 1)
+                dcp.save(
+                    sd,
+                    storage_writer=writer,
+                    planner=BalancedSavePlanner(),
+                    no_dist=self.world == 1,
+                )
             else:
                 process = self.mode == "async_process"
                 kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
@@ -104,10 +139,20 @@ class Checkpointer:
                     torch.cuda.current_stream().synchronize()
                 stager = self._free_stager(options, process)
                 gated = _WriteAfter(stager, self._writes[-1][1] if self._writes else None)
-                response = dcp.async_save(sd, storage_writer=writer, planner=BalancedSavePlanner(),
-                                          process_group=self._pg, async_checkpointer_type=kind, async_stager=gated)
-                self._staging = gated.copy  # training waits for its copy, not for the previous write
-                self._writes.append([stager, response.upload_completion, None, step])  # its commit: below
+                response = dcp.async_save(
+                    sd,
+                    storage_writer=writer,
+                    planner=BalancedSavePlanner(),
+                    process_group=self._pg,
+                    async_checkpointer_type=kind,
+                    async_stager=gated,
+                )
+                self._staging = (
+                    gated.copy
+                )  # training waits for its copy, not for the previous write
+                self._writes.append(
+                    [stager, response.upload_completion, None, step]
+                )  # its commit: below
         if before_commit is not None:
             before_commit()
         if self.mode == "sync":
@@ -139,7 +184,9 @@ class Checkpointer:
 
     def _wait_oldest(self) -> None:
         _, write, commit, _ = self._writes.popleft()
-        (commit or write).result()  # re-raises a failed background write (no commit: before_commit raised)
+        (
+            commit or write
+        ).result()  # re-raises a failed background write (no commit: before_commit raised)
 
     def _free_stager(self, options: dict, shared_memory: bool):
         """A stager no unfinished write reads from: a second is made only while the first writes (ping-pong)."""
@@ -158,7 +205,11 @@ class Checkpointer:
         """Rank 0: record every file's size and CRC, then rename: the checkpoint exists."""
         if self.rank != 0:
             return
-        files = {f.name: size_and_crc(f) for f in sorted(tmp.iterdir()) if f.is_file() and f.suffix != ".crc"}
+        files = {
+            f.name: size_and_crc(f)
+            for f in sorted(tmp.iterdir())
+            if f.is_file() and f.suffix != ".crc"
+        }
         info = {"format": 1, "step": step, "time": time.time(), "files": files, **self._described}
         record = tmp / COMMIT_FILE
         record.write_text(json.dumps(info, indent=1))
@@ -168,13 +219,15 @@ class Checkpointer:
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_dir(self.folder)
-        if threading.current_thread() is threading.main_thread():  # a sync save: prune behind training
+        if (
+            threading.current_thread() is threading.main_thread()
+        ):  # a sync save: prune behind training
             self._pruning = self._pool.submit(self._prune, step)
         else:
             self._prune(step)
 
     def _prune(self, newest: int) -> None:
-        for old in committed(self.folder)[:-self.keep] if self.keep else []:
+        for old in committed(self.folder)[: -self.keep] if self.keep else []:
             gone = old.with_name(old.name + ".deleting")  # never a half-deleted "committed" one
             os.rename(old, gone)
             shutil.rmtree(gone, ignore_errors=True)
@@ -204,13 +257,20 @@ class Checkpointer:
         saved = info.get("model_args")
         here = (state.describe() if hasattr(state, "describe") else self.describe).get("model_args")
         if saved and here and saved != here:
-            diff = ", ".join(f"{k}: {saved.get(k)} there vs {here.get(k)} here"
-                             for k in sorted(set(saved) | set(here)) if saved.get(k) != here.get(k))
-            raise TitanliteError(f"checkpoint '{path}' holds a different model ({diff}): load it with the "
-                                 f"model settings it was trained with, or start a new checkpoint folder")
+            diff = ", ".join(
+                f"{k}: {saved.get(k)} there vs {here.get(k)} here"
+                for k in sorted(set(saved) | set(here))
+                if saved.get(k) != here.get(k)
+            )
+            raise TitanliteError(
+                f"checkpoint '{path}' holds a different model ({diff}): load it with the "
+                f"model settings it was trained with, or start a new checkpoint folder"
+            )
         sd = state.state_dict() if hasattr(state, "state_dict") else state
         planner = None
-        if self.read_once and self.distributed:  # each replicated entry: one reader, then a broadcast
+        if (
+            self.read_once and self.distributed
+        ):  # each replicated entry: one reader, then a broadcast
             planner = ReadOncePlanner(read_owners(sd), self.rank)
         dcp_load(sd, path, crc_checked=crc, reader=reader, planner=planner, no_dist=self.world == 1)
         if planner is not None:
@@ -250,5 +310,8 @@ class _WriteAfter:
         def release(_):
             error = self.copy.exception()
             released.set_exception(error) if error else released.set_result(self.copy.result())
-        self.copy.add_done_callback(lambda _: (self.previous or self.copy).add_done_callback(release))
+
+        self.copy.add_done_callback(
+            lambda _: (self.previous or self.copy).add_done_callback(release)
+        )
         return released

@@ -1,9 +1,10 @@
 """What a committed checkpoint is on disk, and how it is checked before anything loads it.
 
-    step-00000040/             committed: DCP's data files (one per rank, "__<rank>_0.distcp"),
-        .metadata              DCP's index: which byte range of which file holds which shard
-        titanlite.json         what was trained (model shape, layout) + every file's size & CRC
-    step-00000050.partial/     a save in progress, or one a crash interrupted: never loaded"""
+step-00000040/             committed: DCP's data files (one per rank, "__<rank>_0.distcp"),
+    .metadata              DCP's index: which byte range of which file holds which shard
+    titanlite.json         what was trained (model shape, layout) + every file's size & CRC
+step-00000050.partial/     a save in progress, or one a crash interrupted: never loaded"""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystemReader,
+    FileSystemWriter,
+)
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -60,31 +65,59 @@ class RawWriter(FileSystemWriter):
     ~0.25 s of CPU at the small preset); size and CRC-32 summed on another thread as the bytes go out (in
     "<file>.crc": the commit reads nothing back); the disk set to work on each 4 MiB as it comes. A
     `background` (async) writer runs at the lowest CPU priority: on a CPU it competes with training."""
+
     background = False
 
     def write_data(self, plan, planner) -> Future:
         if self.background and sys.platform.startswith("linux"):  # this thread, and those it starts
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"  # DCP's name: "__<rank>_0.distcp"
-        path, results, size, flushed, flushing, crc, tasks = Path(self.path) / name, [], 0, 0, None, [0], []
+        path, results, size, flushed, flushing, crc, tasks = (
+            Path(self.path) / name,
+            [],
+            0,
+            0,
+            None,
+            [0],
+            [],
+        )
         # CRC (in order) and disk syncs (fsync on macOS) on their own threads, done before the file closes:
-        with open(path, "wb") as f, ThreadPoolExecutor(1) as summing, ThreadPoolExecutor(1) as syncing:
+        with (
+            open(path, "wb") as f,
+            ThreadPoolExecutor(1) as summing,
+            ThreadPoolExecutor(1) as syncing,
+        ):
             for item in plan.items:
                 data, raw = planner.resolve_data(item), item.type != WriteItemType.BYTE_IO
-                view = memoryview(data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-                                  if raw else data.getbuffer())
+                view = memoryview(
+                    data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                    if raw
+                    else data.getbuffer()
+                )
                 f.write(view)
-                tasks.append(summing.submit(lambda v: crc.__setitem__(0, zlib.crc32(v, crc[0])), view))
-                results.append(WriteResult(item.index, view.nbytes,
-                                           dcp_storage_info(name, size, view.nbytes, [RAW] if raw else None)))
+                tasks.append(
+                    summing.submit(lambda v: crc.__setitem__(0, zlib.crc32(v, crc[0])), view)
+                )
+                results.append(
+                    WriteResult(
+                        item.index,
+                        view.nbytes,
+                        dcp_storage_info(name, size, view.nbytes, [RAW] if raw else None),
+                    )
+                )
                 size += view.nbytes
                 if size - flushed >= 4 << 20 and (flushing is None or flushing.done()):
                     f.flush()
-                    flushing, flushed = syncing.submit(getattr(os, "fdatasync", os.fsync), f.fileno()), size
+                    flushing, flushed = (
+                        syncing.submit(getattr(os, "fdatasync", os.fsync), f.fileno()),
+                        size,
+                    )
                     tasks.append(flushing)
             f.flush()
             os.fsync(f.fileno())
-        [task.result() for task in tasks]  # a failed CRC or sync fails the save (the final fsync may not see it)
+        [
+            task.result() for task in tasks
+        ]  # a failed CRC or sync fails the save (the final fsync may not see it)
         Path(f"{path}.crc").write_text(json.dumps([size, crc[0]]))
         return _done(results)
 
@@ -94,17 +127,26 @@ class RawReader(FileSystemReader):
     index gives; the rest (and earlier checkpoints' torch.save'd tensors) as DCP reads them."""
 
     def read_data(self, plan, planner) -> Future:
-        raw = [RAW in (self.storage_data[r.storage_index].transform_descriptors or ()) for r in plan.items]
-        super().read_data(dataclasses.replace(plan, items=[r for r, b in zip(plan.items, raw) if not b]), planner)
+        raw = [
+            RAW in (self.storage_data[r.storage_index].transform_descriptors or ())
+            for r in plan.items
+        ]
+        super().read_data(
+            dataclasses.replace(plan, items=[r for r, b in zip(plan.items, raw) if not b]), planner
+        )
         for req in (r for r, b in zip(plan.items, raw) if b):
             info, where = self.storage_data[req.storage_index], req.storage_index
-            entry = planner.metadata.state_dict_metadata[where.fqn]  # DCP's load planners keep the index
+            entry = planner.metadata.state_dict_metadata[
+                where.fqn
+            ]  # DCP's load planners keep the index
             sizes = next(c.sizes for c in entry.chunks if list(c.offsets) == list(where.offset))
             tensor = torch.empty(sizes, dtype=entry.properties.dtype)
             with open(Path(self.path) / info.relative_path, "rb") as f:
                 f.seek(info.offset)
                 if f.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != info.length:
-                    raise ValueError(f"{info.relative_path} ends before {where.fqn}'s bytes: truncated")
+                    raise ValueError(
+                        f"{info.relative_path} ends before {where.fqn}'s bytes: truncated"
+                    )
             for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
                 tensor = tensor.narrow(dim, start, length)  # the part this rank loads
             planner.commit_tensor(req, planner.resolve_tensor(req).detach().copy_(tensor))
@@ -133,25 +175,33 @@ def fsync_dir(path: Path) -> None:
 
 def _damaged(path: Path, what: str) -> TitanliteError:
     """One line, with the fix: the checkpoint before it is whole (each is verified on its own)."""
-    return TitanliteError(f"checkpoint '{path}' is damaged: {what}; delete that step folder to resume "
-                          f"from the previous checkpoint, or load an earlier one from {path.parent}")
+    return TitanliteError(
+        f"checkpoint '{path}' is damaged: {what}; delete that step folder to resume "
+        f"from the previous checkpoint, or load an earlier one from {path.parent}"
+    )
 
 
 def verify(path: str | Path, crc: bool = True) -> dict:
     """The commit record of checkpoint `path`, once every file it lists has its size (and CRC-32)."""
     path = Path(path)
     if not path.exists():
-        raise TitanliteError(f"checkpoint directory '{path}' does not exist: check the path, or "
-                             f"list the saved ones with titanlite.resilience.committed(<folder>)")
+        raise TitanliteError(
+            f"checkpoint directory '{path}' does not exist: check the path, or "
+            f"list the saved ones with titanlite.resilience.committed(<folder>)"
+        )
     if not (path / COMMIT_FILE).is_file():
-        raise TitanliteError(f"'{path}' is not a committed checkpoint (no {COMMIT_FILE}): its save "
-                             f"never finished; load an earlier one from {path.parent}")
+        raise TitanliteError(
+            f"'{path}' is not a committed checkpoint (no {COMMIT_FILE}): its save "
+            f"never finished; load an earlier one from {path.parent}"
+        )
     try:  # a record titanlite did not write (a half-copied folder, an edit) is damage too
         info = json.loads((path / COMMIT_FILE).read_text())
         files = info["files"]
         int(info["step"])
-        ok = isinstance(files, dict) and all(isinstance(v, list) and len(v) == 2
-                                             and all(isinstance(x, int) for x in v) for v in files.values())
+        ok = isinstance(files, dict) and all(
+            isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)
+            for v in files.values()
+        )
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         ok = False
     if not ok:
@@ -162,7 +212,9 @@ def verify(path: str | Path, crc: bool = True) -> dict:
         if not f.is_file():
             raise _damaged(path, f"it is missing {name} ({what})")
         if (actual := f.stat().st_size) != size:
-            raise _damaged(path, f"{name} has {actual} bytes, {size} were written (truncated copy?)")
+            raise _damaged(
+                path, f"{name} has {actual} bytes, {size} were written (truncated copy?)"
+            )
         if crc and crc32(f) != want:
             raise _damaged(path, f"{name} is corrupt (CRC-32 mismatch: {what})")
     return info
@@ -173,8 +225,9 @@ def _not_from_dcp(record: logging.LogRecord) -> bool:
     return "distributed" + os.sep + "checkpoint" not in record.pathname
 
 
-def dcp_load(sd: dict, path: Path, *, crc_checked: bool, no_dist: bool = False, reader=None,
-             planner=None) -> None:
+def dcp_load(
+    sd: dict, path: Path, *, crc_checked: bool, no_dist: bool = False, reader=None, planner=None
+) -> None:
     """`dcp.load(sd, path)` (through `reader`/`planner` if given), quiet; a failure in one line: damage
     (index, or a skipped CRC) or a mismatch."""
     logging.getLogger().addFilter(_not_from_dcp)
@@ -186,14 +239,20 @@ def dcp_load(sd: dict, path: Path, *, crc_checked: bool, no_dist: bool = False, 
             except Exception:  # noqa: BLE001 -- any unreadable index is a damaged one
                 raise _damaged(path, "its index .metadata cannot be read") from None
             try:
-                dcp.load(sd, storage_reader=reader or RawReader(path), planner=planner, no_dist=no_dist)
+                dcp.load(
+                    sd, storage_reader=reader or RawReader(path), planner=planner, no_dist=no_dist
+                )
             except (Exception, dcp.api.CheckpointException) as e:  # the latter is a BaseException
                 if not crc_checked:
                     verify(path, crc=True)  # damage shows here as one line
                 lines = [ln for ln in str(e).splitlines() if "Error" in ln or "error" in ln]
-                first = (lines[-1] if lines else str(e).splitlines()[-1] if str(e) else type(e).__name__)
-                raise TitanliteError(f"checkpoint '{path}' does not fit this run ({first.strip()[:300]}): "
-                                     "load it with the settings it was saved with, or start a new "
-                                     "checkpoint folder") from None
+                first = (
+                    lines[-1] if lines else str(e).splitlines()[-1] if str(e) else type(e).__name__
+                )
+                raise TitanliteError(
+                    f"checkpoint '{path}' does not fit this run ({first.strip()[:300]}): "
+                    "load it with the settings it was saved with, or start a new "
+                    "checkpoint folder"
+                ) from None
     finally:
         logging.getLogger().removeFilter(_not_from_dcp)

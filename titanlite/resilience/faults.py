@@ -6,6 +6,7 @@ others fail in their next collective after parallel.timeout_s: that is how hangs
 (`slow_s` extra per step from `step` on: a straggler). With `once`, only the first `attempts`
 attempts fail, attempt a at step `step + a * step_gap`, so a restarted job can resume and finish.
 `during = "save"` strikes while a checkpoint is written (rank 0 commits: kill it to stop a commit)."""
+
 from __future__ import annotations
 
 import os
@@ -34,7 +35,9 @@ def inject_fault(fault, step: int, rank: int, phase: str = "step") -> None:
     if fault.kind == "slow" or step != at or phase != fault.during:
         return
     if fault.kind == "exception":
-        raise InjectedFailure(f"injected failure on rank {rank} at step {step} (fault.kind=exception)")
+        raise InjectedFailure(
+            f"injected failure on rank {rank} at step {step} (fault.kind=exception)"
+        )
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     while fault.kind == "hang":
@@ -51,10 +54,18 @@ def check_fault(fault, steps: int, world_size: int) -> None:
         return
     last = fault.step + (fault.attempts - 1) * fault.step_gap if fault.once else fault.step
     if not 1 <= fault.step <= steps or last > steps:
-        where = (f"fault.step={fault.step}" if last == fault.step else "the last injected failure "
-                 f"(step {fault.step} + {fault.attempts - 1} x {fault.step_gap} = {last})")
-        raise TitanliteError(f"{where} is outside this run's steps 1..{steps}: the "
-                             f"failure would never happen; choose a step in that range")
+        where = (
+            f"fault.step={fault.step}"
+            if last == fault.step
+            else "the last injected failure "
+            f"(step {fault.step} + {fault.attempts - 1} x {fault.step_gap} = {last})"
+        )
+        raise TitanliteError(
+            f"{where} is outside this run's steps 1..{steps}: the "
+            f"failure would never happen; choose a step in that range"
+        )
     if not 0 <= fault.rank < world_size:
-        raise TitanliteError(f"fault.rank={fault.rank} does not exist in a job of {world_size} "
-                             f"process(es): choose 0..{world_size - 1}")
+        raise TitanliteError(
+            f"fault.rank={fault.rank} does not exist in a job of {world_size} "
+            f"process(es): choose 0..{world_size - 1}"
+        )

@@ -1,5 +1,6 @@
 """Staging: the copy of the state an async save makes before training may change the weights. The
 copy runs in the background too: the trainer waits for it only before its next optimizer step."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,9 @@ def tensor_device_types(state) -> set[str]:
         return {(state.to_local() if hasattr(state, "to_local") else state).device.type}
     if isinstance(state, dict):
         state = list(state.values())
-    return set().union(*map(tensor_device_types, state)) if isinstance(state, (list, tuple)) else set()
+    return (
+        set().union(*map(tensor_device_types, state)) if isinstance(state, (list, tuple)) else set()
+    )
 
 
 def staging_options(tensor_device_types) -> dict[str, bool]:
@@ -27,9 +30,12 @@ def staging_options(tensor_device_types) -> dict[str, bool]:
 
 def make_stager(options: dict[str, bool], shared_memory: bool = False) -> DefaultStager:
     """DCP's stager for these options; the caller closes it when the write is done."""
-    torch_options = StagingOptions(use_pinned_memory=options["use_pinned_memory"],
-                                   use_shared_memory=shared_memory, use_async_staging=True,
-                                   use_non_blocking_copy=options["use_non_blocking_copy"])
+    torch_options = StagingOptions(
+        use_pinned_memory=options["use_pinned_memory"],
+        use_shared_memory=shared_memory,
+        use_async_staging=True,
+        use_non_blocking_copy=options["use_non_blocking_copy"],
+    )
     return (DefaultStager if options["use_staging_stream"] else HostStager)(torch_options)
 
 

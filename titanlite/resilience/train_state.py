@@ -5,6 +5,7 @@
 
 Weights and optimizer moments are torch's `get_state_dict` (under FSDP or TP, DTensors that know their
 place in the whole tensor), so a load reshards to any layout; names are the plain model's in all."""
+
 from __future__ import annotations
 
 import json
@@ -23,11 +24,25 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 class TrainState(Stateful):
     """The trainer's whole state as DCP saves and loads it; `describe`: what was trained (checked on load)."""
 
-    def __init__(self, parts: list[torch.nn.Module], optimizer, scheduler, sampler, step: int = 0,
-                 describe: dict | None = None):
-        self.parts, self.optimizer, self.scheduler, self.sampler = parts, optimizer, scheduler, sampler
+    def __init__(
+        self,
+        parts: list[torch.nn.Module],
+        optimizer,
+        scheduler,
+        sampler,
+        step: int = 0,
+        describe: dict | None = None,
+    ):
+        self.parts, self.optimizer, self.scheduler, self.sampler = (
+            parts,
+            optimizer,
+            scheduler,
+            sampler,
+        )
         self.step = step
-        self._describe = json.loads(json.dumps(describe or {}))  # plain JSON, as the record holds it
+        self._describe = json.loads(
+            json.dumps(describe or {})
+        )  # plain JSON, as the record holds it
 
     def describe(self) -> dict:
         return self._describe
@@ -36,16 +51,27 @@ class TrainState(Stateful):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # FSDP2 / DTensor notes about state-dict hooks
             # One module over this rank's parts (a pipeline rank may hold several): `_strip` drops "<i>.".
-            model, optim = get_state_dict(torch.nn.ModuleList(self.parts), self.optimizer, options=_OPTIONS)
-        return {"model": {_strip(k): v for k, v in model.items()},
-                "optimizer": {_strip(k): v for k, v in optim.items()},
-                "scheduler": self.scheduler.state_dict(), "data": self.sampler.state_dict(),
-                "rng": rng_state(), "step": self.step}
+            model, optim = get_state_dict(
+                torch.nn.ModuleList(self.parts), self.optimizer, options=_OPTIONS
+            )
+        return {
+            "model": {_strip(k): v for k, v in model.items()},
+            "optimizer": {_strip(k): v for k, v in optim.items()},
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.sampler.state_dict(),
+            "rng": rng_state(),
+            "step": self.step,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         # plain name (no DDP "module.", no compile "_orig_mod.") -> "<i>.<name>" in this rank's parts
-        owner = {plain: f"{i}.{plain}" for i, part in enumerate(self.parts) for plain in
-                 (key.removeprefix("module.").replace("_orig_mod.", "") for key in part.state_dict())}
+        owner = {
+            plain: f"{i}.{plain}"
+            for i, part in enumerate(self.parts)
+            for plain in (
+                key.removeprefix("module.").replace("_orig_mod.", "") for key in part.state_dict()
+            )
+        }
 
         def prefix(key: str) -> str:  # the inverse of `_strip`, for this rank's parts
             head, _, rest = key.partition(".")
@@ -53,11 +79,16 @@ class TrainState(Stateful):
                 name, _, field = rest.rpartition(".")
                 return f"{head}.{owner[name]}.{field}"
             return owner[key]
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            set_state_dict(torch.nn.ModuleList(self.parts), self.optimizer, options=_OPTIONS,
-                           model_state_dict={prefix(k): v for k, v in state["model"].items()},
-                           optim_state_dict={prefix(k): v for k, v in state["optimizer"].items()})
+            set_state_dict(
+                torch.nn.ModuleList(self.parts),
+                self.optimizer,
+                options=_OPTIONS,
+                model_state_dict={prefix(k): v for k, v in state["model"].items()},
+                optim_state_dict={prefix(k): v for k, v in state["optimizer"].items()},
+            )
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["data"])
         set_rng_state(state["rng"])

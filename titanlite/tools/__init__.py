@@ -16,6 +16,7 @@ notebooks and the command line use them, and hand the ones that watch a run to t
     profiling               torch.profiler over training steps, and reading its traces
     export                  one torch file, a Hugging Face directory
 """
+
 from .launcher import LaunchResult, launch, launch_function
 
 __all__ = ["LaunchResult", "launch", "launch_function"]

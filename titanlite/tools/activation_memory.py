@@ -4,6 +4,7 @@ shapes - notebook 04 compares the two for every activation-checkpointing mode.
     saved_activation_bytes(model, tokens)                  # measured: storages left alive
     activation_memory_estimate(args, batch, seq_len, 4, "full")   # the formula
 """
+
 from __future__ import annotations
 
 import torch
@@ -80,9 +81,16 @@ def saved_tensors_hook_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> in
     return sum(seen.values())
 
 
-def activation_memory_estimate(args: ModelArgs, batch: int, seq_len: int, dtype_bytes: int,
-                               mode: str, every: int = 2, attention: str = "flash",
-                               expand_kv: bool = False) -> int:
+def activation_memory_estimate(
+    args: ModelArgs,
+    batch: int,
+    seq_len: int,
+    dtype_bytes: int,
+    mode: str,
+    every: int = 2,
+    attention: str = "flash",
+    expand_kv: bool = False,
+) -> int:
     """Predicted `saved_activation_bytes` for a model whose parameters and activations are in
     a `dtype_bytes`-byte dtype (4: fp32, 2: bf16/fp16; autocast keeps extra casts, not modelled).
 
@@ -109,18 +117,24 @@ def activation_memory_estimate(args: ModelArgs, batch: int, seq_len: int, dtype_
     were repeated to A heads before SDPA (GQA on a kernel without `enable_gqa`), so SDPA saves
     them at width D, not K."""
     if mode not in MODES:
-        raise TitanliteError(f"mode '{mode}' is not one of {', '.join(MODES)}"
-                             f"{closest(mode, MODES)}")
+        raise TitanliteError(
+            f"mode '{mode}' is not one of {', '.join(MODES)}{closest(mode, MODES)}"
+        )
     if every < 1:
         raise TitanliteError(f"every must be a positive integer, got {every}")
     if attention not in ("cudnn", "flash", "efficient", "math"):
-        raise TitanliteError(f"attention kernel '{attention}' is not one of cudnn, flash, efficient, math")
+        raise TitanliteError(
+            f"attention kernel '{attention}' is not one of cudnn, flash, efficient, math"
+        )
     n, b, D, F, A = batch * seq_len, dtype_bytes, args.dim, args.hidden_dim, args.n_heads
     K = args.n_kv_heads * args.head_dim
     kv = D if expand_kv or attention == "math" else K  # width of the k, v that SDPA saves
-    scores = {"flash": 4 * n * A, "cudnn": 4 * n * A,                 # fp32 log-sum-exp
-              "efficient": 4 * batch * A * (-(-seq_len // 32) * 32),  # ... padded to 32 rows
-              "math": b * batch * A * seq_len * seq_len}[attention]   # softmax probabilities
+    scores = {
+        "flash": 4 * n * A,
+        "cudnn": 4 * n * A,  # fp32 log-sum-exp
+        "efficient": 4 * batch * A * (-(-seq_len // 32) * 32),  # ... padded to 32 rows
+        "math": b * batch * A * seq_len * seq_len,
+    }[attention]  # softmax probabilities
     norm = 4 * n * D + 4 * n + 2 * b * n * D
     rotary = 2 * b * seq_len * args.head_dim
     plain_block = 2 * norm + b * n * (2 * D + 2 * kv) + scores + rotary + 4 * b * n * F
@@ -129,8 +143,12 @@ def activation_memory_estimate(args: ModelArgs, batch: int, seq_len: int, dtype_
     # the attention's own saved output: under math, that is its q·kᵀ matmul, T×T again.
     op_block = b * n * D + b * n * (4 * D + 2 * K + 2 * F) + scores
     L = args.n_layers
-    per_block = {"none": [plain_block] * L, "full": [full_block] * L, "op": [op_block] * L,
-                 "selective": [full_block if i % every == 0 else plain_block for i in range(L)]}
+    per_block = {
+        "none": [plain_block] * L,
+        "full": [full_block] * L,
+        "op": [op_block] * L,
+        "selective": [full_block if i % every == 0 else plain_block for i in range(L)],
+    }
     return sum(per_block[mode]) + norm
 
 

@@ -9,6 +9,7 @@ has every rank read every replicated byte; titanlite reads each on one rank and 
     balance(per_rank)                      # max / mean: 1.0 is perfectly even
     launch_function("titanlite.tools.checkpoint_io:load_bytes", nproc=2, overrides=o, ...)
 """
+
 from __future__ import annotations
 
 import re
@@ -60,6 +61,7 @@ def load_bytes(overrides: dict, step_dir: str, read_once: bool) -> dict:
     from ..config import load_config
     from ..resilience.checkpoint import Checkpointer
     from ..train import Trainer
+
     trainer = Trainer(load_config(None, overrides))
     loader = Checkpointer(Path(step_dir).parent, read_once=read_once)
     state = trainer.train_state()
@@ -75,13 +77,22 @@ def state_digest(sd: dict) -> str:
     """SHA-256 over the names and bytes of the weights and optimizer tensors in a TrainState's state
     dict (DTensors gathered whole; collective under FSDP/TP): equal digests, equal states."""
     import hashlib
+
     digest = hashlib.sha256()
     for part in ("model", "optimizer"):
         for name, tensor in sorted(sd[part].items()):
             if isinstance(tensor, torch.Tensor):
                 local = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
                 digest.update(f"{part}.{name}".encode())
-                digest.update(local.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                digest.update(
+                    local.detach()
+                    .cpu()
+                    .contiguous()
+                    .reshape(-1)
+                    .view(torch.uint8)
+                    .numpy()
+                    .tobytes()
+                )
     return digest.hexdigest()
 
 
@@ -105,6 +116,7 @@ def staging_reuse(state: dict, folder: str | Path, saves: int = 3) -> list[int]:
     allocated that no earlier save had (the first allocates them all; a reused stager, none after)."""
     from ..resilience import checkpoint
     from ..resilience.checkpoint import Checkpointer
+
     seen, new, held, make = set(), [], [], checkpoint.make_stager
 
     def recording(options, shared_memory):
@@ -119,8 +131,10 @@ def staging_reuse(state: dict, folder: str | Path, saves: int = 3) -> list[int]:
             new.append(len(ptrs - seen))
             seen.update(ptrs)
             return future
+
         stager.stage = stage_and_note
         return stager
+
     checkpoint.make_stager = recording
     try:
         ckpt = Checkpointer(folder, mode="async", keep_latest_k=1)
@@ -138,7 +152,9 @@ def staging_reuse(state: dict, folder: str | Path, saves: int = 3) -> list[int]:
 def _tensors(tree) -> list[torch.Tensor]:
     if isinstance(tree, torch.Tensor):
         return [tree]
-    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    values = (
+        tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    )
     return [t for v in values for t in _tensors(v)]
 
 
@@ -151,6 +167,7 @@ def cpu_seconds_per_phase(state: dict, folder: str | Path) -> dict[str, dict[str
     import os
     import time
     import zlib
+
     tensors = _tensors(state)
     out: dict[str, dict[str, float]] = {}
 
@@ -159,6 +176,7 @@ def cpu_seconds_per_phase(state: dict, folder: str | Path) -> dict[str, dict[str
         result = fn()
         out[name] = {"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall}
         return result
+
     copies = timed("copy", lambda: [t.detach().clone() for t in tensors])
     views = [t.reshape(-1).view(torch.uint8).numpy() for t in copies]
     timed("crc32", lambda: [zlib.crc32(v) for v in views])
@@ -171,7 +189,11 @@ def cpu_seconds_per_phase(state: dict, folder: str | Path) -> dict[str, dict[str
                 f.write(v)
             f.flush()
             os.fsync(f.fileno())
+
     timed("write + fsync", write)
     path.unlink()
-    timed("torch.save per tensor (DCP's writer)", lambda: [torch.save(t, io.BytesIO()) for t in copies])
+    timed(
+        "torch.save per tensor (DCP's writer)",
+        lambda: [torch.save(t, io.BytesIO()) for t in copies],
+    )
     return out

@@ -15,6 +15,7 @@ Bad input ends in one line on stderr, never a traceback wall. Exit status:
 Under torchrun every rank that hits an error reports it, but an error several ranks of a job hit
 alike (bad input is the same everywhere) is printed once, by the first rank to get there.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from .config_help import overrides_help, without_effect
 from ..errors import TitanliteError
+from .config_help import overrides_help, without_effect
 
 
 def _train(args, overrides: list[str]) -> None:
@@ -54,37 +55,61 @@ def _train(args, overrides: list[str]) -> None:
     try:
         say = print if trainer.dist.is_main else (lambda *a, **k: None)
         world = trainer.dist.world_size
-        on = f"{world} processes ({trainer.dims.strategy}, {trainer.dist.backend})" if world > 1 else str(trainer.device)
-        say(f"titanlite: {cfg.model.preset} model, {trainer.num_params / 1e6:.2f}M parameters, "
-            f"on {on} ({trainer.dtype}); MFU against {trainer.peak.label}")
+        on = (
+            f"{world} processes ({trainer.dims.strategy}, {trainer.dist.backend})"
+            if world > 1
+            else str(trainer.device)
+        )
+        say(
+            f"titanlite: {cfg.model.preset} model, {trainer.num_params / 1e6:.2f}M parameters, "
+            f"on {on} ({trainer.dtype}); MFU against {trainer.peak.label}"
+        )
         # The tools a run from the command line gets: the profiler when [profile] asks, goodput,
         # and straggler detection when there are ranks to compare.
-        watchers = ([StepProfiler] if cfg.profile.steps else []) + [Goodput] + ([Stragglers] if world > 1 else [])
+        watchers = (
+            ([StepProfiler] if cfg.profile.steps else [])
+            + [Goodput]
+            + ([Stragglers] if world > 1 else [])
+        )
         history = trainer.fit(watchers=watchers)
-        save_weights(trainer.model_parts, trainer.model_args, trainer.dtype, trainer.tokenizer,
-                     history.run_dir, pp=trainer.dims.pp, is_main=trainer.dist.is_main)
+        save_weights(
+            trainer.model_parts,
+            trainer.model_args,
+            trainer.dtype,
+            trainer.tokenizer,
+            history.run_dir,
+            pp=trainer.dims.pp,
+            is_main=trainer.dist.is_main,
+        )
         trainer.close()  # save_weights ended every rank's talking before rank 0 began writing
     finally:  # after a failure: leave at once (a peer may be gone, a barrier would hang)
         trainer.close()
     if not trainer.dist.is_main:
         return
     if not history.train:
-        print(f"nothing to train: {history.resumed_from} is already at step {trainer.step} of "
-              f"{cfg.training.steps}; raise --training.steps to go on")
+        print(
+            f"nothing to train: {history.resumed_from} is already at step {trainer.step} of "
+            f"{cfg.training.steps}; raise --training.steps to go on"
+        )
         return
     last = history.train[-1]
     val = f", val loss {history.val[-1]['val_loss']:.3f}" if history.val else ""
     # The run's median step, not the last one: one step is at the mercy of whatever else ran then.
     speed = statistics.median(r["tokens_per_sec"] for r in history.train)
     mfu = statistics.median(r["mfu"] for r in history.train)
-    print(f"done: {trainer.step} steps, loss {history.train[0]['loss']:.3f} → {last['loss']:.3f}{val}, "
-          f"median over {len(history.train)} logged steps {speed:,.0f} tokens/s, MFU {100 * mfu:.2f}%")
+    print(
+        f"done: {trainer.step} steps, loss {history.train[0]['loss']:.3f} → {last['loss']:.3f}{val}, "
+        f"median over {len(history.train)} logged steps {speed:,.0f} tokens/s, MFU {100 * mfu:.2f}%"
+    )
     if history.resumed_from is not None or cfg.checkpoint.enable:
         from .goodput import summarize
+
         g = summarize(history.run_dir)
-        print(f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f} s wall time over "
-              f"{g['attempts']} attempt(s) (lost {g['lost_s']:.1f} s to recomputation, "
-              f"{g['checkpoint_s']:.1f} s to checkpoints, {g['restore_s']:.1f} s to restores)")
+        print(
+            f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f} s wall time over "
+            f"{g['attempts']} attempt(s) (lost {g['lost_s']:.1f} s to recomputation, "
+            f"{g['checkpoint_s']:.1f} s to checkpoints, {g['restore_s']:.1f} s to restores)"
+        )
     print(f"sample: {history.samples[trainer.step]!r}")
     print(f"metrics: {history.run_dir / 'metrics.jsonl'}")
 
@@ -111,8 +136,8 @@ def _peaks(args, _overrides) -> None:
 
 
 def _export_hf(args, _overrides) -> None:
-    from .export import to_hf
     from ..weights import load_weights
+    from .export import to_hf
 
     model, tokenizer = load_weights(args.run_dir)
     out = to_hf(model, args.out_dir, tokenizer=tokenizer)
@@ -121,6 +146,7 @@ def _export_hf(args, _overrides) -> None:
 
 def _export_checkpoint(args, _overrides) -> None:
     from .export import export_hf, export_torch
+
     if args.format == "hf":
         out = export_hf(args.checkpoint, args.out)
     else:
@@ -136,8 +162,10 @@ def _doctor(args, _overrides) -> None:
     print(f"titanlite doctor{' (smoke scale)' if smoke else ''}: checking this machine ...")
     checks, report = run_doctor(args.device, smoke=smoke, out=args.out)
     failed = [c.name for c in checks if c.status == "fail"]
-    print(f"{'FAILED: ' + ', '.join(failed) if failed else 'nothing failed'}; report: {report} "
-          f"(attach it to a bug report)")
+    print(
+        f"{'FAILED: ' + ', '.join(failed) if failed else 'nothing failed'}; report: {report} "
+        f"(attach it to a bug report)"
+    )
     if failed:
         raise SystemExit(1)
 
@@ -145,61 +173,103 @@ def _doctor(args, _overrides) -> None:
 def _progress(args, _overrides) -> None:
     from .course import progress_command
 
-    progress_command(args.folder, saved=args.saved, only=args.only, full=args.full, checks=args.checks)
+    progress_command(
+        args.folder, saved=args.saved, only=args.only, full=args.full, checks=args.checks
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     from .notebook import quiet_third_party
+
     quiet_third_party()  # before anything imports torchao: its "Failed to load" lines are noise
     parser = argparse.ArgumentParser(prog="titanlite", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a model; any --section.key value overrides the config",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       usage="titanlite train [-h] [--config TOML] [--section.key VALUE ...]",
-                       description=textwrap.fill(
-                           "Train a model. Settings start from the defaults below, then the "
-                           "--config file, then --section.key VALUE overrides (e.g. --training.steps "
-                           "50); every key is checked before any work starts.", 88),
-                       epilog=overrides_help())
-    p.add_argument("--config", metavar="TOML", help="a TOML file with [section] tables of the keys "
-                                                    "below (examples in configs/)")
+    p = sub.add_parser(
+        "train",
+        help="train a model; any --section.key value overrides the config",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="titanlite train [-h] [--config TOML] [--section.key VALUE ...]",
+        description=textwrap.fill(
+            "Train a model. Settings start from the defaults below, then the "
+            "--config file, then --section.key VALUE overrides (e.g. --training.steps "
+            "50); every key is checked before any work starts.",
+            88,
+        ),
+        epilog=overrides_help(),
+    )
+    p.add_argument(
+        "--config",
+        metavar="TOML",
+        help="a TOML file with [section] tables of the keys below (examples in configs/)",
+    )
     p.set_defaults(func=_train)
     p = sub.add_parser("peaks", help="measure (and cache) this device's matmul peaks per dtype")
     p.add_argument("--device", default="auto")
-    p.add_argument("--refresh", action="store_true", help="measure again instead of using the cache")
+    p.add_argument(
+        "--refresh", action="store_true", help="measure again instead of using the cache"
+    )
     p.set_defaults(func=_peaks)
-    p = sub.add_parser("export-hf", help="export a finished run's model to a Hugging Face directory")
+    p = sub.add_parser(
+        "export-hf", help="export a finished run's model to a Hugging Face directory"
+    )
     p.add_argument("run_dir")
     p.add_argument("out_dir")
     p.set_defaults(func=_export_hf)
-    sentence = ("Write a distributed checkpoint (runs/<name>/checkpoints/step-N) out as a Hugging "
-                "Face directory or as a single torch.save file.")
-    p = sub.add_parser("export-checkpoint", help=sentence[0].lower() + sentence[1:-1],
-                       description=sentence)
+    sentence = (
+        "Write a distributed checkpoint (runs/<name>/checkpoints/step-N) out as a Hugging "
+        "Face directory or as a single torch.save file."
+    )
+    p = sub.add_parser(
+        "export-checkpoint", help=sentence[0].lower() + sentence[1:-1], description=sentence
+    )
     p.add_argument("checkpoint", help="a committed checkpoint's step-N folder")
     p.add_argument("out", help="where to write it: a folder (hf) or a file (torch, torch-full)")
-    p.add_argument("--format", choices=("hf", "torch", "torch-full"), default="hf",
-                   help="hf: LlamaForCausalLM directory; torch: the weights in one torch.save "
-                        "file; torch-full: the whole training state in one file")
+    p.add_argument(
+        "--format",
+        choices=("hf", "torch", "torch-full"),
+        default="hf",
+        help="hf: LlamaForCausalLM directory; torch: the weights in one torch.save "
+        "file; torch-full: the whole training state in one file",
+    )
     p.set_defaults(func=_export_checkpoint)
 
-    p = sub.add_parser("doctor", help="self-check this machine: peaks, attention kernel, precisions, "
-                       "compile, FP8, two processes; writes runs/doctor/report.md")
+    p = sub.add_parser(
+        "doctor",
+        help="self-check this machine: peaks, attention kernel, precisions, "
+        "compile, FP8, two processes; writes runs/doctor/report.md",
+    )
     p.add_argument("--device", default="auto")
-    p.add_argument("--smoke", action="store_true", help="shrink every check (also TITANLITE_SMOKE=1)")
+    p.add_argument(
+        "--smoke", action="store_true", help="shrink every check (also TITANLITE_SMOKE=1)"
+    )
     p.add_argument("--out", default="runs/doctor", help="where report.md and report.json go")
     p.set_defaults(func=_doctor)
 
-    p = sub.add_parser("progress", help="which exercises pass: runs each notebook with exercises "
-                       "(smoke scale) and prints notebook × exercise → pass / fail / not attempted")
-    p.add_argument("folder", nargs="?", default="notebooks", help="notebooks/, a student's copy, "
-                   "or one notebook")
-    p.add_argument("--saved", action="store_true", help="read the outputs the notebooks were saved "
-                   "with instead of running them (fast; as current as the student's last run)")
+    p = sub.add_parser(
+        "progress",
+        help="which exercises pass: runs each notebook with exercises "
+        "(smoke scale) and prints notebook × exercise → pass / fail / not attempted",
+    )
+    p.add_argument(
+        "folder",
+        nargs="?",
+        default="notebooks",
+        help="notebooks/, a student's copy, or one notebook",
+    )
+    p.add_argument(
+        "--saved",
+        action="store_true",
+        help="read the outputs the notebooks were saved "
+        "with instead of running them (fast; as current as the student's last run)",
+    )
     p.add_argument("--only", help="notebooks whose name starts with this, e.g. 07")
     p.add_argument("--full", action="store_true", help="run at full scale, not smoke scale")
-    p.add_argument("--checks", action="store_true", help="run only the exercise cells (each answer, its "
-                   "check, and the notebook's imports): a whole class folder in minutes")
+    p.add_argument(
+        "--checks",
+        action="store_true",
+        help="run only the exercise cells (each answer, its "
+        "check, and the notebook's imports): a whole class folder in minutes",
+    )
     p.set_defaults(func=_progress)
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -221,10 +291,21 @@ def main(argv: list[str] | None = None) -> int:
         if e.filename is None:
             raise
         # A path the user gave (or one derived from it) that cannot be used: name it.
-        bad_path = e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES,
-                               errno.EPERM, errno.EEXIST, errno.EROFS, errno.ENAMETOOLONG)
-        fix = ("check the path (and its folders), or choose another" if bad_path
-               else "free space or fix the disk, then run again (checkpoints resume the run)")
+        bad_path = e.errno in (
+            errno.ENOENT,
+            errno.ENOTDIR,
+            errno.EISDIR,
+            errno.EACCES,
+            errno.EPERM,
+            errno.EEXIST,
+            errno.EROFS,
+            errno.ENAMETOOLONG,
+        )
+        fix = (
+            "check the path (and its folders), or choose another"
+            if bad_path
+            else "free space or fix the disk, then run again (checkpoints resume the run)"
+        )
         return _report(f"{e.strerror or e}: '{e.filename}': {fix}", 2 if bad_path else 1)
     except KeyboardInterrupt:
         return _report("interrupted", 130)
@@ -251,8 +332,10 @@ def _first_to_report(line: str) -> bool:
     if run_id is None or "RANK" not in os.environ:
         return True
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    folder = Path(os.environ.get("TITANLITE_JOB_DIR") or tempfile.gettempdir()) / \
-        f".titanlite-errors-{run_id}-{os.getppid()}-{attempt}"  # the parent: this node's agent
+    folder = (
+        Path(os.environ.get("TITANLITE_JOB_DIR") or tempfile.gettempdir())
+        / f".titanlite-errors-{run_id}-{os.getppid()}-{attempt}"
+    )  # the parent: this node's agent
     try:
         folder.mkdir(parents=True, exist_ok=True)
         name = hashlib.sha1(line.encode()).hexdigest()[:16]

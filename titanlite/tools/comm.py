@@ -23,6 +23,7 @@ Bytes, per rank and per call (the nccl-tests convention):
   reduce_scatter and all_to_all (n−1)/n, broadcast, reduce, send and recv 1. Divide by the time
   and you get nccl-tests' "bus bandwidth", comparable to the link's speed whatever n is.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -82,10 +83,10 @@ def bus_factor(op: str, n: int) -> float:
 
 @dataclass(frozen=True)
 class Collective:
-    op: str            # all_reduce, all_gather, reduce_scatter, broadcast, ...
-    bytes: int         # S, see the module docstring
-    group_size: int    # n, the ranks taking part
-    bus_bytes: float   # S × bus_factor(op, n)
+    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, ...
+    bytes: int  # S, see the module docstring
+    group_size: int  # n, the ranks taking part
+    bus_bytes: float  # S × bus_factor(op, n)
 
 
 def _nbytes(value) -> int:
@@ -101,6 +102,7 @@ def _group_size(group) -> int:
     # Functional ops name their group; c10d ops carry it, boxed (a ScriptObject) when the
     # call comes from C++ (DDP's reducer) rather than from Python.
     from torch.distributed import ProcessGroup
+
     if isinstance(group, str):
         group = process_group_named(group)
     elif isinstance(group, torch.ScriptObject):
@@ -129,8 +131,11 @@ class CommCounter(TorchDispatchMode):
         # NotImplemented lets it, and the ops it issues then come back to this mode.
         # Fake tensors are the exception: DTensor propagates shapes with them, they issue
         # no collectives, and they have no plain form to return to.
-        if any(t.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ and not issubclass(t, FakeTensor)
-               for t in types):
+        if any(
+            t.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+            and not issubclass(t, FakeTensor)
+            for t in types
+        ):
             return NotImplemented
         out = func(*args, **kwargs)
         spec = _COLLECTIVES.get(func._schema.name)
@@ -151,8 +156,9 @@ class CommCounter(TorchDispatchMode):
 
     def summary(self) -> dict[str, dict[str, float]]:
         """op -> {"calls", "bytes", "bus_bytes"}, in the order the ops were first seen."""
-        out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0,
-                                                                 "bus_bytes": 0.0})
+        out: dict[str, dict[str, float]] = defaultdict(
+            lambda: {"calls": 0, "bytes": 0, "bus_bytes": 0.0}
+        )
         for e in self.events:
             row = out[e.op]
             row["calls"] += 1
@@ -173,10 +179,14 @@ class CommCounter(TorchDispatchMode):
         lines = [f"{'collective':<16}{'calls':>7}{'bytes (S)':>14}{'bus bytes':>14}{'ranks':>7}"]
         for op, row in self.summary().items():
             sizes = sorted({e.group_size for e in self.events if e.op == op})
-            lines.append(f"{op:<16}{row['calls']:>7}{_human(row['bytes']):>14}"
-                         f"{_human(row['bus_bytes']):>14}{','.join(map(str, sizes)):>7}")
-        lines.append(f"{'total':<16}{len(self.events):>7}{_human(self.total_bytes):>14}"
-                     f"{_human(self.total_bus_bytes):>14}")
+            lines.append(
+                f"{op:<16}{row['calls']:>7}{_human(row['bytes']):>14}"
+                f"{_human(row['bus_bytes']):>14}{','.join(map(str, sizes)):>7}"
+            )
+        lines.append(
+            f"{'total':<16}{len(self.events):>7}{_human(self.total_bytes):>14}"
+            f"{_human(self.total_bus_bytes):>14}"
+        )
         return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ the steady steps. Notebook 05 measures both; the core only compiles (efficiency/
     graph_break_report(model, tokens)        # {"graphs": 1, "graph_breaks": 0, ...}
     time_first_call(model, tokens, targets)  # {"first_call_s", "steady_s", "compile_s"}
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,16 +30,25 @@ def graph_break_report(fn, *example_args, **example_kwargs) -> dict:
     Note: explain() resets Dynamo, so compiled models re-trace on their next call (Inductor's
     cache makes that quick)."""
     import torch._dynamo
+
     with _uncompiled(fn), _quiet_dynamo():
         out = torch._dynamo.explain(fn)(*example_args, **example_kwargs)
     reasons = []
     for r in out.break_reasons:
         frame = r.user_stack[-1] if r.user_stack else None
-        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} {(frame.line or '').strip()}" if frame else "?"
+        where = (
+            f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} {(frame.line or '').strip()}"
+            if frame
+            else "?"
+        )
         reasons.append({"reason": first_line(Exception(r.reason), limit=200), "where": where})
-    return {"graphs": out.graph_count, "graph_breaks": max(0, out.graph_break_count),
-            "ops": out.op_count, "ops_per_graph": [len(ops) for ops in out.ops_per_graph],
-            "break_reasons": reasons}
+    return {
+        "graphs": out.graph_count,
+        "graph_breaks": max(0, out.graph_break_count),
+        "ops": out.op_count,
+        "ops_per_graph": [len(ops) for ops in out.ops_per_graph],
+        "break_reasons": reasons,
+    }
 
 
 @contextlib.contextmanager
@@ -69,6 +79,7 @@ def _quiet_dynamo():
 
 # ----- what does it cost, what does it buy? --------------------------------------------------
 
+
 def forward_backward(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> float:
     """Forward, cross-entropy, backward (no optimizer): what compile changes in a step."""
     logits = model(tokens)
@@ -78,8 +89,9 @@ def forward_backward(model: nn.Module, tokens: torch.Tensor, targets: torch.Tens
     return loss.item()  # waits for the device
 
 
-def time_first_call(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
-                    steps: int = 5, cold: bool = True) -> dict:
+def time_first_call(
+    model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, steps: int = 5, cold: bool = True
+) -> dict:
     """Seconds for the first training step (compile + run) and the median of the next
     `steps` (steady state); compile_s is the difference. cold=True bypasses Inductor's
     on-disk caches: what a first-ever run pays. Dynamo keeps compiled code per Python
@@ -87,6 +99,7 @@ def time_first_call(model: nn.Module, tokens: torch.Tensor, targets: torch.Tenso
     patch = contextlib.nullcontext()
     if cold:
         import torch._inductor.config
+
         patch = torch._inductor.config.patch(force_disable_caches=True)
     with patch, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "dynamo_pgo force disabled by ..." says what we asked
@@ -97,8 +110,13 @@ def time_first_call(model: nn.Module, tokens: torch.Tensor, targets: torch.Tenso
     return {"first_call_s": first, "steady_s": steady, "compile_s": max(0.0, first - steady)}
 
 
-def steady_step_times(models: dict[str, nn.Module], tokens: torch.Tensor, targets: torch.Tensor,
-                      rounds: int = 10, warmup: int = 2) -> dict[str, float]:
+def steady_step_times(
+    models: dict[str, nn.Module],
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    rounds: int = 10,
+    warmup: int = 2,
+) -> dict[str, float]:
     """Median seconds per training step of each model, measured in interleaved rounds (a
     burst of load on a shared machine then hits every model alike, not just one)."""
     for _ in range(warmup):

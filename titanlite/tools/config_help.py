@@ -5,6 +5,7 @@ Generated from the Config dataclasses, so a new key appears in the help the mome
 The comments are read from the source once (tokenize keeps them; the dataclasses do not): a
 field's trailing comment, else the comment lines just above it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,9 +22,11 @@ def field_comments(cls) -> dict[str, str]:
     """{field name: its comment} for one dataclass, from its source."""
     source = inspect.getsource(cls)
     # tokenize tells a comment from a "#" inside a string (a regex, a prompt)
-    comment_on = {tok.start[0]: tok.string.lstrip("#").strip()
-                  for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                  if tok.type == tokenize.COMMENT}
+    comment_on = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
     comments, above = {}, []
     for number, line in enumerate(source.splitlines(), start=1):
         field = re.match(r"    (\w+)\s*:", line)
@@ -75,7 +78,11 @@ def overrides_help(width: int = 100) -> str:
                 words = f.metadata["pattern"][1]
             elif not words and "range" in f.metadata:
                 words = f.metadata["range"].describe()
-            lead = f"    {flag:<{_COLUMN - 5}} " if len(flag) < _COLUMN - 5 else f"    {flag}\n{' ' * _COLUMN}"
+            lead = (
+                f"    {flag:<{_COLUMN - 5}} "
+                if len(flag) < _COLUMN - 5
+                else f"    {flag}\n{' ' * _COLUMN}"
+            )
             body = textwrap.wrap(words, width=max(30, width - _COLUMN)) or [""]
             out.append((lead + ("\n" + " " * _COLUMN).join(body)).rstrip())
     return "\n".join(out)
@@ -83,23 +90,55 @@ def overrides_help(width: int = 100) -> str:
 
 # Options that only act when another is on: (those options, is it on?, the setting that turns it on).
 DEPENDS_ON = (
-    (("checkpoint.every", "checkpoint.mode", "checkpoint.keep_latest_k", "checkpoint.resume"),
-     lambda c: c.checkpoint.enable, "--checkpoint.enable true"),
-    (("float8.recipe", "float8.min_dim", "float8.emulate", "float8.fsdp_all_gather"),
-     lambda c: c.float8.enable, "--float8.enable true"),
-    (("activation_checkpoint.every",), lambda c: c.activation_checkpoint.mode == "selective",
-     "--activation_checkpoint.mode selective"),
-    (("compile.scope", "compile.fallback", "compile.backend"), lambda c: c.compile.enable is not False,
-     "--compile.enable true"),
-    (("fault.rank", "fault.step", "fault.once", "fault.attempts", "fault.step_gap", "fault.during"),
-     lambda c: c.fault.kind != "none", "--fault.kind exception, kill, hang or slow"),
+    (
+        ("checkpoint.every", "checkpoint.mode", "checkpoint.keep_latest_k", "checkpoint.resume"),
+        lambda c: c.checkpoint.enable,
+        "--checkpoint.enable true",
+    ),
+    (
+        ("float8.recipe", "float8.min_dim", "float8.emulate", "float8.fsdp_all_gather"),
+        lambda c: c.float8.enable,
+        "--float8.enable true",
+    ),
+    (
+        ("activation_checkpoint.every",),
+        lambda c: c.activation_checkpoint.mode == "selective",
+        "--activation_checkpoint.mode selective",
+    ),
+    (
+        ("compile.scope", "compile.fallback", "compile.backend"),
+        lambda c: c.compile.enable is not False,
+        "--compile.enable true",
+    ),
+    (
+        (
+            "fault.rank",
+            "fault.step",
+            "fault.once",
+            "fault.attempts",
+            "fault.step_gap",
+            "fault.during",
+        ),
+        lambda c: c.fault.kind != "none",
+        "--fault.kind exception, kill, hang or slow",
+    ),
     (("fault.slow_s",), lambda c: c.fault.kind in ("none", "slow"), "--fault.kind slow"),
-    (("profile.memory", "profile.trace_dir"), lambda c: bool(c.profile.steps), "--profile.steps, e.g. 5-8"),
+    (
+        ("profile.memory", "profile.trace_dir"),
+        lambda c: bool(c.profile.steps),
+        "--profile.steps, e.g. 5-8",
+    ),
     (("eval.batches",), lambda c: c.eval.every > 0, "--eval.every N"),
-    (("parallel.pp_schedule", "parallel.pp_microbatches", "parallel.pp_stages_per_rank"),
-     lambda c: c.parallel.pp > 1, "--parallel.pp 2 or more"),
-    (("parallel.sequence_parallel", "parallel.loss_parallel"), lambda c: c.parallel.tp > 1,
-     "--parallel.tp 2 or more"),
+    (
+        ("parallel.pp_schedule", "parallel.pp_microbatches", "parallel.pp_stages_per_rank"),
+        lambda c: c.parallel.pp > 1,
+        "--parallel.pp 2 or more",
+    ),
+    (
+        ("parallel.sequence_parallel", "parallel.loss_parallel"),
+        lambda c: c.parallel.tp > 1,
+        "--parallel.tp 2 or more",
+    ),
 )
 
 

@@ -18,6 +18,7 @@ its last check, or with `checks=True` only the exercise cells and the imports th
 reads the outputs a student saved, and reports, per exercise, pass / fail / not attempted from
 what each check cell printed.
 """
+
 from __future__ import annotations
 
 import ast
@@ -38,13 +39,17 @@ from pathlib import Path
 from ..errors import TitanliteError
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-PASSED = "passed"              # the word a passing check prints: `titanlite progress` reads it
+PASSED = "passed"  # the word a passing check prints: `titanlite progress` reads it
 NOT_ATTEMPTED = "not attempted yet"
 STUB = ("# YOUR CODE HERE", "raise NotImplementedError()")
 CHECK_NAME = re.compile(r"""check\(\s*["']([0-9A-Za-z_]+)["']""")
-STAMP = "titanlite"            # the notebook-metadata key of what student_edition wrote
+STAMP = "titanlite"  # the notebook-metadata key of what student_edition wrote
 REPO_MARKERS = (".git", "pyproject.toml")
-EDITION_EXTRAS = {"runs", ".ipynb_checkpoints", "data"}  # what running the notebooks leaves beside them
+EDITION_EXTRAS = {
+    "runs",
+    ".ipynb_checkpoints",
+    "data",
+}  # what running the notebooks leaves beside them
 
 
 def _nbgrader(cell) -> dict:
@@ -67,8 +72,10 @@ def strip_solution(source: str) -> str:
         marker = line.strip()
         if marker == BEGIN:
             if inside:
-                raise TitanliteError(f"line {number}: {BEGIN} inside another solution region: "
-                                     f"close the first with {END}")
+                raise TitanliteError(
+                    f"line {number}: {BEGIN} inside another solution region: "
+                    f"close the first with {END}"
+                )
             inside, indent = True, line[: len(line) - len(line.lstrip())]
             out += [indent + s for s in STUB]
         elif marker == END:
@@ -90,8 +97,10 @@ def _without_outputs(nb):
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
         if BEGIN in cell.get("source", "") and not is_solution_cell(cell):
-            raise TitanliteError(f"cell {cell.get('id', '?')} holds {BEGIN} but no nbgrader "
-                                 f"solution metadata: mark it as a solution cell")
+            raise TitanliteError(
+                f"cell {cell.get('id', '?')} holds {BEGIN} but no nbgrader "
+                f"solution metadata: mark it as a solution cell"
+            )
     return nb
 
 
@@ -110,8 +119,10 @@ def stripper(use_nbgrader: bool | None = None) -> str:
     importable; else "titanlite". Asking for nbgrader without it installed is an error."""
     installed = importlib.util.find_spec("nbgrader") is not None
     if use_nbgrader and not installed:
-        raise TitanliteError("nbgrader is not installed: `pip install nbgrader`, or leave "
-                             "use_nbgrader=None to use titanlite's own stripper")
+        raise TitanliteError(
+            "nbgrader is not installed: `pip install nbgrader`, or leave "
+            "use_nbgrader=None to use titanlite's own stripper"
+        )
     return "nbgrader" if (installed if use_nbgrader is None else use_nbgrader) else "titanlite"
 
 
@@ -122,6 +133,7 @@ def strip_solutions(nb, use_nbgrader: bool | None = None):
     if stripper(use_nbgrader) == "titanlite":
         return student_notebook(nb)
     from nbgrader.preprocessors import ClearSolutions
+
     nb = _without_outputs(nb)
     try:
         nb, _ = ClearSolutions().preprocess(nb, {})
@@ -137,11 +149,19 @@ def has_exercises(nb) -> bool:
 
 # ----- the student edition, written without ever overwriting a student's work -------------------
 
+
 def work_hash(nb) -> str:
     """What a student changes when they work: the cells' kinds and sources (not outputs, which
     running a notebook changes, nor metadata)."""
-    cells = [[c.get("cell_type"), c.get("source", "") if isinstance(c.get("source", ""), str)
-              else "".join(c.get("source"))] for c in nb["cells"]]
+    cells = [
+        [
+            c.get("cell_type"),
+            c.get("source", "")
+            if isinstance(c.get("source", ""), str)
+            else "".join(c.get("source")),
+        ]
+        for c in nb["cells"]
+    ]
     return hashlib.sha256(json.dumps(cells, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -156,21 +176,31 @@ def _is_ours(nb) -> bool:
 @dataclass
 class Edition:
     """What `student_edition` did, notebook by notebook."""
+
     out: Path
-    written: list[str] = field(default_factory=list)    # new: there was no such notebook
+    written: list[str] = field(default_factory=list)  # new: there was no such notebook
     refreshed: list[str] = field(default_factory=list)  # replaced: the student had not changed it
     unchanged: list[str] = field(default_factory=list)  # already what would be written
-    kept: list[str] = field(default_factory=list)       # changed by the student: left alone
+    kept: list[str] = field(default_factory=list)  # changed by the student: left alone
 
     def summary(self, command: str = "make student") -> str:
-        parts = [f"{n} {what}" for n, what in ((len(self.written), "new"), (len(self.refreshed), "updated"),
-                                                 (len(self.unchanged), "unchanged")) if n]
+        parts = [
+            f"{n} {what}"
+            for n, what in (
+                (len(self.written), "new"),
+                (len(self.refreshed), "updated"),
+                (len(self.unchanged), "unchanged"),
+            )
+            if n
+        ]
         line = f"student edition in {self.out}/: {', '.join(parts) or 'nothing to write'}"
         if self.kept:
             first = self.out / self.kept[0]
-            line += (f"\nkept {len(self.kept)} notebook(s) you changed, untouched: {', '.join(self.kept)}"
-                     f"\n  for a fresh copy of one, move yours aside and run `{command}` again, e.g. "
-                     f"mv {first} {first.with_name(first.stem + '.mine.ipynb')}")
+            line += (
+                f"\nkept {len(self.kept)} notebook(s) you changed, untouched: {', '.join(self.kept)}"
+                f"\n  for a fresh copy of one, move yours aside and run `{command}` again, e.g. "
+                f"mv {first} {first.with_name(first.stem + '.mine.ipynb')}"
+            )
         return line
 
 
@@ -183,21 +213,31 @@ def check_edition_folder(source: Path, out: Path, names: set[str]) -> None:
     """Refuse, in one line, an output folder that is not a new, empty or student-edition folder."""
     src, dst = source.resolve(), out.resolve()
     if _within(src, dst):
-        what = "the instructor's notebooks folder" if src == dst else f"a folder that holds {source}"
-        raise TitanliteError(f"the student edition cannot go into '{out}': it is {what}; choose a "
-                             f"new folder, e.g. student/")
+        what = (
+            "the instructor's notebooks folder" if src == dst else f"a folder that holds {source}"
+        )
+        raise TitanliteError(
+            f"the student edition cannot go into '{out}': it is {what}; choose a "
+            f"new folder, e.g. student/"
+        )
     if _within(dst, src):
-        raise TitanliteError(f"the student edition cannot go into '{out}', inside the instructor's "
-                             f"'{source}': choose a folder outside it, e.g. student/")
+        raise TitanliteError(
+            f"the student edition cannot go into '{out}', inside the instructor's "
+            f"'{source}': choose a folder outside it, e.g. student/"
+        )
     if not out.exists():
         return
     if not out.is_dir():
-        raise TitanliteError(f"'{out}' is a file, not a folder: choose a new folder for the student edition")
+        raise TitanliteError(
+            f"'{out}' is a file, not a folder: choose a new folder for the student edition"
+        )
     entries = sorted(p.name for p in out.iterdir())
     marker = next((m for m in REPO_MARKERS if m in entries), None)
     if marker:
-        raise TitanliteError(f"'{out}' holds {marker}: it looks like a repository, not a student edition; "
-                             f"choose a new folder, e.g. student/")
+        raise TitanliteError(
+            f"'{out}' holds {marker}: it looks like a repository, not a student edition; "
+            f"choose a new folder, e.g. student/"
+        )
     ours = False
     for p in out.glob("*.ipynb"):
         try:
@@ -206,30 +246,37 @@ def check_edition_folder(source: Path, out: Path, names: set[str]) -> None:
             pass
     stranger = [e for e in entries if e not in names and e not in EDITION_EXTRAS]
     if stranger and not ours:
-        raise TitanliteError(f"'{out}' holds files that are not a student edition (e.g. '{stranger[0]}'): "
-                             f"choose a new or empty folder")
+        raise TitanliteError(
+            f"'{out}' holds files that are not a student edition (e.g. '{stranger[0]}'): "
+            f"choose a new or empty folder"
+        )
 
 
 def _write(nb, path: Path) -> None:
     """Write a notebook whole or not at all (a temporary file, then a rename)."""
     import nbformat
+
     tmp = path.with_name(f".{path.name}.writing")
     nbformat.write(nb, tmp)
     os.replace(tmp, path)
 
 
-def student_edition(source: str | Path = "notebooks", out: str | Path = "student",
-                    use_nbgrader: bool | None = None) -> Edition:
+def student_edition(
+    source: str | Path = "notebooks", out: str | Path = "student", use_nbgrader: bool | None = None
+) -> Edition:
     """Write the student edition of every notebook in `source` into `out`, stripped as
     `strip_solutions` picks (the notebooks without exercises are copied without their outputs,
     so the edition is complete). A notebook already in `out` is replaced only if its cells are
     still what was written there (nothing of the student's is lost); one the student changed,
     or one this function did not write, is kept as it is and listed in the result."""
     import nbformat
+
     source, out = Path(source), Path(out)
     notebooks = sorted(source.glob("*.ipynb"))
     if not source.is_dir() or not notebooks:
-        raise TitanliteError(f"no notebooks in '{source}': point at the instructor's notebooks/ folder")
+        raise TitanliteError(
+            f"no notebooks in '{source}': point at the instructor's notebooks/ folder"
+        )
     check_edition_folder(source, out, {p.name for p in notebooks})
     editions = []
     for path in notebooks:  # every notebook stripped before anything is written
@@ -255,7 +302,9 @@ def student_edition(source: str | Path = "notebooks", out: str | Path = "student
             if stamp.get("sha256") != current:  # the same cells, written before hashes: stamp it
                 there.setdefault("metadata", {})[STAMP] = nb.metadata[STAMP]
                 tmp = target.with_name(f".{name}.writing")
-                tmp.write_text(json.dumps(there, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+                tmp.write_text(
+                    json.dumps(there, indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
+                )
                 os.replace(tmp, target)
             report.unchanged.append(name)
         elif stamp.get("edition") == "student" and stamp.get("sha256") == current:
@@ -268,11 +317,12 @@ def student_edition(source: str | Path = "notebooks", out: str | Path = "student
 
 # ----- progress: which exercises pass ---------------------------------------------------------
 
+
 @dataclass
 class Result:
     notebook: str
     exercise: str
-    status: str   # pass | fail | not attempted | not run
+    status: str  # pass | fail | not attempted | not run
     detail: str
 
 
@@ -341,7 +391,11 @@ def _imports(cells) -> str:
             tree = ast.parse(cell.source)
         except SyntaxError:
             continue
-        lines += [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+        lines += [
+            ast.unparse(node)
+            for node in tree.body
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+        ]
     return "\n".join(dict.fromkeys(lines))
 
 
@@ -350,12 +404,15 @@ def checks_only(nb):
     import the notebook makes before its last check (an answer may use them), then each
     exercise's solution and check cells. Nothing else runs: no training, no measurement."""
     import nbformat
+
     last = max(i for i, c in enumerate(nb.cells) if is_check_cell(c))
-    setup = ("from titanlite.tools.notebook import notebook_setup\nnotebook_setup()\n"
-             + _imports(nb.cells[:last]))
+    setup = "from titanlite.tools.notebook import notebook_setup\nnotebook_setup()\n" + _imports(
+        nb.cells[:last]
+    )
     small = copy.deepcopy(nb)
-    small.cells = [nbformat.v4.new_code_cell(setup)] + [copy.deepcopy(c) for c in nb.cells[: last + 1]
-                                                          if is_solution_cell(c) or is_check_cell(c)]
+    small.cells = [nbformat.v4.new_code_cell(setup)] + [
+        copy.deepcopy(c) for c in nb.cells[: last + 1] if is_solution_cell(c) or is_check_cell(c)
+    ]
     return small
 
 
@@ -366,6 +423,7 @@ def run_for_progress(path: Path, timeout_s: float = 600, checks: bool = False) -
     only if the kernel dies."""
     import nbformat
     from nbclient import NotebookClient
+
     nb = nbformat.read(path, as_version=4)
     if not has_exercises(nb):
         return []
@@ -377,43 +435,75 @@ def run_for_progress(path: Path, timeout_s: float = 600, checks: bool = False) -
     with tempfile.TemporaryDirectory(prefix="titanlite-progress-") as scratch:
         # A copy of the folder: the run's outputs and runs/ never land in the student's folder.
         work = Path(scratch) / "notebooks"
-        shutil.copytree(path.parent, work, ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints", "*.ipynb"))
+        shutil.copytree(
+            path.parent,
+            work,
+            ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints", "*.ipynb"),
+        )
         log_path = Path(scratch) / "kernel.log"
-        client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3", allow_errors=True,
-                                resources={"metadata": {"path": str(work)}})
+        client = NotebookClient(
+            nb,
+            timeout=timeout_s,
+            kernel_name="python3",
+            allow_errors=True,
+            resources={"metadata": {"path": str(work)}},
+        )
         with open(log_path, "w") as log:
             try:
                 client.execute(stdout=log, stderr=log)
             except Exception as e:  # noqa: BLE001 - a dead kernel or a timeout: every check unknown
-                lines = [ln for ln in log_path.read_text(errors="replace").splitlines()
-                         if ln.strip() and "without encryption" not in ln]
+                lines = [
+                    ln
+                    for ln in log_path.read_text(errors="replace").splitlines()
+                    if ln.strip() and "without encryption" not in ln
+                ]
                 why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
                 tail = f"; the kernel said: {lines[-1][:200]}" if lines else ""
                 done = {r.exercise: r for r in read_results(nb, path.stem) if r.status != "not run"}
-                return [done.get(name) or Result(path.stem, name, "fail", f"not checked: {why}{tail}")
-                        for name in check_names(nb)]
+                return [
+                    done.get(name) or Result(path.stem, name, "fail", f"not checked: {why}{tail}")
+                    for name in check_names(nb)
+                ]
     return read_results(nb, path.stem)
 
 
 def notebooks_in(folder: str | Path, only: str | None = None) -> list[Path]:
     folder = Path(folder)
-    notebooks = sorted(folder.glob("*.ipynb")) if folder.is_dir() else [folder] if folder.suffix == ".ipynb" else []
+    notebooks = (
+        sorted(folder.glob("*.ipynb"))
+        if folder.is_dir()
+        else [folder]
+        if folder.suffix == ".ipynb"
+        else []
+    )
     if not notebooks or not all(p.is_file() for p in notebooks):
-        raise TitanliteError(f"no notebooks at '{folder}': give the notebooks/ or student/ folder, or one notebook")
+        raise TitanliteError(
+            f"no notebooks at '{folder}': give the notebooks/ or student/ folder, or one notebook"
+        )
     if only:
         notebooks = [p for p in notebooks if p.name.startswith(only)]
         if not notebooks:
-            raise TitanliteError(f"no notebook in '{folder}' starts with '{only}': give a number like 07")
+            raise TitanliteError(
+                f"no notebook in '{folder}' starts with '{only}': give a number like 07"
+            )
     return notebooks
 
 
-def progress(folder: str | Path = "notebooks", *, run: bool = True, smoke: bool = True,
-             only: str | None = None, checks: bool = False, on_notebook=None) -> list[Result]:
+def progress(
+    folder: str | Path = "notebooks",
+    *,
+    run: bool = True,
+    smoke: bool = True,
+    only: str | None = None,
+    checks: bool = False,
+    on_notebook=None,
+) -> list[Result]:
     """Every exercise of the notebooks in `folder`: executed (smoke scale) when `run` - each
     notebook up to its last check, or with `checks` only its exercise cells - else as the saved
     outputs say. `only`: a notebook number or name prefix ("07"). `on_notebook(name, results,
     seconds)` is called as each notebook finishes."""
     import nbformat
+
     notebooks = notebooks_in(folder, only)
     if smoke:
         os.environ["TITANLITE_SMOKE"] = "1"  # the kernels inherit it
@@ -423,8 +513,11 @@ def progress(folder: str | Path = "notebooks", *, run: bool = True, smoke: bool 
         nb = nbformat.read(path, as_version=4)
         if not has_exercises(nb):
             continue
-        found = run_for_progress(path, timeout_s=120 if checks else 600, checks=checks) if run \
+        found = (
+            run_for_progress(path, timeout_s=120 if checks else 600, checks=checks)
+            if run
             else read_results(nb, path.stem)
+        )
         results += found
         if on_notebook is not None:
             on_notebook(path.stem, found, time.perf_counter() - start)
@@ -432,11 +525,15 @@ def progress(folder: str | Path = "notebooks", *, run: bool = True, smoke: bool 
 
 
 def _widths(names: list[tuple[str, str]]) -> tuple[int, int]:
-    return (max([len("notebook")] + [len(n) for n, _ in names]),
-            max([len("exercise")] + [len(e) for _, e in names]))
+    return (
+        max([len("notebook")] + [len(n) for n, _ in names]),
+        max([len("exercise")] + [len(e) for _, e in names]),
+    )
 
 
-def format_rows(results: list[Result], widths: tuple[int, int], width: int | None = None) -> list[str]:
+def format_rows(
+    results: list[Result], widths: tuple[int, int], width: int | None = None
+) -> list[str]:
     """One row per exercise; a failure's whole message, wrapped under the status column."""
     width = width or shutil.get_terminal_size((100, 24)).columns
     lines = []
@@ -445,8 +542,13 @@ def format_rows(results: list[Result], widths: tuple[int, int], width: int | Non
         if r.status != "fail" or not r.detail:
             lines.append(head + r.status)
             continue
-        lines += textwrap.wrap(f"fail  {r.detail}", width=max(width, len(head) + 40), initial_indent=head,
-                               subsequent_indent=" " * (len(head) + 6), break_on_hyphens=False)
+        lines += textwrap.wrap(
+            f"fail  {r.detail}",
+            width=max(width, len(head) + 40),
+            initial_indent=head,
+            subsequent_indent=" " * (len(head) + 6),
+            break_on_hyphens=False,
+        )
     return lines
 
 
@@ -477,8 +579,10 @@ class _Bar:
         filled = round(20 * self.done / max(1, self.total))
         elapsed = int(time.perf_counter() - self.start)
         now = f" · running {current}" if current else ""
-        return (f"[{'#' * filled}{'.' * (20 - filled)}] {self.done}/{self.total} notebooks · "
-                f"{elapsed // 60:02d}:{elapsed % 60:02d} elapsed{now}")
+        return (
+            f"[{'#' * filled}{'.' * (20 - filled)}] {self.done}/{self.total} notebooks · "
+            f"{elapsed // 60:02d}:{elapsed % 60:02d} elapsed{now}"
+        )
 
     def show(self, current: str = "") -> None:
         if self.tty:
@@ -493,20 +597,34 @@ class _Bar:
             self.stream.flush()
 
 
-def progress_command(folder, *, saved: bool = False, only: str | None = None, full: bool = False,
-                     checks: bool = False, out=None) -> list[Result]:
+def progress_command(
+    folder,
+    *,
+    saved: bool = False,
+    only: str | None = None,
+    full: bool = False,
+    checks: bool = False,
+    out=None,
+) -> list[Result]:
     """`titanlite progress`: each notebook's rows printed as it finishes, a progress bar on
     stderr, the total at the end."""
     import nbformat
+
     out = out or sys.stdout
-    notebooks = [p for p in notebooks_in(folder, only) if has_exercises(nbformat.read(p, as_version=4))]
+    notebooks = [
+        p for p in notebooks_in(folder, only) if has_exercises(nbformat.read(p, as_version=4))
+    ]
     names = [(p.stem, n) for p in notebooks for n in check_names(nbformat.read(p, as_version=4))]
     if not names:
         print("no exercises found", file=out)
         return []
     widths = _widths(names)
-    mode = "saved outputs" if saved else ("exercise cells only" if checks else "each notebook up to its last check") \
+    mode = (
+        "saved outputs"
+        if saved
+        else ("exercise cells only" if checks else "each notebook up to its last check")
         + (", full scale" if full else ", smoke scale")
+    )
     print(f"{len(names)} exercises in {len(notebooks)} notebooks ({mode})", file=out)
     print(f"{'notebook':<{widths[0]}}  {'exercise':<{widths[1]}}  status", file=out, flush=True)
     bar = _Bar(len(notebooks)) if not saved else None
@@ -525,7 +643,9 @@ def progress_command(folder, *, saved: bool = False, only: str | None = None, fu
 
     if bar:
         bar.show(queue[0].stem if bar.tty else "")
-    results = progress(folder, run=not saved, smoke=not full, only=only, checks=checks, on_notebook=finished)
+    results = progress(
+        folder, run=not saved, smoke=not full, only=only, checks=checks, on_notebook=finished
+    )
     if bar:
         bar.clear()
     done = sum(r.status == "pass" for r in results)
@@ -535,19 +655,26 @@ def progress_command(folder, *, saved: bool = False, only: str | None = None, fu
 
 def _main(argv: list[str]) -> int:
     """python -m titanlite.tools.course [SOURCE [OUT]]: the student edition (make student)."""
-    args = argv + ["notebooks", "student"][len(argv):]
+    args = argv + ["notebooks", "student"][len(argv) :]
     if len(args) != 2 or any(a.startswith("-") for a in args):
-        print("usage: python -m titanlite.tools.course [SOURCE [OUT]]  (default: notebooks student)",
-              file=sys.stderr)
+        print(
+            "usage: python -m titanlite.tools.course [SOURCE [OUT]]  (default: notebooks student)",
+            file=sys.stderr,
+        )
         return 2
     try:  # nbgrader's ClearSolutions when it is installed, titanlite's stripper otherwise
         report = student_edition(args[0], args[1])
     except TitanliteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report.summary(f"python -m titanlite.tools.course {args[0]} {args[1]}"
-                         if argv and argv != ["notebooks", "student"] else "make student")
-          + f" (solutions stripped by {stripper()})")
+    print(
+        report.summary(
+            f"python -m titanlite.tools.course {args[0]} {args[1]}"
+            if argv and argv != ["notebooks", "student"]
+            else "make student"
+        )
+        + f" (solutions stripped by {stripper()})"
+    )
     return 0
 
 

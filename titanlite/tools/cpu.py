@@ -8,6 +8,7 @@ what torchrun does to thread counts, and where a CPU run's memory goes.
 Timings here are lists of repeated samples, never one number: on a shared machine the spread
 says how much of a difference is noise.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,16 +25,18 @@ from pathlib import Path
 
 import torch
 
-from .precision_support import FAST_CPU_FLAGS, cpu_flags
 from ..errors import TitanliteError
-
+from .precision_support import FAST_CPU_FLAGS, cpu_flags
 
 # ----- what this CPU has ----------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class CpuFeatures:
     capability: str  # the SIMD level torch dispatches its kernels to: DEFAULT, AVX2, AVX512, ...
-    flags: frozenset[str] | None = field(repr=False)  # x86 flags (/proc/cpuinfo); None on ARM (Apple Silicon)
+    flags: frozenset[str] | None = field(
+        repr=False
+    )  # x86 flags (/proc/cpuinfo); None on ARM (Apple Silicon)
     cores: int  # cores this process may run on (the affinity mask, not the whole machine)
     threads: int  # torch's intra-op threads now
 
@@ -60,16 +63,22 @@ def usable_cores() -> int:
 
 def cpu_features() -> CpuFeatures:
     flags = cpu_flags()
-    return CpuFeatures(capability=torch.backends.cpu.get_cpu_capability(),
-                       flags=frozenset(flags) if flags is not None else None,
-                       cores=usable_cores(), threads=torch.get_num_threads())
+    return CpuFeatures(
+        capability=torch.backends.cpu.get_cpu_capability(),
+        flags=frozenset(flags) if flags is not None else None,
+        cores=usable_cores(),
+        threads=torch.get_num_threads(),
+    )
 
 
 def bf16_verdict(ratio: float, features: CpuFeatures, spread: float = 0.2) -> str:
     """What a measured bf16/fp32 matmul-rate `ratio` means on a CPU with `features`.
     `spread` is the relative noise of the measurement: closer than that is "about the same"."""
-    units = {True: "has bf16 units (AVX-512-BF16/AMX)", False: "has no bf16 units",
-             None: "bf16 units unknown (flags unreadable)"}[features.native_bf16]
+    units = {
+        True: "has bf16 units (AVX-512-BF16/AMX)",
+        False: "has no bf16 units",
+        None: "bf16 units unknown (flags unreadable)",
+    }[features.native_bf16]
     if ratio > 1 + spread:
         kind = "fast native bf16"
     elif ratio < 1 / (1 + spread):
@@ -80,6 +89,7 @@ def bf16_verdict(ratio: float, features: CpuFeatures, spread: float = 0.2) -> st
 
 
 # ----- threads ---------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def num_threads(n: int):
@@ -105,6 +115,7 @@ def matmul_task(n: int = 512, dtype: torch.dtype = torch.float32, seconds: float
             a @ b
             count += 1
         return 2 * n**3 * count / elapsed / 1e9
+
     return run
 
 
@@ -140,8 +151,10 @@ def oversubscription(layouts, seconds: float = 1.0, n: int = 384) -> dict[tuple[
     region ends at a barrier, and a descheduled thread holds everyone up)."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: a forked OpenMP runtime can hang
     out = ctx.Queue()
-    workers = [(ctx.Process(target=_matmul_worker, args=(jobs, out, n)), jobs)
-               for jobs in (ctx.Queue() for _ in range(max(p for p, _ in layouts)))]
+    workers = [
+        (ctx.Process(target=_matmul_worker, args=(jobs, out, n)), jobs)
+        for jobs in (ctx.Queue() for _ in range(max(p for p, _ in layouts)))
+    ]
     totals = {}
     try:
         for w, _ in workers:
@@ -163,31 +176,51 @@ def oversubscription(layouts, seconds: float = 1.0, n: int = 384) -> dict[tuple[
     return totals
 
 
-def torchrun_threads(nproc: int = 2, omp_num_threads: str | None = None, timeout_s: float = 180) -> list[dict]:
+def torchrun_threads(
+    nproc: int = 2, omp_num_threads: str | None = None, timeout_s: float = 180
+) -> list[dict]:
     """Start `torchrun --nproc-per-node nproc` on a job that only reports, per rank, its
     OMP_NUM_THREADS and torch.get_num_threads(). omp_num_threads None: unset, torchrun's default."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if omp_num_threads is not None:
         env["OMP_NUM_THREADS"] = str(omp_num_threads)
     with tempfile.TemporaryDirectory(prefix="titanlite-threads-") as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(nproc), "-m", "titanlite.tools.cpu", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "titanlite.tools.cpu",
+            out,
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
-            raise TitanliteError(f"torchrun exited with {proc.returncode}: "
-                                 f"{(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+            raise TitanliteError(
+                f"torchrun exited with {proc.returncode}: "
+                f"{(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
+            )
         reports = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
     return sorted(reports, key=lambda r: r["rank"])
 
 
 def _report_threads(out: str) -> None:  # what each torchrun worker above runs
     rank = int(os.environ.get("RANK", 0))
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-         "torch_threads": torch.get_num_threads()}))
+    (Path(out) / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                "torch_threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 # ----- memory ----------------------------------------------------------------------------------
+
 
 def rss_bytes() -> int:
     """This process's resident set size now (Linux: VmRSS; elsewhere the lifetime peak)."""
@@ -198,20 +231,28 @@ def rss_bytes() -> int:
     except OSError:
         pass
     from ..memory import peak_memory_bytes
+
     return peak_memory_bytes("cpu")
 
 
-def training_memory_formula(num_params: int, args, batch: int, seq_len: int, vocab: int) -> dict[str, int]:
+def training_memory_formula(
+    num_params: int, args, batch: int, seq_len: int, vocab: int
+) -> dict[str, int]:
     """Predicted bytes of fp32 training with AdamW: weights, gradients and two moments at 4 bytes
     each (16 bytes/parameter, titanlite.tools.zero at stage 0), the activations saved for
     backward (titanlite.efficiency.activation_checkpoint), and the loss's three n × vocab fp32 tensors
     (logits, log-probabilities, their gradient) that the activation count leaves out."""
-    from .zero import zero_bytes_per_rank
     from .activation_memory import activation_memory_estimate
+    from .zero import zero_bytes_per_rank
+
     state = zero_bytes_per_rank(num_params, 1, 0, precision="fp32")
-    out = {"weights": state["params"], "gradients": state["grads"], "adam moments": state["optimizer"],
-           "activations": activation_memory_estimate(args, batch, seq_len, 4, "none"),
-           "logits and loss": 3 * 4 * batch * seq_len * vocab}
+    out = {
+        "weights": state["params"],
+        "gradients": state["grads"],
+        "adam moments": state["optimizer"],
+        "activations": activation_memory_estimate(args, batch, seq_len, 4, "none"),
+        "logits and loss": 3 * 4 * batch * seq_len * vocab,
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -220,6 +261,7 @@ def _measure_training_memory(cfg, out) -> None:  # runs in a fresh process, see 
     import gc
 
     from ..train import Trainer
+
     warm = Trainer(_tiny_copy(cfg))  # data, tokenizer, kernels, the cached peak: not the model
     warm.fit()  # one step
     del warm
@@ -227,16 +269,28 @@ def _measure_training_memory(cfg, out) -> None:  # runs in a fresh process, see 
     before = rss_bytes()
     trainer = Trainer(cfg)
     history = trainer.fit()
-    out.put({"before": before, "peak": max(r["peak_memory_bytes"] for r in history.train[1:]),
-             "num_params": trainer.num_params, "model_args": trainer.model_args,
-             "vocab": trainer.data.vocab_size, "batch": trainer.micro_batch})
+    out.put(
+        {
+            "before": before,
+            "peak": max(r["peak_memory_bytes"] for r in history.train[1:]),
+            "num_params": trainer.num_params,
+            "model_args": trainer.model_args,
+            "vocab": trainer.data.vocab_size,
+            "batch": trainer.micro_batch,
+        }
+    )
 
 
 def _tiny_copy(cfg):
     import copy
+
     tiny = copy.deepcopy(cfg)
     tiny.model.preset, tiny.model.dim, tiny.model.n_layers = "debug", None, None
-    tiny.training.steps, tiny.training.batch_size, tiny.training.seq_len = 1, 1, cfg.training.seq_len
+    tiny.training.steps, tiny.training.batch_size, tiny.training.seq_len = (
+        1,
+        1,
+        cfg.training.seq_len,
+    )
     tiny.training.threads = cfg.training.threads
     tiny.eval.every, tiny.eval.sample_tokens = 0, 1
     return tiny
@@ -247,8 +301,10 @@ def training_memory(cfg, timeout_s: float = 300) -> dict:
     trainer is built and its peak during steps 2+ (when the Adam moments exist). A fresh process,
     so memory freed by earlier work in this one cannot be reused and hide the increase."""
     if cfg.training.steps < 2:
-        raise TitanliteError("training_memory needs cfg.training.steps >= 2: the Adam moments "
-                             "appear in step 1, so the peak is read from step 2 on")
+        raise TitanliteError(
+            "training_memory needs cfg.training.steps >= 2: the Adam moments "
+            "appear in step 1, so the peak is read from step 2 on"
+        )
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=_measure_training_memory, args=(cfg, out))

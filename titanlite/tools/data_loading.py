@@ -7,6 +7,7 @@ Workers help when building a batch costs CPU time (decoding, tokenizing, augment
 overlap the training step; pinned (page-locked) host memory only matters for copies to a CUDA
 GPU, which can then run asynchronously by DMA.
 """
+
 from __future__ import annotations
 
 import time
@@ -36,8 +37,13 @@ class TokenizingDataset(Dataset):
 
 def loader_rate(dataset, num_workers: int, batch_size: int, pin_memory: bool = False) -> dict:
     """Read one epoch; time to the first batch (worker start-up) apart from the steady rate."""
-    loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
-                        pin_memory=pin_memory, persistent_workers=False)
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=False,
+    )
     start = time.perf_counter()
     batches = iter(loader)
     first = next(batches)
@@ -47,19 +53,25 @@ def loader_rate(dataset, num_workers: int, batch_size: int, pin_memory: bool = F
         count += 1
         checksum += int(batch.sum())
     rest_s = time.perf_counter() - rest_start
-    return {"num_workers": num_workers, "first_batch_s": first_s,
-            "batches_per_s": count / rest_s if count else float("nan"), "checksum": checksum,
-            "pinned": bool(first.is_pinned()) if pin_memory else False}
+    return {
+        "num_workers": num_workers,
+        "first_batch_s": first_s,
+        "batches_per_s": count / rest_s if count else float("nan"),
+        "checksum": checksum,
+        "pinned": bool(first.is_pinned()) if pin_memory else False,
+    }
 
 
-def host_to_device_gbps(device: torch.device, pinned: bool, nbytes: int = 64 * 2**20,
-                        repeats: int = 5) -> float | None:
+def host_to_device_gbps(
+    device: torch.device, pinned: bool, nbytes: int = 64 * 2**20, repeats: int = 5
+) -> float | None:
     """Median host → `device` copy rate in GB/s from pinned or pageable memory; None on a CPU
     (nothing to copy to) or where pinning is not available."""
     device = torch.device(device)
     if device.type == "cpu" or (pinned and not torch.cuda.is_available()):
         return None
     from ..hardware import synchronize
+
     host = torch.empty(nbytes // 4, dtype=torch.float32)
     if pinned:
         host = host.pin_memory()

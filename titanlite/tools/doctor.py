@@ -8,6 +8,7 @@ the reason; the exit status is 0 only when nothing failed. Which checks apply is
 `plan(facts)` from the device's facts alone (type, GPU count, compute capability), so the
 decision for an H100 pair or a Mac is tested on any machine.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,8 @@ MATMUL_DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class DeviceFacts:
-    kind: str                               # "cuda", "mps" or "cpu"
-    gpus: int = 0                           # CUDA devices visible
+    kind: str  # "cuda", "mps" or "cpu"
+    gpus: int = 0  # CUDA devices visible
     capability: tuple[int, int] | None = None  # CUDA compute capability (SM major, minor)
     name: str = ""
 
@@ -37,8 +38,8 @@ class DeviceFacts:
 @dataclass
 class Check:
     name: str
-    status: str          # pass | fail | skipped
-    detail: str          # the measurement, or why it failed / was skipped
+    status: str  # pass | fail | skipped
+    detail: str  # the measurement, or why it failed / was skipped
     data: dict = field(default_factory=dict)
 
 
@@ -51,9 +52,14 @@ class Planned:
 
 def device_facts(device: torch.device) -> DeviceFacts:
     from ..hardware import device_name
+
     if device.type == "cuda":
-        return DeviceFacts("cuda", torch.cuda.device_count(),
-                           tuple(torch.cuda.get_device_capability(device)), device_name(device))
+        return DeviceFacts(
+            "cuda",
+            torch.cuda.device_count(),
+            tuple(torch.cuda.get_device_capability(device)),
+            device_name(device),
+        )
     return DeviceFacts(device.type, 0, None, device_name(device))
 
 
@@ -74,8 +80,11 @@ def plan(facts: DeviceFacts) -> list[Planned]:
     if facts.kind == "cuda" and facts.gpus >= 2:
         two = {"on": "cuda", "backend": "nccl", "why": "two GPUs, NCCL"}
     else:
-        why = {"cuda": "one GPU cannot host two NCCL ranks", "mps": "MPS has no collective "
-               "backend: the gloo fallback on the CPU", "cpu": "gloo on the CPU"}[facts.kind]
+        why = {
+            "cuda": "one GPU cannot host two NCCL ranks",
+            "mps": "MPS has no collective backend: the gloo fallback on the CPU",
+            "cpu": "gloo on the CPU",
+        }[facts.kind]
         two = {"on": "cpu", "backend": "gloo", "why": why}
     steps.append(Planned("2 processes", two))
     return steps
@@ -83,16 +92,24 @@ def plan(facts: DeviceFacts) -> list[Planned]:
 
 # ----- the checks ----------------------------------------------------------------------------
 
+
 def _device(device, facts, smoke, out) -> list[Check]:
     cap = f", SM {facts.capability[0]}.{facts.capability[1]}" if facts.capability else ""
     gpus = f", {facts.gpus} GPU(s)" if facts.kind == "cuda" else ""
-    return [Check("device", "pass", f"{facts.name} ({facts.kind}{cap}{gpus}), torch {torch.__version__}",
-                  asdict(facts))]
+    return [
+        Check(
+            "device",
+            "pass",
+            f"{facts.name} ({facts.kind}{cap}{gpus}), torch {torch.__version__}",
+            asdict(facts),
+        )
+    ]
 
 
 def _matmul_peaks(device, facts, smoke, out) -> list[Check]:
     from .. import hardware, peaks
     from . import datasheet
+
     checks = []
     for name in MATMUL_DTYPES:
         try:
@@ -102,11 +119,23 @@ def _matmul_peaks(device, facts, smoke, out) -> list[Check]:
             continue
         peak = peaks.measure_matmul_peak(device, dtype, budget_s=0.3 if smoke else 2.0)
         sheet = datasheet.datasheet_peak(device, dtype)
-        vs = (f"; datasheet {_flops(sheet.flops)}, measured is {peak.flops / sheet.flops:.0%} "
-              f"of it" if sheet else "; no datasheet entry for this device")
-        checks.append(Check(f"matmul {name}", "pass", f"{_flops(peak.flops)} measured{vs}",
-                            {"measured_flops": peak.flops, "datasheet_flops": sheet.flops if sheet else None,
-                             "label": peak.label}))
+        vs = (
+            f"; datasheet {_flops(sheet.flops)}, measured is {peak.flops / sheet.flops:.0%} of it"
+            if sheet
+            else "; no datasheet entry for this device"
+        )
+        checks.append(
+            Check(
+                f"matmul {name}",
+                "pass",
+                f"{_flops(peak.flops)} measured{vs}",
+                {
+                    "measured_flops": peak.flops,
+                    "datasheet_flops": sheet.flops if sheet else None,
+                    "label": peak.label,
+                },
+            )
+        )
     return checks
 
 
@@ -121,30 +150,45 @@ def _attention(device, facts, smoke, out) -> list[Check]:
 
     from ..device_policy import sdpa_priority
     from ..models.llama import ModelArgs
+
     args = ModelArgs.preset("debug" if smoke else "small")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q = torch.randn(2, args.n_heads, 128, args.head_dim, device=device, dtype=dtype)
     kv = torch.randn(2, args.n_kv_heads, 128, args.head_dim, device=device, dtype=dtype)
     works = []
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                    SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+    for backend in (
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.MATH,
+    ):
         try:
             with sdpa_kernel([backend]):
                 F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
             works.append(backend.name)
         except RuntimeError:
             pass
-    order = sdpa_priority(device.type)  # what titanlite's attention asks for (None: torch's own order)
+    order = sdpa_priority(
+        device.type
+    )  # what titanlite's attention asks for (None: torch's own order)
     try:  # what SDPA chooses with every backend allowed, in that order
         with sdpa_kernel(order, set_priority=True) if order else contextlib.nullcontext():
-            picked = SDPBackend(torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=True)).name
+            picked = SDPBackend(
+                torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=True)
+            ).name
     except (RuntimeError, AttributeError, ValueError, TypeError):
         picked = works[0] if works else "none"
     status = "pass" if works else "fail"
     tried = f" (tried in titanlite's order: {', '.join(b.name for b in order)})" if order else ""
-    return [Check("attention kernel", status, f"SDPA picks {picked}{tried} for {tuple(q.shape)} q, "
-                  f"{tuple(kv.shape)} k/v ({str(dtype)[6:]}, causal, GQA); runnable: {', '.join(works) or 'none'}",
-                  {"picked": picked, "runnable": works})]
+    return [
+        Check(
+            "attention kernel",
+            status,
+            f"SDPA picks {picked}{tried} for {tuple(q.shape)} q, "
+            f"{tuple(kv.shape)} k/v ({str(dtype)[6:]}, causal, GQA); runnable: {', '.join(works) or 'none'}",
+            {"picked": picked, "runnable": works},
+        )
+    ]
 
 
 def timing_plan(device_type: str, smoke: bool) -> dict:
@@ -163,19 +207,33 @@ def throughput(records: list[dict], warmup: int, log_every: int) -> dict:
         raise TitanliteError(f"no step was timed after {warmup} warm-up steps: run more steps")
     mid = len(rates) // 2
     median = rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
-    return {"tokens_per_sec": median, "tokens_per_sec_range": [rates[0], rates[-1]],
-            "timed_records": len(rates), "warmup_steps": warmup}
+    return {
+        "tokens_per_sec": median,
+        "tokens_per_sec_range": [rates[0], rates[-1]],
+        "timed_records": len(rates),
+        "warmup_steps": warmup,
+    }
 
 
 def _overrides(device, smoke, out, name, **extra) -> dict:
     timing = timing_plan(device.type, smoke)
-    o = {"model.preset": "debug" if smoke else "small", "data.vocab_size": 512 if smoke else 4096,
-         "data.max_chars": 300_000 if smoke else None, "training.device": str(device.type),
-         "training.steps": timing["warmup"] + timing["timed"], "metrics.log_every": timing["log_every"],
-         "training.batch_size": 4 if smoke else 16,
-         "training.seq_len": 32 if smoke else 256, "eval.every": 0, "eval.sample_tokens": 4,
-         "scheduler.warmup_steps": 1, "metrics.log_dir": str(out / "runs"),
-         "metrics.run_name": name, "metrics.overwrite": True, "metrics.progress": False}  # its own scratch runs
+    o = {
+        "model.preset": "debug" if smoke else "small",
+        "data.vocab_size": 512 if smoke else 4096,
+        "data.max_chars": 300_000 if smoke else None,
+        "training.device": str(device.type),
+        "training.steps": timing["warmup"] + timing["timed"],
+        "metrics.log_every": timing["log_every"],
+        "training.batch_size": 4 if smoke else 16,
+        "training.seq_len": 32 if smoke else 256,
+        "eval.every": 0,
+        "eval.sample_tokens": 4,
+        "scheduler.warmup_steps": 1,
+        "metrics.log_dir": str(out / "runs"),
+        "metrics.run_name": name,
+        "metrics.overwrite": True,
+        "metrics.progress": False,
+    }  # its own scratch runs
     o.update(extra)
     return {k: v for k, v in o.items() if v is not None}
 
@@ -185,11 +243,14 @@ def _train_once(device, smoke, out, name, **extra) -> tuple[dict, object]:
     from ..config import load_config
     from ..train import Trainer
     from .host_syncs import CudaSyncDebug
+
     cfg = load_config(None, _overrides(device, smoke, out, name, **extra))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     trainer, syncs = Trainer(cfg), []
-    watchers = [lambda run: syncs.append(CudaSyncDebug(run)) or syncs[-1]] if device.type == "cuda" else []
+    watchers = (
+        [lambda run: syncs.append(CudaSyncDebug(run)) or syncs[-1]] if device.type == "cuda" else []
+    )
     try:
         history = trainer.fit(watchers=watchers)
     finally:
@@ -199,8 +260,10 @@ def _train_once(device, smoke, out, name, **extra) -> tuple[dict, object]:
     if syncs:
         last["sync_checked_steps"] = syncs[0].checked
     if device.type == "cuda":
-        last["memory"] = {"allocated": torch.cuda.max_memory_allocated(device),
-                          "reserved": torch.cuda.max_memory_reserved(device)}
+        last["memory"] = {
+            "allocated": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.max_memory_reserved(device),
+        }
     else:  # no allocator counters: the process's peak resident set (all of Python included)
         last["memory"] = {"peak_rss": last["peak_memory_bytes"]}
     return last, trainer
@@ -208,14 +271,25 @@ def _train_once(device, smoke, out, name, **extra) -> tuple[dict, object]:
 
 def _describe_run(r: dict) -> str:
     mem = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in r["memory"].items())
-    busy = (" (over 100%: the cached peak was measured while the machine was busy; "
-            "`titanlite peaks --refresh` re-measures it)") if r["mfu"] > 1 else ""
+    busy = (
+        (
+            " (over 100%: the cached peak was measured while the machine was busy; "
+            "`titanlite peaks --refresh` re-measures it)"
+        )
+        if r["mfu"] > 1
+        else ""
+    )
     low, high = r["tokens_per_sec_range"]
-    synced = (f"; {r['sync_checked_steps']} unlogged steps ran under torch.cuda.set_sync_debug_mode('error')"
-              if "sync_checked_steps" in r else "")
-    return (f"loss {r['loss']:.3f} after {r['step']} steps, {r['tokens_per_sec']:,.0f} tokens/s (median of "
-            f"{r['timed_records']} logged intervals after {r['warmup_steps']} warm-up steps, range {low:,.0f}-"
-            f"{high:,.0f}), MFU {100 * r['mfu']:.2f}% (last step){busy}, {mem}{synced}")
+    synced = (
+        f"; {r['sync_checked_steps']} unlogged steps ran under torch.cuda.set_sync_debug_mode('error')"
+        if "sync_checked_steps" in r
+        else ""
+    )
+    return (
+        f"loss {r['loss']:.3f} after {r['step']} steps, {r['tokens_per_sec']:,.0f} tokens/s (median of "
+        f"{r['timed_records']} logged intervals after {r['warmup_steps']} warm-up steps, range {low:,.0f}-"
+        f"{high:,.0f}), MFU {100 * r['mfu']:.2f}% (last step){busy}, {mem}{synced}"
+    )
 
 
 def _finite(r: dict) -> str:
@@ -224,6 +298,7 @@ def _finite(r: dict) -> str:
 
 def _train(device, facts, smoke, out, mode) -> list[Check]:
     from .precision_support import support
+
     s = support(mode, device)
     if s.works is False:
         return [Check(f"train {mode}", "skipped", s.why)]
@@ -233,71 +308,138 @@ def _train(device, facts, smoke, out, mode) -> list[Check]:
 
 def _bf16_probe(device, facts, smoke, out) -> list[Check]:
     from .precision_support import support
+
     s = support("bf16", device)
     return [Check("bf16 autocast probe", "pass" if s.works else "skipped", s.why)]
 
 
 def _compile(device, facts, smoke, out) -> list[Check]:
     from ..efficiency.compile import is_compiled
-    r, trainer = _train_once(device, smoke, out, "compile", **{"compile.enable": True,
-                                                             "compile.fallback": False})
+
+    r, trainer = _train_once(
+        device, smoke, out, "compile", **{"compile.enable": True, "compile.fallback": False}
+    )
     status = _finite(r) if is_compiled(trainer.model) else "fail"
     return [Check("compile", status, "regional torch.compile (inductor): " + _describe_run(r), r)]
 
 
 def _fp8(device, facts, smoke, out, real) -> list[Check]:
     from ..efficiency.fp8 import fp8_support
+
     name = "fp8 (real)" if real else "fp8 (emulated)"
     s = fp8_support(device)
     if not s.available:
         return [Check(name, "skipped", s.why)]
-    r, trainer = _train_once(device, smoke, out, "fp8", **{"float8.enable": True, "float8.min_dim": 16,
-                                                           "float8.emulate": "auto" if real else "true"})
+    r, trainer = _train_once(
+        device,
+        smoke,
+        out,
+        "fp8",
+        **{
+            "float8.enable": True,
+            "float8.min_dim": 16,
+            "float8.emulate": "auto" if real else "true",
+        },
+    )
     info = trainer.model.fp8_info
     ok = _finite(r) == "pass" and info["emulated"] != real
-    return [Check(name, "pass" if ok else "fail", f"{info['label']}, {len(info['converted'])} Linear "
-                  f"layers in FP8 ({info['why']}): " + _describe_run(r), {**r, "why": info["why"]})]
+    return [
+        Check(
+            name,
+            "pass" if ok else "fail",
+            f"{info['label']}, {len(info['converted'])} Linear "
+            f"layers in FP8 ({info['why']}): " + _describe_run(r),
+            {**r, "why": info["why"]},
+        )
+    ]
 
 
 def _two_processes(device, facts, smoke, out, on, backend, why) -> list[Check]:
     """DDP, then FSDP with bf16 params whose async checkpoints carry a kill-and-resume drill."""
     from ..config import load_config
     from .launcher import launch
+
     steps = 5 if smoke else 20
-    base = _overrides(torch.device(on), smoke, out, "", **{"training.steps": steps, "metrics.log_every": 1,
-                      "parallel.backend": backend})
+    base = _overrides(
+        torch.device(on),
+        smoke,
+        out,
+        "",
+        **{"training.steps": steps, "metrics.log_every": 1, "parallel.backend": backend},
+    )
     label = f"({backend} on {on}: {why})"
     checks = []
-    ddp = launch(load_config(None, {**base, "metrics.run_name": "ddp"}), 2, timeout_s=600,
-                 overrides={"parallel.dp_replicate": 2, "parallel.dp_shard": 1})
+    ddp = launch(
+        load_config(None, {**base, "metrics.run_name": "ddp"}),
+        2,
+        timeout_s=600,
+        overrides={"parallel.dp_replicate": 2, "parallel.dp_shard": 1},
+    )
     ok = len(ddp.losses) == steps and all(map(math.isfinite, ddp.losses))
-    checks.append(Check("2-process DDP", "pass" if ok else "fail",
-                        f"{label} loss {ddp.losses[0]:.3f} -> {ddp.losses[-1]:.3f} over {steps} steps",
-                        {"losses": ddp.losses, "run_dir": str(ddp.run_dir)}))
+    checks.append(
+        Check(
+            "2-process DDP",
+            "pass" if ok else "fail",
+            f"{label} loss {ddp.losses[0]:.3f} -> {ddp.losses[-1]:.3f} over {steps} steps",
+            {"losses": ddp.losses, "run_dir": str(ddp.run_dir)},
+        )
+    )
     kill_at = steps // 2 + 1
-    fsdp = launch(load_config(None, {**base, "metrics.run_name": "fsdp-kill"}), 2, timeout_s=600,
-                  max_restarts=1, overrides={
-                      "parallel.dp_shard": 2, "parallel.param_dtype": "bfloat16",
-                      "checkpoint.enable": True, "checkpoint.mode": "async", "checkpoint.every": 2,
-                      "fault.kind": "kill", "fault.rank": 1, "fault.step": kill_at})
+    fsdp = launch(
+        load_config(None, {**base, "metrics.run_name": "fsdp-kill"}),
+        2,
+        timeout_s=600,
+        max_restarts=1,
+        overrides={
+            "parallel.dp_shard": 2,
+            "parallel.param_dtype": "bfloat16",
+            "checkpoint.enable": True,
+            "checkpoint.mode": "async",
+            "checkpoint.every": 2,
+            "fault.kind": "kill",
+            "fault.rank": 1,
+            "fault.step": kill_at,
+        },
+    )
     ok = len(fsdp.losses) == steps and all(map(math.isfinite, fsdp.losses))
-    checks.append(Check("2-process FSDP, bf16 params", "pass" if ok else "fail",
-                        f"{label} loss {fsdp.losses[0]:.3f} -> {fsdp.losses[-1]:.3f} over {steps} steps",
-                        {"losses": fsdp.losses, "run_dir": str(fsdp.run_dir)}))
+    checks.append(
+        Check(
+            "2-process FSDP, bf16 params",
+            "pass" if ok else "fail",
+            f"{label} loss {fsdp.losses[0]:.3f} -> {fsdp.losses[-1]:.3f} over {steps} steps",
+            {"losses": fsdp.losses, "run_dir": str(fsdp.run_dir)},
+        )
+    )
     saves = [x for x in fsdp.records if x.get("kind") == "checkpoint" and x.get("rank", 0) == 0]
     ok = bool(saves) and all(x["mode"] == "async" for x in saves)
     blocked = max((x["blocked_s"] for x in saves), default=float("nan"))
-    checks.append(Check("async checkpoint save", "pass" if ok else "fail",
-                        f"{len(saves)} async saves, training blocked at most {blocked * 1e3:.0f} ms each"))
+    checks.append(
+        Check(
+            "async checkpoint save",
+            "pass" if ok else "fail",
+            f"{len(saves)} async saves, training blocked at most {blocked * 1e3:.0f} ms each",
+        )
+    )
     ok = fsdp.attempts == 2 and len(fsdp.losses) == steps
-    checks.append(Check("kill-and-resume drill", "pass" if ok else "fail",
-                        f"rank 1 killed at step {kill_at}; {fsdp.attempts} attempts, resumed from the "
-                        f"last checkpoint and finished all {steps} steps"))
+    checks.append(
+        Check(
+            "kill-and-resume drill",
+            "pass" if ok else "fail",
+            f"rank 1 killed at step {kill_at}; {fsdp.attempts} attempts, resumed from the "
+            f"last checkpoint and finished all {steps} steps",
+        )
+    )
     return checks
 
 
-RUNNERS = {"device": _device, "matmul peaks": _matmul_peaks, "attention kernel": _attention,
-           "bf16 autocast probe": _bf16_probe, "compile": _compile, "2 processes": _two_processes}
+RUNNERS = {
+    "device": _device,
+    "matmul peaks": _matmul_peaks,
+    "attention kernel": _attention,
+    "bf16 autocast probe": _bf16_probe,
+    "compile": _compile,
+    "2 processes": _two_processes,
+}
 
 
 def _runner(name: str):
@@ -310,10 +452,13 @@ def _runner(name: str):
 
 # ----- the whole self-check ------------------------------------------------------------------
 
-def run_doctor(device: str = "auto", smoke: bool = False, out: str | Path = "runs/doctor",
-               say=print) -> tuple[list[Check], Path]:
+
+def run_doctor(
+    device: str = "auto", smoke: bool = False, out: str | Path = "runs/doctor", say=print
+) -> tuple[list[Check], Path]:
     """Run every check that applies here; write report.md and report.json into `out`."""
     from ..hardware import detect_device
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dev = detect_device(device)
@@ -329,8 +474,14 @@ def run_doctor(device: str = "auto", smoke: bool = False, out: str | Path = "run
                 new = _runner(step.name)(dev, facts, smoke, out, **step.args)
             except Exception as e:  # noqa: BLE001 - a failed check is a report line, not a crash
                 why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                new = [Check(step.name, "fail", f"{type(e).__name__}: {why}",
-                             {"traceback": traceback.format_exc()})]
+                new = [
+                    Check(
+                        step.name,
+                        "fail",
+                        f"{type(e).__name__}: {why}",
+                        {"traceback": traceback.format_exc()},
+                    )
+                ]
             for c in new:
                 c.data.setdefault("seconds", round(time.perf_counter() - t0, 2))
         for c in new:
@@ -342,15 +493,34 @@ def run_doctor(device: str = "auto", smoke: bool = False, out: str | Path = "run
 
 def _write(out: Path, facts: DeviceFacts, checks: list[Check], smoke: bool, wall_s: float) -> None:
     failed = [c.name for c in checks if c.status == "fail"]
-    doc = {"torch": torch.__version__, "device": asdict(facts), "smoke": smoke,
-           "wall_s": round(wall_s, 1), "passed": not failed, "failed": failed,
-           "checks": [asdict(c) for c in checks]}
+    doc = {
+        "torch": torch.__version__,
+        "device": asdict(facts),
+        "smoke": smoke,
+        "wall_s": round(wall_s, 1),
+        "passed": not failed,
+        "failed": failed,
+        "checks": [asdict(c) for c in checks],
+    }
     (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
-    lines = [f"# titanlite doctor: {facts.name}", "",
-             f"torch {torch.__version__}, {facts.kind}"
-             + (f", SM {facts.capability[0]}.{facts.capability[1]}, {facts.gpus} GPU(s)" if facts.capability else "")
-             + f"; {'smoke scale, ' if smoke else ''}{wall_s:.0f} s; "
-             + ("**all checks passed or were skipped**" if not failed else f"**failed: {', '.join(failed)}**"),
-             "", "| status | check | detail |", "|---|---|---|"]
+    lines = [
+        f"# titanlite doctor: {facts.name}",
+        "",
+        f"torch {torch.__version__}, {facts.kind}"
+        + (
+            f", SM {facts.capability[0]}.{facts.capability[1]}, {facts.gpus} GPU(s)"
+            if facts.capability
+            else ""
+        )
+        + f"; {'smoke scale, ' if smoke else ''}{wall_s:.0f} s; "
+        + (
+            "**all checks passed or were skipped**"
+            if not failed
+            else f"**failed: {', '.join(failed)}**"
+        ),
+        "",
+        "| status | check | detail |",
+        "|---|---|---|",
+    ]
     lines += [f"| {c.status} | {c.name} | {c.detail.replace('|', '/')} |" for c in checks]
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -14,6 +14,7 @@ titanlite Transformer, `to_hf_model(model)` builds it in memory for side-by-side
 names and config translation are shared with starting a run from a published model
 (titanlite/tools/hf_start.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,10 @@ from pathlib import Path
 import torch
 
 from ..errors import TitanliteError
-from .hf_start import _LAYER_NAMES, _TOP_NAMES, from_hf_config, hf_name, read_hf_config
 from ..models.llama import ModelArgs, Transformer, build_model, rope_cache
 from ..paths import check_output_dir
 from ..resilience.checkpoint_files import RawReader, dcp_load, verify
+from .hf_start import _LAYER_NAMES, _TOP_NAMES, from_hf_config, hf_name, read_hf_config
 
 TOKENIZER_DIR = "tokenizer"  # the trainer keeps a copy beside its checkpoints
 _LAYER_NAMES_BACK = {v: k for k, v in _LAYER_NAMES.items()}
@@ -38,8 +39,10 @@ def check_new_output(path: str | Path, what: str) -> Path:
     """`path` can be written as a file (an existing file is replaced, a folder never is)."""
     path = Path(path)
     if path.is_dir():
-        raise TitanliteError(f"{what} '{path}' is an existing folder, not a file: name a file "
-                             f"inside it, e.g. '{path / 'model.pt'}'")
+        raise TitanliteError(
+            f"{what} '{path}' is an existing folder, not a file: name a file "
+            f"inside it, e.g. '{path / 'model.pt'}'"
+        )
     check_output_dir(path.parent, f"the folder of {what}")
     return path
 
@@ -51,8 +54,10 @@ def titanlite_name(name: str) -> str:
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m and m.group(2) in _LAYER_NAMES_BACK:
         return f"layers.{m.group(1)}.{_LAYER_NAMES_BACK[m.group(2)]}"
-    raise TitanliteError(f"unexpected tensor '{name}' in the Hugging Face checkpoint: titanlite "
-                         f"maps only plain Llama weights (no biases, no extra heads)")
+    raise TitanliteError(
+        f"unexpected tensor '{name}' in the Hugging Face checkpoint: titanlite "
+        f"maps only plain Llama weights (no biases, no extra heads)"
+    )
 
 
 def load_model(path: str | Path, crc: bool = True) -> Transformer:
@@ -70,6 +75,7 @@ def export_torch(path: str | Path, out_file: str | Path, full: bool = False) -> 
     out_file.parent.mkdir(parents=True, exist_ok=True)
     if full:
         from .._compat.torch_tools import load_whole_dcp_state
+
         verify(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -84,6 +90,7 @@ def export_hf(path: str | Path, out_dir: str | Path, tokenizer=None) -> Path:
     check_output_dir(out_dir, "export folder")  # before the (long) load, not after
     if tokenizer is None and (Path(path).parent / TOKENIZER_DIR).is_dir():
         from transformers import PreTrainedTokenizerFast
+
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(Path(path).parent / TOKENIZER_DIR))
     return to_hf(load_model(path), out_dir, tokenizer=tokenizer)
 
@@ -94,17 +101,29 @@ def to_hf_config(args: ModelArgs, **extra):
     from transformers import LlamaConfig
 
     kw = dict(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, hidden_act="silu",
-        max_position_embeddings=args.max_seq_len, initializer_range=args.init_std,
-        rms_norm_eps=args.norm_eps, tie_word_embeddings=args.tie_embeddings,
-        attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=args.max_seq_len,
+        initializer_range=args.init_std,
+        rms_norm_eps=args.norm_eps,
+        tie_word_embeddings=args.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
         # transformers 5 folds `rope_theta`/`rope_scaling` into `rope_parameters`; 4.x keeps
         # them as attributes. Passing the legacy keywords works with both.
-        rope_theta=args.rope_theta, rope_scaling=dict(args.rope_scaling) if args.rope_scaling else None,
+        rope_theta=args.rope_theta,
+        rope_scaling=dict(args.rope_scaling) if args.rope_scaling else None,
         # LlamaConfig's defaults (bos=1, eos=2) are ids of Llama 2's vocabulary, not ours.
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
         attn_implementation="sdpa",
     )
     kw.update(extra)
@@ -120,8 +139,9 @@ def to_hf_model(model: Transformer, dtype: torch.dtype | None = None):
     # Build on meta (no random init of weights we overwrite anyway), then adopt the tensors.
     with torch.device("meta"):
         hf = LlamaForCausalLM(config)
-    sd = {hf_name(k): v.detach().clone().to(dtype or v.dtype)
-          for k, v in model.state_dict().items()}
+    sd = {
+        hf_name(k): v.detach().clone().to(dtype or v.dtype) for k, v in model.state_dict().items()
+    }
     if model.args.tie_embeddings:
         sd.pop("lm_head.weight", None)  # re-tied to embed_tokens just below
     hf.load_state_dict(sd, strict=not model.args.tie_embeddings, assign=True)
@@ -133,8 +153,10 @@ def to_hf_model(model: Transformer, dtype: torch.dtype | None = None):
         hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)
     leftover = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
     if leftover:
-        raise TitanliteError(f"internal: HF tensors left unset after conversion: {leftover}; "
-                             f"this transformers version lays out LlamaForCausalLM differently")
+        raise TitanliteError(
+            f"internal: HF tensors left unset after conversion: {leftover}; "
+            f"this transformers version lays out LlamaForCausalLM differently"
+        )
     return hf.eval()
 
 
@@ -148,7 +170,8 @@ def to_hf(model: Transformer, out_dir, tokenizer=None, dtype: torch.dtype | None
         if len(tokenizer) > model.args.vocab_size:
             raise TitanliteError(
                 f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                f"{model.args.vocab_size}: export the tokenizer the model was trained with")
+                f"{model.args.vocab_size}: export the tokenizer the model was trained with"
+            )
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             setattr(hf.config, key, getattr(tokenizer, key, None))
         tokenizer.save_pretrained(out)
@@ -177,14 +200,20 @@ def _as_hf_tokenizer(tokenizer):
     if hasattr(tokenizer, "save_pretrained"):
         return tokenizer
     from tokenizers import Tokenizer
+
     if isinstance(tokenizer, Tokenizer):
         from transformers import PreTrainedTokenizerFast
+
         return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
-    raise TitanliteError(f"cannot save a tokenizer of type {type(tokenizer).__name__}: pass a "
-                         f"tokenizers.Tokenizer or a transformers tokenizer")
+    raise TitanliteError(
+        f"cannot save a tokenizer of type {type(tokenizer).__name__}: pass a "
+        f"tokenizers.Tokenizer or a transformers tokenizer"
+    )
 
 
-def from_hf(src, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> Transformer:
+def from_hf(
+    src, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> Transformer:
     """A titanlite Transformer from a HF Llama directory or an in-memory `LlamaForCausalLM`.
     dtype None keeps the checkpoint's dtype."""
     if isinstance(src, (str, Path)):
@@ -194,11 +223,13 @@ def from_hf(src, dtype: torch.dtype | None = None, device: torch.device | str = 
         config = src.config
         tensors = {k: v.detach().clone() for k, v in src.state_dict().items()}
     else:
-        raise TitanliteError(f"from_hf expects a directory or a LlamaForCausalLM, got "
-                             f"{type(src).__name__}")
+        raise TitanliteError(
+            f"from_hf expects a directory or a LlamaForCausalLM, got {type(src).__name__}"
+        )
     args = from_hf_config(config)
-    sd = {titanlite_name(k): v for k, v in tensors.items()
-          if not k.endswith("rotary_emb.inv_freq")}  # old checkpoints saved this derived buffer
+    sd = {
+        titanlite_name(k): v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")
+    }  # old checkpoints saved this derived buffer
     if args.tie_embeddings:
         sd.pop("output.weight", None)
     with torch.device("meta"):
@@ -206,11 +237,14 @@ def from_hf(src, dtype: torch.dtype | None = None, device: torch.device | str = 
     expected = {k for k in model.state_dict() if not (args.tie_embeddings and k == "output.weight")}
     if set(sd) != expected:
         missing, extra = sorted(expected - set(sd)), sorted(set(sd) - expected)
-        raise TitanliteError(f"checkpoint does not match its config: missing {missing[:4]}, "
-                             f"unexpected {extra[:4]}; is the directory complete?")
+        raise TitanliteError(
+            f"checkpoint does not match its config: missing {missing[:4]}, "
+            f"unexpected {extra[:4]}; is the directory complete?"
+        )
     dtype = dtype or next(iter(sd.values())).dtype
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in sd.items()},
-                          strict=False, assign=True)
+    model.load_state_dict(
+        {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}, strict=False, assign=True
+    )
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     # The rotary tables are derived, non-persistent buffers: compute them (still on meta).
@@ -224,6 +258,7 @@ def _read_dir(path: Path):
     config = read_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     from safetensors.torch import load_file
+
     tensors = {}
     for f in files:
         tensors.update(load_file(f))

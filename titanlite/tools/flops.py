@@ -6,6 +6,7 @@ dispatches to on CPU. We register torch's own SDPA formulas for that kernel too,
 is the same on every device — the formula's attention term would otherwise look "wrong" on a
 laptop for a reason that has nothing to do with the model.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,9 +26,11 @@ def _register_cpu_sdpa() -> None:
         return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
 
     if _CPU_BWD is not None and _CPU_BWD not in fc.flop_registry:
+
         @fc.register_flop_formula(_CPU_BWD)
-        def _bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
-                 **kwargs) -> int:
+        def _bwd(
+            grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+        ) -> int:
             return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 

@@ -4,6 +4,7 @@ checks its from-scratch tensorwise and rowwise scaling against.
     x8 = fp8_roundtrip(x, "rowwise", role="input")   # quantised to FP8 and back
     fp8_dtype_for("tensorwise", "grad_output")       # torch.float8_e5m2
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,7 +37,9 @@ def fp8_dtype_for(recipe: str, role: str) -> torch.dtype:
 def _cast_config(recipe: str, role: str):
     _check_recipe(recipe)
     if role not in _CAST_CONFIGS:
-        raise TitanliteError(f"unknown operand role '{role}'{closest(role, _CAST_CONFIGS)}; "
-                             f"choose one of {', '.join(_CAST_CONFIGS)}")
+        raise TitanliteError(
+            f"unknown operand role '{role}'{closest(role, _CAST_CONFIGS)}; "
+            f"choose one of {', '.join(_CAST_CONFIGS)}"
+        )
     config = Float8LinearConfig.from_recipe_name(recipe)
     return config, getattr(config, _CAST_CONFIGS[role])

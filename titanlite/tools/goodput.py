@@ -12,6 +12,7 @@ after the restart) counts as productive only the last time; the earlier run of i
 work. Everything else - start-up, restarts, restores, checkpoint stalls, evaluation - is
 overhead. goodput = productive / wall.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,11 @@ def process_start_time() -> float:
     """When this process started (epoch seconds; now, off Linux): start-up is part of a restart."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime"))
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime")
+        )
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
@@ -94,8 +98,10 @@ def read_events(path: str | Path) -> list[dict]:
     path = Path(path)
     path = path / "goodput.jsonl" if path.is_dir() else path
     if not path.is_file():
-        raise TitanliteError(f"{path} does not exist: pass the run directory of a titanlite run "
-                             f"(History.run_dir or LaunchResult.run_dir)")
+        raise TitanliteError(
+            f"{path} does not exist: pass the run directory of a titanlite run "
+            f"(History.run_dir or LaunchResult.run_dir)"
+        )
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -116,8 +122,16 @@ def summarize(path: str | Path) -> dict:
     ckpt = sum(e["seconds"] for e in events if e["event"] == "checkpoint")
     restore = sum(e["seconds"] for e in events if e["event"] == "restore")
     lost = total_steps - productive
-    return {"wall_s": wall, "productive_s": productive, "lost_s": lost, "checkpoint_s": ckpt,
-            "restore_s": restore, "other_s": wall - productive - lost - ckpt - restore,
-            "goodput": productive / wall if wall > 0 else 0.0, "attempts": len(starts),
-            "failures": len(starts) - 1, "steps": max(last_run, default=0),
-            "finished": events[-1]["event"] == "end"}
+    return {
+        "wall_s": wall,
+        "productive_s": productive,
+        "lost_s": lost,
+        "checkpoint_s": ckpt,
+        "restore_s": restore,
+        "other_s": wall - productive - lost - ckpt - restore,
+        "goodput": productive / wall if wall > 0 else 0.0,
+        "attempts": len(starts),
+        "failures": len(starts) - 1,
+        "steps": max(last_run, default=0),
+        "finished": events[-1]["event"] == "end",
+    }

@@ -15,6 +15,7 @@ dispatch mode sees it); a function mode also catches `torch.tensor(..., device=)
 read host tensors on purpose (AdamW keeps its step counters on the CPU unless fused), and the data
 pipeline works on host tensors by design (data/transfer.py copies them over, non-blocking on CUDA).
 """
+
 from __future__ import annotations
 
 import traceback
@@ -27,18 +28,31 @@ from .._compat.torch_tools import TorchDispatchMode
 from ..watchers import Run, StepEnd, Watcher
 
 PACKAGE = Path(__file__).resolve().parents[1]
-_READS = {torch.Tensor.item: "item", torch.Tensor.tolist: "tolist", torch.Tensor.cpu: "cpu",
-          torch.Tensor.numpy: "numpy"}
+_READS = {
+    torch.Tensor.item: "item",
+    torch.Tensor.tolist: "tolist",
+    torch.Tensor.cpu: "cpu",
+    torch.Tensor.numpy: "numpy",
+}
 
 
-_MACHINERY = ("overrides.py", "_python_dispatch.py", "_ops.py", "_tensor.py", "_compile.py", "eval_frame.py")  # the modes' frames
+_MACHINERY = (
+    "overrides.py",
+    "_python_dispatch.py",
+    "_ops.py",
+    "_tensor.py",
+    "_compile.py",
+    "eval_frame.py",
+)  # the modes' frames
 
 
 def _site(what: str) -> str | None:
     """file:line of the call if titanlite's own code (outside the data pipeline) made it, else None."""
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename).resolve()
-        if path.name in _MACHINERY or (path.name == "host_syncs.py" and frame.name != "_every_kind_of_sync"):
+        if path.name in _MACHINERY or (
+            path.name == "host_syncs.py" and frame.name != "_every_kind_of_sync"
+        ):
             continue
         if PACKAGE not in path.parents or (PACKAGE / "data") in path.parents:
             return None
@@ -126,7 +140,11 @@ class CudaSyncDebug(Watcher):
     read the loss on purpose. `checked`: how many steps ran under it."""
 
     def __init__(self, run: Run):
-        self.log_every, self.steps, self.checked = run.cfg.metrics.log_every, run.cfg.training.steps, 0
+        self.log_every, self.steps, self.checked = (
+            run.cfg.metrics.log_every,
+            run.cfg.training.steps,
+            0,
+        )
 
     def on_step_start(self, step: int) -> None:
         if step % self.log_every and step != self.steps:

@@ -12,6 +12,7 @@ rank fails, torchrun stops the others; we then show the failing rank's traceback
 clear error. Interrupting the kernel, a timeout or a failure all end in `_stop`, which leaves no
 process behind (each worker also asks the kernel to kill it if its torchrun agent dies).
 """
+
 from __future__ import annotations
 
 import json
@@ -63,9 +64,18 @@ class LaunchResult:
 
 # ----- the two entry points ------------------------------------------------------------------
 
-def launch(cfg=None, nproc: int = 2, *, overrides: dict | None = None, callbacks=(),
-           timeout_s: float | None = None, port: int | None = None, max_restarts: int = 0,
-           echo: bool = False) -> LaunchResult:
+
+def launch(
+    cfg=None,
+    nproc: int = 2,
+    *,
+    overrides: dict | None = None,
+    callbacks=(),
+    timeout_s: float | None = None,
+    port: int | None = None,
+    max_restarts: int = 0,
+    echo: bool = False,
+) -> LaunchResult:
     """Train `cfg` (a Config, a TOML path or None for defaults) with `nproc` processes."""
     from ..config import Config, load_config
     from ..preflight import preflight, tokenizer_size
@@ -83,38 +93,93 @@ def launch(cfg=None, nproc: int = 2, *, overrides: dict | None = None, callbacks
     cfg.metrics.run_name, cfg.metrics.progress = name, False  # the live plot is the progress
     run_dir = check_output_dir(Path(cfg.metrics.log_dir) / name, "run folder (metrics.log_dir)")
     # Another run in that folder: refused (or deleted, with metrics.overwrite) before this job writes there.
-    if refusal := claim_run_dir(run_dir, {"config": cfg.to_dict()}, cfg.checkpoint, cfg.metrics.overwrite):
+    if refusal := claim_run_dir(
+        run_dir, {"config": cfg.to_dict()}, cfg.checkpoint, cfg.metrics.overwrite
+    ):
         raise TitanliteError(refusal)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg.to_dict()))
-    return _run(["-m", "titanlite", "train", "--config", str(run_dir / "config.toml")], nproc, run_dir,
-                device=t.device, backend=cfg.parallel.backend, threads=t.threads,
-                callbacks=callbacks, timeout_s=timeout_s, port=port, max_restarts=max_restarts, echo=echo)
+    return _run(
+        ["-m", "titanlite", "train", "--config", str(run_dir / "config.toml")],
+        nproc,
+        run_dir,
+        device=t.device,
+        backend=cfg.parallel.backend,
+        threads=t.threads,
+        callbacks=callbacks,
+        timeout_s=timeout_s,
+        port=port,
+        max_restarts=max_restarts,
+        echo=echo,
+    )
 
 
-def launch_function(target: str, nproc: int = 2, *, device: str = "cpu", backend: str = "auto",
-                    timeout_s: float | None = 300, callbacks=(), log_dir: str = "runs",
-                    echo: bool = False, **kwargs) -> list:
+def launch_function(
+    target: str,
+    nproc: int = 2,
+    *,
+    device: str = "cpu",
+    backend: str = "auto",
+    timeout_s: float | None = 300,
+    callbacks=(),
+    log_dir: str = "runs",
+    echo: bool = False,
+    **kwargs,
+) -> list:
     """Run `module:function(**kwargs)` in every rank of a fresh job; return each rank's result.
     The process group is initialised before the call (see run_function.py)."""
     import torch
 
     if ":" not in target:
         raise TitanliteError(f"target '{target}' must look like 'package.module:function'")
-    run_dir = Path(log_dir) / f"fn-{target.split(':')[1]}-{nproc}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    run_dir = (
+        Path(log_dir)
+        / f"fn-{target.split(':')[1]}-{nproc}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"target": target, "kwargs": kwargs, "device": device, "backend": backend,
-                "timeout_s": timeout_s or 300}, run_dir / "function.pt")
-    _run(["-m", "titanlite.tools.run_function", str(run_dir)], nproc, run_dir, device=device,
-         backend=backend, threads=None, callbacks=callbacks, timeout_s=timeout_s, port=None,
-         max_restarts=0, echo=echo)
+    torch.save(
+        {
+            "target": target,
+            "kwargs": kwargs,
+            "device": device,
+            "backend": backend,
+            "timeout_s": timeout_s or 300,
+        },
+        run_dir / "function.pt",
+    )
+    _run(
+        ["-m", "titanlite.tools.run_function", str(run_dir)],
+        nproc,
+        run_dir,
+        device=device,
+        backend=backend,
+        threads=None,
+        callbacks=callbacks,
+        timeout_s=timeout_s,
+        port=None,
+        max_restarts=0,
+        echo=echo,
+    )
     return [torch.load(run_dir / f"result.rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
 # ----- the machinery -------------------------------------------------------------------------
 
-def _run(module_args, nproc, run_dir: Path, *, device, backend, threads, callbacks, timeout_s,
-         port, max_restarts, echo) -> LaunchResult:
+
+def _run(
+    module_args,
+    nproc,
+    run_dir: Path,
+    *,
+    device,
+    backend,
+    threads,
+    callbacks,
+    timeout_s,
+    port,
+    max_restarts,
+    echo,
+) -> LaunchResult:
     _check_machine(nproc, device, backend)
     port = _free_port() if port is None else _check_port(port)
     job_id = uuid.uuid4().hex
@@ -127,17 +192,40 @@ def _run(module_args, nproc, run_dir: Path, *, device, backend, threads, callbac
     # attempt's gloo addresses and fail with "Connection refused" or hang (torch 2.13, seen
     # here; pytorch/pytorch#135712), so --max-restarts would never recover.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-           "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job_id[:12],
-           "--max-restarts", str(max_restarts), "--log-dir", str(run_dir / "logs"),
-           "--redirects", "3", *(["--tee", "3"] if echo else []), *module_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        job_id[:12],
+        "--max-restarts",
+        str(max_restarts),
+        "--log-dir",
+        str(run_dir / "logs"),
+        "--redirects",
+        "3",
+        *(["--tee", "3"] if echo else []),
+        *module_args,
+    ]
     shown = "torchrun " + shlex.join(cmd[3:])
     log = open(run_dir / "launcher.log", "w")
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True,  # its own process group: one kill reaches it
-                            preexec_fn=_dies_with_us())
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: one kill reaches it
+        preexec_fn=_dies_with_us(),
+    )
     tail = _Tail(run_dir)
     result = LaunchResult(run_dir=run_dir, command=shown, wall_s=0.0, job_id=job_id)
     try:
@@ -145,9 +233,11 @@ def _run(module_args, nproc, run_dir: Path, *, device, backend, threads, callbac
             _deliver(tail.read(), result, callbacks)
             if timeout_s is not None and time.perf_counter() - start > timeout_s:
                 _stop(proc, job_id)
-                raise TitanliteError(f"the job did not finish within {timeout_s:.0f} s (last step per "
-                                     f"rank: {tail.last_steps() or 'none logged'}); all {nproc} ranks "
-                                     f"were stopped: raise timeout_s, or look for a hung rank in {run_dir / 'logs'}")
+                raise TitanliteError(
+                    f"the job did not finish within {timeout_s:.0f} s (last step per "
+                    f"rank: {tail.last_steps() or 'none logged'}); all {nproc} ranks "
+                    f"were stopped: raise timeout_s, or look for a hung rank in {run_dir / 'logs'}"
+                )
             time.sleep(0.2)
     except KeyboardInterrupt:
         _stop(proc, job_id)
@@ -187,7 +277,7 @@ class _Tail:
             with path.open() as f:
                 f.seek(self.offsets.get(path, 0))
                 chunk = f.read()
-            complete = chunk[:chunk.rfind("\n") + 1]  # a half-written line waits for next time
+            complete = chunk[: chunk.rfind("\n") + 1]  # a half-written line waits for next time
             self.offsets[path] = self.offsets.get(path, 0) + len(complete.encode())
             for line in complete.splitlines():
                 record = json.loads(line)
@@ -243,6 +333,7 @@ def _dies_with_us():
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
+
     try:
         prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
@@ -257,27 +348,39 @@ def job_processes(job_id: str) -> list[int]:
     pids = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if marker in (entry / "environ").read_bytes().split(b"\0") and \
-                    b"Z" not in (entry / "stat").read_bytes().rsplit(b")", 1)[1][:3]:
+            if (
+                marker in (entry / "environ").read_bytes().split(b"\0")
+                and b"Z" not in (entry / "stat").read_bytes().rsplit(b")", 1)[1][:3]
+            ):
                 pids.append(int(entry.name))
         except (OSError, IndexError):
             continue
     return pids
 
 
-_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|[Tt]imed out|"
-                        r"ECONNRESET|Socket closed|Read error|Write error")
+_PEER_GONE = re.compile(
+    r"Connection closed by peer|Connection reset|Broken pipe|[Tt]imed out|"
+    r"ECONNRESET|Socket closed|Read error|Write error"
+)
 
 
 def _failed_ranks(summary: str) -> list[dict]:
     """torchrun's failure summary as [{rank, code, error_file}], root cause first."""
     entries = []
     for block in re.split(r"\n\s*\[\d+\]:\s*\n", summary)[1:]:
-        rank, code = re.search(r"rank\s*:\s*(\d+)", block), re.search(r"exitcode\s*:\s*(-?\d+)", block)
+        rank, code = (
+            re.search(r"rank\s*:\s*(\d+)", block),
+            re.search(r"exitcode\s*:\s*(-?\d+)", block),
+        )
         if rank and code:
             error_file = re.search(r"error_file\s*:\s*(\S+)", block)
-            entries.append({"rank": int(rank.group(1)), "code": int(code.group(1)),
-                            "error_file": Path(error_file.group(1)) if error_file else None})
+            entries.append(
+                {
+                    "rank": int(rank.group(1)),
+                    "code": int(code.group(1)),
+                    "error_file": Path(error_file.group(1)) if error_file else None,
+                }
+            )
     return entries
 
 
@@ -312,14 +415,21 @@ def _failure(run_dir: Path, returncode: int, last_steps: str) -> TitanliteError:
             if killed and _PEER_GONE.search(message):
                 root, message = killed[0], None
             else:
-                print(f"--- rank {root['rank']} failed; its traceback: ---\n"
-                      f"{info['extraInfo']['py_callstack']}", file=sys.stderr)
+                print(
+                    f"--- rank {root['rank']} failed; its traceback: ---\n"
+                    f"{info['extraInfo']['py_callstack']}",
+                    file=sys.stderr,
+                )
         rank, code = root["rank"], root["code"]
         if message is not None:
-            hint = " - a peer stopped answering (hung or dead rank?)" if "imed out" in message else ""
+            hint = (
+                " - a peer stopped answering (hung or dead rank?)" if "imed out" in message else ""
+            )
             return TitanliteError(f"rank {rank} failed: {message}{hint} ({where})")
         if code < 0:
-            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
+            name = (
+                signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
+            )
             return TitanliteError(f"rank {rank} was killed by signal {name} ({where})")
         errors = _reported_errors(run_dir)
         if errors:
@@ -330,8 +440,10 @@ def _failure(run_dir: Path, returncode: int, last_steps: str) -> TitanliteError:
             return TitanliteError(errors[0])
         return TitanliteError(f"rank {rank} exited with status {code} ({where})")
     print("\n".join(log.strip().splitlines()[-15:]), file=sys.stderr)
-    return TitanliteError(f"the job failed with exit status {returncode} before any rank reported "
-                          f"an error (torchrun's output above; all of it in {run_dir / 'launcher.log'})")
+    return TitanliteError(
+        f"the job failed with exit status {returncode} before any rank reported "
+        f"an error (torchrun's output above; all of it in {run_dir / 'launcher.log'})"
+    )
 
 
 def _reported_errors(run_dir: Path) -> list[str]:
@@ -341,8 +453,11 @@ def _reported_errors(run_dir: Path) -> list[str]:
         return []
     lines = []
     for f in sorted(attempts[-1].glob("*/stderr.log"), key=lambda f: int(f.parent.name)):
-        lines += [ln[len("titanlite: error: "):] for ln in f.read_text().splitlines()
-                  if ln.startswith("titanlite: error:")]
+        lines += [
+            ln[len("titanlite: error: ") :]
+            for ln in f.read_text().splitlines()
+            if ln.startswith("titanlite: error:")
+        ]
     return list(dict.fromkeys(lines))
 
 
@@ -354,19 +469,24 @@ def _check_nproc(nproc) -> None:
 def _check_machine(nproc: int, device: str, backend: str) -> None:
     import torch
 
-    from ..hardware import detect_device
     from ..distributed.env import pick_backend
+    from ..hardware import detect_device
+
     _check_nproc(nproc)
     dev = detect_device(device)
     pick_backend(backend, dev.type)
     if dev.type == "cuda" and nproc > torch.cuda.device_count():
-        raise TitanliteError(f"{nproc} processes but {torch.cuda.device_count()} GPUs: each rank needs "
-                             f"its own GPU, so use nproc <= {torch.cuda.device_count()}")
+        raise TitanliteError(
+            f"{nproc} processes but {torch.cuda.device_count()} GPUs: each rank needs "
+            f"its own GPU, so use nproc <= {torch.cuda.device_count()}"
+        )
     cores = os.cpu_count() or 1
     if dev.type != "cuda" and nproc > cores:
-        warnings.warn(f"{nproc} processes on {cores} CPU cores: they will take turns on the cores, "
-                      f"which is fine for checking results but makes speed numbers meaningless",
-                      stacklevel=3)
+        warnings.warn(
+            f"{nproc} processes on {cores} CPU cores: they will take turns on the cores, "
+            f"which is fine for checking results but makes speed numbers meaningless",
+            stacklevel=3,
+        )
 
 
 def _free_port() -> int:
@@ -380,8 +500,10 @@ def _check_port(port: int) -> int:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise TitanliteError(f"port {port} is already in use (another job, or one still shutting "
-                                 f"down): pass another port, or port=None to pick a free one") from None
+            raise TitanliteError(
+                f"port {port} is already in use (another job, or one still shutting "
+                f"down): pass another port, or port=None to pick a free one"
+            ) from None
     return port
 
 
@@ -393,6 +515,8 @@ def to_toml(doc: dict) -> str:
         for key, value in values.items():
             if value is None:
                 value = "none"
-            lines.append(f"{key} = {json.dumps(value) if not isinstance(value, bool) else str(value).lower()}")
+            lines.append(
+                f"{key} = {json.dumps(value) if not isinstance(value, bool) else str(value).lower()}"
+            )
         lines.append("")
     return "\n".join(lines)

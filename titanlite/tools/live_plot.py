@@ -29,6 +29,7 @@ Why it looks like this:
 - Sized for a 1280-px laptop screen: at most two panels side by side, one legend for the
   whole figure outside every panel, short panel titles with the peaks' full names below.
 """
+
 from __future__ import annotations
 
 import html
@@ -48,7 +49,6 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter, MaxNLocator
 from matplotlib.transforms import ScaledTranslation
 
-
 from ..errors import TitanliteError, closest
 
 MODES = ("widget", "static", "off")
@@ -67,8 +67,18 @@ AXES = {
 # Metrics drawn with a smoothed line on top: per-step throughput jitters with the OS scheduler.
 SMOOTHED = {"tokens_per_sec", "step_time_s"}
 EMA_ALPHA = 0.2  # weight of the newest point: ~5 steps of memory
-COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
-          "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+COLORS = [
+    "#1f77b4",
+    "#d62728",
+    "#2ca02c",
+    "#ff7f0e",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+]
 # Sized for a laptop (1280 px wide: JupyterLab with its file browser open leaves ~850 px for outputs):
 # panels in inches at 90 dpi, at most two side by side; the legend never covers a curve.
 DPI, PANEL = 90, {1: (6.2, 2.8), 2: (3.7, 2.5)}  # columns -> (width, height) of one panel
@@ -97,8 +107,10 @@ def resolve_mode(mode: str | None = None) -> str:
     mode = mode or os.environ.get("TITANLITE_LIVE_PLOT", "").strip().lower() or None
     if mode is not None:
         if mode not in MODES:
-            raise TitanliteError(f"LivePlot mode {mode!r} is not one of {', '.join(MODES)}"
-                                 f"{closest(mode, MODES)}; pass mode= or set TITANLITE_LIVE_PLOT")
+            raise TitanliteError(
+                f"LivePlot mode {mode!r} is not one of {', '.join(MODES)}"
+                f"{closest(mode, MODES)}; pass mode= or set TITANLITE_LIVE_PLOT"
+            )
         return mode
     ip = _ipython()
     in_kernel = ip is not None and getattr(ip, "kernel", None) is not None
@@ -125,9 +137,23 @@ def _peak_title(labels: list[str]) -> str:
     """The MFU panel's short title: which kind of peak, in which dtypes ("% of measured float32,
     bfloat16 peak"); the peaks' full names go to the footnote, once each."""
     kinds = [k for k in ("measured", "datasheet") if any(k in label for label in labels)]
-    dtypes = list(dict.fromkeys(d for label in labels for d in re.findall(
-        r"\b(?:b?float(?:16|32)|bf16|fp(?:8|16|32)|tf32|float8\w*)\b", label)))
-    return " ".join(["% of", *(["/".join(kinds)] if kinds else []), *([", ".join(dtypes)] if dtypes else []), "peak"])
+    dtypes = list(
+        dict.fromkeys(
+            d
+            for label in labels
+            for d in re.findall(
+                r"\b(?:b?float(?:16|32)|bf16|fp(?:8|16|32)|tf32|float8\w*)\b", label
+            )
+        )
+    )
+    return " ".join(
+        [
+            "% of",
+            *(["/".join(kinds)] if kinds else []),
+            *([", ".join(dtypes)] if dtypes else []),
+            "peak",
+        ]
+    )
 
 
 def _num(value) -> float | None:
@@ -176,10 +202,14 @@ class Progress:
     def text(self) -> str:
         if self.step is None:
             return ""
-        parts = [f"step {self.step:.0f}" + (f"/{self.total} ({self.fraction:.0%})" if self.total else "")]
+        parts = [
+            f"step {self.step:.0f}" + (f"/{self.total} ({self.fraction:.0%})" if self.total else "")
+        ]
         parts.append(f"{_short_clock(self.elapsed_s)} elapsed")
         if self.remaining_s is not None:
-            parts.append("done" if self.step >= self.total else f"~{_short_clock(self.remaining_s)} left")
+            parts.append(
+                "done" if self.step >= self.total else f"~{_short_clock(self.remaining_s)} left"
+            )
         return " · ".join(parts)
 
 
@@ -189,8 +219,10 @@ def read_jsonl(path: str | Path, kind: str | None = None) -> list[dict]:
     if p.is_dir():
         p = p / "metrics.jsonl"
     if not p.is_file():
-        raise TitanliteError(f"metrics file '{p}' does not exist: pass a run directory "
-                             f"(runs/<name>) or its metrics.jsonl")
+        raise TitanliteError(
+            f"metrics file '{p}' does not exist: pass a run directory "
+            f"(runs/<name>) or its metrics.jsonl"
+        )
     records = []
     for line in p.read_text().splitlines():
         try:
@@ -211,9 +243,18 @@ class LivePlot:
     Widget mode displays the plot in the current cell as soon as it is constructed, so build
     it in the cell that trains (or set `show=False` and `display(plot)` yourself)."""
 
-    def __init__(self, metrics=("loss", "tokens_per_sec", "mfu"), title=None, mode=None,
-                 min_interval_s=0.5, save_path=None, label=None, x="step", show=True,
-                 steps=None):
+    def __init__(
+        self,
+        metrics=("loss", "tokens_per_sec", "mfu"),
+        title=None,
+        mode=None,
+        min_interval_s=0.5,
+        save_path=None,
+        label=None,
+        x="step",
+        show=True,
+        steps=None,
+    ):
         self.metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
         if not self.metrics:
             raise TitanliteError("LivePlot needs at least one metric, e.g. metrics=('loss',)")
@@ -243,7 +284,9 @@ class LivePlot:
         FigureCanvasAgg(self._fig)  # attaches itself to the figure
         cells = list(self._fig.subplots(self._rows, self._cols, squeeze=False).flat)
         self._axes = cells[:n]
-        self._spare = cells[n] if len(cells) > n else None  # an empty grid cell: the legend goes there
+        self._spare = (
+            cells[n] if len(cells) > n else None
+        )  # an empty grid cell: the legend goes there
         if self._spare is not None:
             self._spare.axis("off")
         self._legend, self._legend_key, self._legend_rows, self._notes = None, None, 0, []
@@ -281,13 +324,17 @@ class LivePlot:
         Labels default to the run's name (runs/<name>/metrics.jsonl) or the file's stem."""
         paths = [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
         if labels is None:
-            labels = [p.name if p.is_dir() else p.parent.name if p.stem == "metrics" else p.stem
-                      for p in paths]
+            labels = [
+                p.name if p.is_dir() else p.parent.name if p.stem == "metrics" else p.stem
+                for p in paths
+            ]
             if len(set(labels)) < len(labels):  # e.g. rank0/x.jsonl and rank1/x.jsonl
                 labels = [str(p.with_suffix("")) for p in paths]
         if len(labels) != len(paths):
-            raise TitanliteError(f"from_jsonl got {len(paths)} paths but {len(labels)} labels; "
-                                 "pass one label per file")
+            raise TitanliteError(
+                f"from_jsonl got {len(paths)} paths but {len(labels)} labels; "
+                "pass one label per file"
+            )
         plot = cls(metrics=metrics, **kw)
         for path, label in zip(paths, labels):
             plot.add_run(label, read_jsonl(path))
@@ -300,7 +347,8 @@ class LivePlot:
             return  # a record without x cannot be placed; say nothing, keep training
         rank = record.get("rank")
         series = self._series.setdefault(
-            (run, rank), {"color": COLORS[len(self._series) % len(COLORS)], "data": {}})
+            (run, rank), {"color": COLORS[len(self._series) % len(COLORS)], "data": {}}
+        )
         is_val = record.get("kind") == "val"
         for metric in self.metrics:
             # A val record carries val_<metric>; a train record may carry both.
@@ -325,10 +373,14 @@ class LivePlot:
         now = time.monotonic()
         self._t0 = now if self._t0 is None else self._t0
         # One plot may show several runs in turn (a comparison cell): progress is the latest run's.
-        if run != self._progress_run or (self._progress.step is not None and step < self._progress.step):
+        if run != self._progress_run or (
+            self._progress.step is not None and step < self._progress.step
+        ):
             self._progress, self._progress_run, self._t0 = Progress(self.steps), run, now
         elapsed = _num(elapsed)
-        self._progress.update(step, now - self._t0 if elapsed is None or math.isnan(elapsed) else elapsed)
+        self._progress.update(
+            step, now - self._t0 if elapsed is None or math.isnan(elapsed) else elapsed
+        )
 
     # --- drawing ------------------------------------------------------------------------
     def _layout(self) -> None:
@@ -343,53 +395,89 @@ class LivePlot:
         w = LEFT + self._cols * panel_w + (self._cols - 1) * GAP_W + RIGHT
         h = top + self._rows * panel_h + (self._rows - 1) * gap_h + bottom
         self._fig.set_size_inches(w, h)
-        self._fig.subplots_adjust(left=LEFT / w, right=1 - RIGHT / w, bottom=bottom / h, top=1 - top / h,
-                                  wspace=GAP_W / panel_w, hspace=gap_h / panel_h)
+        self._fig.subplots_adjust(
+            left=LEFT / w,
+            right=1 - RIGHT / w,
+            bottom=bottom / h,
+            top=1 - top / h,
+            wspace=GAP_W / panel_w,
+            hspace=gap_h / panel_h,
+        )
         for i, note in enumerate(self._notes):  # the footnotes sit at fixed inches from the bottom
             note.set_position((0.1 / w, (0.08 + 0.17 * (len(self._notes) - 1 - i)) / h))
 
     def _draw(self) -> None:
         """Update the persistent Line2D objects in place (cheaper than clearing axes)."""
         for (run, rank), series in self._series.items():
-            name = " ".join(str(p) for p in (run, None if rank is None else f"rank {rank}")
-                            if p is not None)
+            name = " ".join(
+                str(p) for p in (run, None if rank is None else f"rank {rank}") if p is not None
+            )
             for (kind, metric), (xs, ys) in series["data"].items():
                 ax = self._axes[self.metrics.index(metric)]
                 line = self._lines.get((run, rank, kind, metric))
                 if line is None:
                     val = kind == "val"
                     text = f"{name} val".strip() if val else (name or "train")
-                    (line,) = ax.plot([], [], color=series["color"], label=text,
-                                      linestyle="--" if val else "-", marker="o" if val else None,
-                                      markersize=3, linewidth=1.4)
+                    (line,) = ax.plot(
+                        [],
+                        [],
+                        color=series["color"],
+                        label=text,
+                        linestyle="--" if val else "-",
+                        marker="o" if val else None,
+                        markersize=3,
+                        linewidth=1.4,
+                    )
                     self._lines[(run, rank, kind, metric)] = line
                 line.set_data(xs, ys)
                 if kind == "train" and metric in SMOOTHED and len(xs) > 2:
                     key = (run, rank, "ema", metric)
                     if key not in self._lines:
                         line.set_alpha(0.35)  # the raw jitter stays visible, behind the trend
-                        self._lines[key] = ax.plot([], [], color=series["color"], linewidth=1.8,
-                                                   label=f"EMA, α={EMA_ALPHA}")[0]
+                        self._lines[key] = ax.plot(
+                            [],
+                            [],
+                            color=series["color"],
+                            linewidth=1.8,
+                            label=f"EMA, α={EMA_ALPHA}",
+                        )[0]
                     self._lines[key].set_data(xs, ema(ys))
         relayout = False
         for metric, ax in zip(self.metrics, self._axes):
             ax.set_ylabel(AXES.get(metric, (metric, 1.0))[0], fontsize=FONT + 1)
             if metric == "mfu" and self._peak_labels:  # MFU means nothing without its peak
-                over = max((y for line in ax.get_lines() for y in line.get_ydata() if y == y), default=0) > 100
-                notes = list(dict.fromkeys(f"MFU: % of {_short_peak(p)}" for p in self._peak_labels)) + (
-                    ["MFU above 100% is no real MFU: that peak is too low here (measured while the machine "
-                     "was busier, or with other threads): `titanlite peaks --refresh`"] if over else [])
+                over = (
+                    max(
+                        (y for line in ax.get_lines() for y in line.get_ydata() if y == y),
+                        default=0,
+                    )
+                    > 100
+                )
+                notes = list(
+                    dict.fromkeys(f"MFU: % of {_short_peak(p)}" for p in self._peak_labels)
+                ) + (
+                    [
+                        "MFU above 100% is no real MFU: that peak is too low here (measured while the machine "
+                        "was busier, or with other threads): `titanlite peaks --refresh`"
+                    ]
+                    if over
+                    else []
+                )
                 if [n.get_text() for n in self._notes] != notes:
                     ax.set_title(_peak_title(self._peak_labels), fontsize=FONT + 0.5)
                     if over and not any(line.get_label() == "_peak" for line in ax.get_lines()):
                         ax.axhline(100, color="0.3", linestyle=":", linewidth=1, label="_peak")
                     for old in self._notes:
                         old.remove()
-                    self._notes = [self._fig.text(0, 0, n, fontsize=FONT - 1, color="0.35") for n in notes]
+                    self._notes = [
+                        self._fig.text(0, 0, n, fontsize=FONT - 1, color="0.35") for n in notes
+                    ]
                     relayout = True
             ax.set_xlabel(AXES.get(self.x, (self.x,))[0], fontsize=FONT + 1)
             ax.tick_params(labelsize=FONT)
-            if self.x != "elapsed_s":  # steps, tokens, repetitions: no 2.5 steps on a short run's axis
+            if (
+                self.x != "elapsed_s"
+            ):  # steps, tokens, repetitions: no 2.5 steps on a short run's axis
                 ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
             if self.x == "tokens":  # 1,048,576 tokens as "1M": labels that never run together
                 ax.xaxis.set_major_formatter(EngFormatter(sep=""))
@@ -400,7 +488,9 @@ class LivePlot:
             ax.autoscale_view()
         relayout |= self._draw_legend()
         suptitle = self._fig._suptitle.get_text() if self._fig._suptitle else ""
-        if self.title and self._title_text() != suptitle:  # a title may be set after the runs, with their result
+        if (
+            self.title and self._title_text() != suptitle
+        ):  # a title may be set after the runs, with their result
             self._fig.suptitle(self._title_text(), fontsize=FONT + 3)
             relayout = True
         if relayout:
@@ -418,9 +508,16 @@ class LivePlot:
         runs = {}  # (run, rank) -> its colour, in the order they arrived
         for (run, rank, _kind, _metric), line in self._lines.items():
             runs.setdefault((run, rank), line.get_color())
-        handles = [Line2D([], [], color=color, linewidth=1.8) for color in runs.values()][:MAX_RUNS_LISTED]
-        labels = [" ".join(str(p) for p in (run, None if rank is None else f"rank {rank}") if p is not None)
-                  or "train" for run, rank in runs][:MAX_RUNS_LISTED]
+        handles = [Line2D([], [], color=color, linewidth=1.8) for color in runs.values()][
+            :MAX_RUNS_LISTED
+        ]
+        labels = [
+            " ".join(
+                str(p) for p in (run, None if rank is None else f"rank {rank}") if p is not None
+            )
+            or "train"
+            for run, rank in runs
+        ][:MAX_RUNS_LISTED]
         if len(runs) > MAX_RUNS_LISTED:  # a search's sixty trials: the colours repeat anyway
             handles.append(Line2D([], [], color="none"))
             labels.append(f"… {len(runs) - MAX_RUNS_LISTED} more runs")
@@ -429,7 +526,10 @@ class LivePlot:
             handles.append(Line2D([], [], color="0.4", linestyle="--", marker="o", markersize=3))
             labels.append("validation (dashed)")
         if "ema" in kinds:
-            handles += [Line2D([], [], color="0.4", alpha=0.35), Line2D([], [], color="0.4", linewidth=1.8)]
+            handles += [
+                Line2D([], [], color="0.4", alpha=0.35),
+                Line2D([], [], color="0.4", linewidth=1.8),
+            ]
             labels += ["per step", f"EMA, α={EMA_ALPHA}"]
         key = (tuple(labels), len(self._notes))
         if len(handles) < 2 or key == self._legend_key:
@@ -439,14 +539,23 @@ class LivePlot:
             self._legend.remove()
         rows = 0
         if self._spare is not None:
-            self._legend = self._spare.legend(handles, labels, loc="upper left", fontsize=FONT, frameon=False)
+            self._legend = self._spare.legend(
+                handles, labels, loc="upper left", fontsize=FONT, frameon=False
+            )
         else:  # under the x labels, above the footnotes: anchored in inches from the bottom edge
             ncol = 4 if self._cols > 1 else 3
             rows = -(-len(labels) // ncol)
             lift = ScaledTranslation(0, 0.05 + 0.17 * len(self._notes), self._fig.dpi_scale_trans)
-            self._legend = self._fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=FONT,
-                                            frameon=False, bbox_to_anchor=(0.5, 0.0),
-                                            bbox_transform=self._fig.transFigure + lift)
+            self._legend = self._fig.legend(
+                handles,
+                labels,
+                loc="lower center",
+                ncol=ncol,
+                fontsize=FONT,
+                frameon=False,
+                bbox_to_anchor=(0.5, 0.0),
+                bbox_transform=self._fig.transFigure + lift,
+            )
         changed, self._legend_rows = rows != self._legend_rows, rows
         return changed
 
@@ -463,7 +572,9 @@ class LivePlot:
             return
         self._status.value = self._status_html()
         if self._phase is not None and self._ticker is None:
-            self._ticker = threading.Thread(target=self._tick, name="titanlite-live-plot", daemon=True)
+            self._ticker = threading.Thread(
+                target=self._tick, name="titanlite-live-plot", daemon=True
+            )
             self._ticker.start()
 
     def _tick(self) -> None:
@@ -501,9 +612,16 @@ class LivePlot:
             return f"{text} · {_short_clock(time.monotonic() - since)} elapsed"
         r = self._last
         rank = None if r.get("rank") is None else f"rank {r['rank']}"
-        parts = [" ".join(str(v) for v in (r.get("run"), rank) if v is not None), self._progress.text()]
-        for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"),
-                         ("tokens_per_sec", "{:,.0f} tok/s"), ("mfu", "MFU {:.2%}")):
+        parts = [
+            " ".join(str(v) for v in (r.get("run"), rank) if v is not None),
+            self._progress.text(),
+        ]
+        for key, fmt in (
+            ("loss", "loss {:.4f}"),
+            ("val_loss", "val {:.4f}"),
+            ("tokens_per_sec", "{:,.0f} tok/s"),
+            ("mfu", "MFU {:.2%}"),
+        ):
             if (value := _num(r.get(key))) is not None:
                 parts.append(fmt.format(value))
         parts = [p for p in parts if p]
@@ -520,10 +638,12 @@ class LivePlot:
 
         self._status = widgets.HTML(self._status_html())
         if self.steps:
-            self._bar = widgets.IntProgress(value=0, min=0, max=int(self.steps),
-                                            layout=widgets.Layout(width="240px"))
-        self._image = widgets.Image(value=self.png(), format="png",
-                                    layout=widgets.Layout(max_width="100%"))
+            self._bar = widgets.IntProgress(
+                value=0, min=0, max=int(self.steps), layout=widgets.Layout(width="240px")
+            )
+        self._image = widgets.Image(
+            value=self.png(), format="png", layout=widgets.Layout(max_width="100%")
+        )
         self._image.add_class("titanlite-live-plot")
         top = [self._bar, self._status] if self._bar is not None else [self._status]
         self._box = widgets.VBox([widgets.HBox(top), self._image])
@@ -536,9 +656,14 @@ class LivePlot:
         import base64
 
         b64 = base64.b64encode(self.png()).decode()
-        return _Bundle({"image/png": b64, "text/plain": self._status_text() + "\n",
-                        "text/html": f'{self._status_html()}'
-                                     f'<img class="titanlite-live-plot" src="data:image/png;base64,{b64}"/>'})
+        return _Bundle(
+            {
+                "image/png": b64,
+                "text/plain": self._status_text() + "\n",
+                "text/html": f"{self._status_html()}"
+                f'<img class="titanlite-live-plot" src="data:image/png;base64,{b64}"/>',
+            }
+        )
 
     def _show(self) -> None:
         ip = _ipython()
@@ -590,7 +715,9 @@ class LivePlot:
         ip = _ipython()
         if ip is not None and self._shown_at is not None:
             count, points = self._shown_at
-            if count == ip.execution_count and (self.mode == "widget" or points == self._n_points()):
+            if count == ip.execution_count and (
+                self.mode == "widget" or points == self._n_points()
+            ):
                 return
         self._show()
 
@@ -598,9 +725,10 @@ class LivePlot:
         return self.png()
 
     def __repr__(self) -> str:
-        return (f"LivePlot(mode={self.mode!r}, metrics={self.metrics}, "
-                f"series={len(self._series)}, points={self._n_points()})")
-
+        return (
+            f"LivePlot(mode={self.mode!r}, metrics={self.metrics}, "
+            f"series={len(self._series)}, points={self._n_points()})"
+        )
 
 
 class _Bundle:

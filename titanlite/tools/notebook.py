@@ -16,6 +16,7 @@ the torchrun workers of `launch_function` call `quiet_third_party()` before they
 - `one_line_warnings`: a warning shows as `RuntimeWarning: <message>`, one line, without the
   file, line number and source line Python adds (noise next to a notebook's own output).
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,8 +55,10 @@ def notebook_setup() -> None:
 def one_line_warnings() -> None:
     """Show every warning as one line: its category and message. Python's default adds where it
     was raised and that source line, which in a notebook reads as a second, cryptic line."""
+
     def one_line(message, category, filename, lineno, line=None):
         return f"{category.__name__}: {message}\n"
+
     warnings.formatwarning = one_line
 
 
@@ -103,4 +106,5 @@ def _ipython():
     if "IPython" not in sys.modules:
         return None
     from IPython import get_ipython
+
     return get_ipython()

@@ -25,6 +25,7 @@ CLOCK_MONOTONIC), so single-machine timelines line up exactly. On CUDA each op i
 by a device synchronize: the timeline then shows when the GPU worked, at the price of a little
 overlap between communication and compute.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -45,10 +46,10 @@ class Event:
     rank: int
     stage: int
     microbatch: int
-    kind: str           # F, B, I or W
-    start: float        # seconds (perf_counter)
+    kind: str  # F, B, I or W
+    start: float  # seconds (perf_counter)
     end: float
-    live_bytes: int = 0   # bytes autograd saved on this rank this step, alive when the op ended
+    live_bytes: int = 0  # bytes autograd saved on this rank this step, alive when the op ended
     live_before: int = 0  # ... and when it started (the loss's own saves happen between ops)
 
 
@@ -69,11 +70,16 @@ class TimelineRecorder:
         self.events: list[Event] = []
         self._saved: dict[int, tuple[StorageWeakRef, int]] = {}
         self._persistent: set[int] = set()
-        self._owned = {StorageWeakRef(t.untyped_storage()).cdata for s in stages
-                       for t in [*s.submod.parameters(), *s.submod.buffers()]}
+        self._owned = {
+            StorageWeakRef(t.untyped_storage()).cdata
+            for s in stages
+            for t in [*s.submod.parameters(), *s.submod.buffers()]
+        }
         for stage in stages:
             self._wrap(stage, "forward_one_chunk", lambda a: "F")
-            self._wrap(stage, "backward_one_chunk", lambda a: "B" if a.get("full_backward", True) else "I")
+            self._wrap(
+                stage, "backward_one_chunk", lambda a: "B" if a.get("full_backward", True) else "I"
+            )
             self._wrap(stage, "backward_weight_one_chunk", lambda a: "W")
 
     def _wrap(self, stage, name: str, kind_of) -> None:
@@ -89,9 +95,20 @@ class TimelineRecorder:
                 self._sync()
                 end = time.perf_counter()
                 chunk = next(iter(call.values()))  # fwd_chunk_id / bwd_chunk_id, the first argument
-                self.events.append(Event(self.rank, stage.stage_index, int(chunk), kind_of(call),
-                                         start, end, self.live_bytes(), before))
+                self.events.append(
+                    Event(
+                        self.rank,
+                        stage.stage_index,
+                        int(chunk),
+                        kind_of(call),
+                        start,
+                        end,
+                        self.live_bytes(),
+                        before,
+                    )
+                )
                 return out
+
             return timed
 
         replace_stage_method(stage, name, make_timed)  # this stage instance only
@@ -139,6 +156,7 @@ def gather_events(events: list[Event], group=None) -> list[Event]:
 
 # ----- what the timeline says -----------------------------------------------------------------
 
+
 def bubble(events: list[Event]) -> dict[int, float]:
     """idle / busy for each rank over the step's span (see the module docstring)."""
     span = max(e.end for e in events) - min(e.start for e in events)
@@ -162,12 +180,20 @@ def causality_margin(events: list[Event]) -> float:
     agree; the value is the fastest hand-over between ranks."""
     last_stage, done = max(e.stage for e in events), _finished(events)
     home = {e.stage: e.rank for e in events}
-    return min((e.start - done[d] for e in events
-                for d in _inputs(e.kind, e.stage, e.microbatch, last_stage) if home[d[1]] != e.rank),
-               default=0.0)
+    return min(
+        (
+            e.start - done[d]
+            for e in events
+            for d in _inputs(e.kind, e.stage, e.microbatch, last_stage)
+            if home[d[1]] != e.rank
+        ),
+        default=0.0,
+    )
 
 
-def bubble_budget(steps: list[list[Event]], formula: float, draws: int = 200, seed: int = 0) -> dict:
+def bubble_budget(
+    steps: list[list[Event]], formula: float, draws: int = 200, seed: int = 0
+) -> dict:
     """Each step's bubble split into what the schedule causes and what the machine adds, and the
     schedule's part checked against the formula (ratios idle / busy, mean over ranks):
 
@@ -184,6 +210,7 @@ def bubble_budget(steps: list[list[Event]], formula: float, draws: int = 200, se
     the measured imbalance and noise make of the formula; on a quiet machine it is tight."""
     import random
     import statistics
+
     mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
     wall = [mean(bubble(ev)) for ev in steps]
     measured = [mean(bubble(replay(ev))) for ev in steps]
@@ -193,11 +220,19 @@ def bubble_budget(steps: list[list[Event]], formula: float, draws: int = 200, se
             pool.setdefault((e.stage, e.kind), []).append(e.end - e.start)
     rng = random.Random(seed)
     orders = {r: order(steps[-1], r) for r in sorted({e.rank for e in steps[-1]})}
-    sims = [mean(bubble(simulate(orders, lambda r, k, s, i: rng.choice(pool[(s, k)]))))
-            for _ in range(draws)]
-    out = {"formula": formula, "measured": statistics.median(measured),
-           "wall": statistics.median(wall), "expected": statistics.fmean(sims),
-           "sigma": statistics.pstdev(sims), "per_step": measured, "per_step_wall": wall}
+    sims = [
+        mean(bubble(simulate(orders, lambda r, k, s, i: rng.choice(pool[(s, k)]))))
+        for _ in range(draws)
+    ]
+    out = {
+        "formula": formula,
+        "measured": statistics.median(measured),
+        "wall": statistics.median(wall),
+        "expected": statistics.fmean(sims),
+        "sigma": statistics.pstdev(sims),
+        "per_step": measured,
+        "per_step_wall": wall,
+    }
     out["overhead"] = out["wall"] - out["measured"]
     tolerance = abs(out["expected"] - formula) + 3 * out["sigma"] + 1e-9  # + rounding
     out["agrees"] = abs(out["measured"] - formula) <= tolerance
@@ -255,7 +290,9 @@ def peak_live_bytes(events: list[Event], rank: int) -> int:
     return max(max(e.live_bytes, e.live_before) for e in events if e.rank == rank)
 
 
-def simulate(orders: dict[int, list[tuple[str, int, int]]], duration, latency: float = 0.0) -> list[Event]:
+def simulate(
+    orders: dict[int, list[tuple[str, int, int]]], duration, latency: float = 0.0
+) -> list[Event]:
     """Replay each rank's op order: an op starts as soon as its rank is free and its inputs
     (`_inputs`) exist, `latency` seconds after their end when they were computed on another
     rank (0: free communication). `duration(rank, kind, stage, mb)`: seconds."""
@@ -280,11 +317,14 @@ def simulate(orders: dict[int, list[tuple[str, int, int]]], duration, latency: f
                 nxt[r] += 1
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"schedule deadlocks: next ops {[orders[r][nxt[r]] for r in orders if nxt[r] < len(orders[r])]}")
+            raise RuntimeError(
+                f"schedule deadlocks: next ops {[orders[r][nxt[r]] for r in orders if nxt[r] < len(orders[r])]}"
+            )
     return events
 
 
 # ----- the same orders, from scratch (picotron's two schedules, side by side) -----------------
+
 
 def afab_order(rank: int, p: int, m: int) -> list[tuple[str, int]]:
     """GPipe, all-forward-all-backward: every micro-batch forward, then every one backward.
@@ -305,6 +345,7 @@ def one_f_one_b_order(rank: int, p: int, m: int) -> list[tuple[str, int]]:
 
 # ----- the picture ------------------------------------------------------------------------------
 
+
 def plot_timeline(events: list[Event], ax=None, title: str = "", unit: str = "ms"):
     """A Gantt chart: one row per rank, one box per op (colour: F/B/I/W; text: micro-batch,
     and the stage when a rank holds several). `unit`: "ms" for recorded seconds, "units" for
@@ -322,7 +363,9 @@ def plot_timeline(events: list[Event], ax=None, title: str = "", unit: str = "ms
     several = len({e.stage for e in events}) > len({e.rank for e in events})
     for e in events:
         x, w = (e.start - t0) * scale, (e.end - e.start) * scale
-        ax.barh(e.rank, w, left=x, height=0.8, color=COLORS[e.kind], edgecolor="black", linewidth=0.4)
+        ax.barh(
+            e.rank, w, left=x, height=0.8, color=COLORS[e.kind], edgecolor="black", linewidth=0.4
+        )
         label = f"{e.microbatch}" + (f"s{e.stage}" if several else "")
         ax.text(x + w / 2, e.rank, label, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(sorted({e.rank for e in events}))
@@ -330,7 +373,13 @@ def plot_timeline(events: list[Event], ax=None, title: str = "", unit: str = "ms
     ax.invert_yaxis()
     ax.set_xlabel(f"time in the step ({unit})")
     kinds = sorted({e.kind for e in events}, key="FBIW".index)
-    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds], loc="lower right",
-              bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(kinds), frameon=False)
+    ax.legend(
+        handles=[Patch(color=COLORS[k], label=k) for k in kinds],
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+        ncol=len(kinds),
+        frameon=False,
+    )
     ax.set_title(title, fontsize=9, loc="left")
     return ax.figure

@@ -33,6 +33,7 @@ Memory per GPU, in bytes, of the heaviest pipeline stage:
 `reserve` is left for what is not counted: CUDA context, FSDP's gathered and prefetched layers,
 communication buffers, fragmentation.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,11 +41,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..distributed.mesh import DIM_NAMES, ParallelDims
 from ..efficiency.activation_checkpoint import MODES as AC_MODES
-from .activation_memory import activation_memory_estimate
 from ..errors import TitanliteError
 from ..models.llama import ModelArgs, Transformer
-from ..distributed.mesh import DIM_NAMES, ParallelDims
+from .activation_memory import activation_memory_estimate
 from .zero import PRECISIONS, zero_bytes_per_rank
 
 GB = 1e9
@@ -53,6 +54,7 @@ GB = 1e9
 @dataclass(frozen=True)
 class Memory:
     """Bytes per GPU: training state (ZeRO's three parts), activations and logits."""
+
     params: int
     grads: int
     optimizer: int
@@ -68,8 +70,10 @@ class Memory:
         return self.states + self.activations + self.logits
 
     def __str__(self) -> str:
-        return (f"{_size(self.total)} = states {_size(self.states)} + activations "
-                f"{_size(self.activations)} + logits {_size(self.logits)}")
+        return (
+            f"{_size(self.total)} = states {_size(self.states)} + activations "
+            f"{_size(self.activations)} + logits {_size(self.logits)}"
+        )
 
 
 def _size(nbytes: float) -> str:
@@ -79,6 +83,7 @@ def _size(nbytes: float) -> str:
 @dataclass
 class Candidate:
     """One layout, its memory (heaviest stage) and why it ranks where it does, or the problem."""
+
     pp: int
     dp_replicate: int
     dp_shard: int
@@ -93,7 +98,9 @@ class Candidate:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(self.dp_replicate, self.dp_shard, math.prod(self.shape), self.tp, self.pp)
+        return ParallelDims(
+            self.dp_replicate, self.dp_shard, math.prod(self.shape), self.tp, self.pp
+        )
 
     @property
     def overrides(self) -> dict:
@@ -113,7 +120,7 @@ class Plan:
     usable_bytes: float
     num_params: int
     candidates: list[Candidate]  # valid and fitting, best first
-    rejected: list[Candidate]    # with `.problem`
+    rejected: list[Candidate]  # with `.problem`
 
     @property
     def best(self) -> Candidate:
@@ -122,95 +129,140 @@ class Plan:
     def report(self, top: int = 3) -> str:
         b, n = self.best, self.num_params
         count = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
-        lines = [f"{count} parameters on {self.n_gpus} GPUs ({self.gpus_per_node} per node), "
-                 f"{_size(self.usable_bytes)} usable of {_size(self.gpu_mem_bytes)} each",
-                 f"→ {b}   (pp, dp_replicate, dp_shard, tp) = {b.shape}", *(f"   - {r}" for r in b.reasons)]
+        lines = [
+            f"{count} parameters on {self.n_gpus} GPUs ({self.gpus_per_node} per node), "
+            f"{_size(self.usable_bytes)} usable of {_size(self.gpu_mem_bytes)} each",
+            f"→ {b}   (pp, dp_replicate, dp_shard, tp) = {b.shape}",
+            *(f"   - {r}" for r in b.reasons),
+        ]
         # Why not something simpler: the smallest layout of each simpler (pp, tp) pair that failed.
         simpler = {}
         for c in self.rejected:
             if (c.pp, c.tp) < (b.pp, b.tp) and c.memory is not None:
                 if (c.pp, c.tp) not in simpler or c.memory.total < simpler[c.pp, c.tp].memory.total:
                     simpler[c.pp, c.tp] = c
-        lines += [f"   not {c}: {c.problem}" for c in sorted(simpler.values(), key=lambda c: (c.pp, c.tp))]
+        lines += [
+            f"   not {c}: {c.problem}" for c in sorted(simpler.values(), key=lambda c: (c.pp, c.tp))
+        ]
         lines += [f"  next: {c}  ({_size(c.memory.total)})" for c in self.candidates[1:top]]
         counts = {}
         for c in self.rejected:
             kind = c.problem.split(":")[0]
             counts[kind] = counts.get(kind, 0) + 1
-        lines.append(f"  {len(self.candidates)} layouts fit; rejected: " + ("; ".join(
-            f"{k} × {why}" for why, k in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"))
+        lines.append(
+            f"  {len(self.candidates)} layouts fit; rejected: "
+            + (
+                "; ".join(
+                    f"{k} × {why}" for why, k in sorted(counts.items(), key=lambda kv: -kv[1])
+                )
+                or "none"
+            )
+        )
         return "\n".join(lines)
 
     def explain(self, top: int = 3) -> None:
         print(self.report(top))
 
 
-def activation_bytes_per_layer(args: ModelArgs, seq_len: int, micro_batch: int, tp: int = 1, *,
-                               sequence_parallel: bool = True, checkpointing: str = "none",
-                               every: int = 2) -> float:
+def activation_bytes_per_layer(
+    args: ModelArgs,
+    seq_len: int,
+    micro_batch: int,
+    tp: int = 1,
+    *,
+    sequence_parallel: bool = True,
+    checkpointing: str = "none",
+    every: int = 2,
+) -> float:
     """Saved activations of one layer (the model's average) for one micro-batch on one TP rank,
     bf16 (see the top). `checkpointing`: none | full | op | selective (every `every`-th block)."""
     if checkpointing not in AC_MODES:
         raise TitanliteError(f"checkpointing '{checkpointing}' is not one of {', '.join(AC_MODES)}")
 
     def estimate(n_layers: int, mode: str = checkpointing) -> int:
-        return activation_memory_estimate(replace(args, n_layers=n_layers), micro_batch, seq_len, 2,
-                                          mode, every)
+        return activation_memory_estimate(
+            replace(args, n_layers=n_layers), micro_batch, seq_len, 2, mode, every
+        )
+
     block = estimate(2, "none") - estimate(1, "none")  # one more block: one block's share
-    final_norm = estimate(1, "none") - block           # what else estimate() counts; a block has two
+    final_norm = estimate(1, "none") - block  # what else estimate() counts; a block has two
     if sequence_parallel or tp == 1:  # everything splits over the TP ranks (the sequence, or heads)
         return (estimate(args.n_layers) - final_norm) / args.n_layers / tp
     if checkpointing == "full":
         return estimate(2) - estimate(1)  # each block keeps its input, whole on every TP rank
     if checkpointing == "none":  # the norms' tensors whole on every TP rank, the rest split
         return 2 * final_norm + (block - 2 * final_norm) / tp
-    raise TitanliteError(f"checkpointing '{checkpointing}' with TP but without sequence parallelism is not "
-                         f"modelled: use 'none' or 'full'")
+    raise TitanliteError(
+        f"checkpointing '{checkpointing}' with TP but without sequence parallelism is not "
+        f"modelled: use 'none' or 'full'"
+    )
 
 
-def plan(args: ModelArgs | str, n_gpus: int, gpu_mem_bytes: float, *, gpus_per_node: int = 8,
-         seq_len: int, micro_batch: int = 1, global_batch: int | None = None,
-         precision: str = "mixed", checkpointing: str = "none", reserve: float = 0.1) -> Plan:
+def plan(
+    args: ModelArgs | str,
+    n_gpus: int,
+    gpu_mem_bytes: float,
+    *,
+    gpus_per_node: int = 8,
+    seq_len: int,
+    micro_batch: int = 1,
+    global_batch: int | None = None,
+    precision: str = "mixed",
+    checkpointing: str = "none",
+    reserve: float = 0.1,
+) -> Plan:
     """Every layout of `n_gpus`, ranked (see the module doc); raises if none can work.
     `global_batch`: sequences per optimizer step (None: no limit on data parallelism)."""
     args = ModelArgs.preset(args) if isinstance(args, str) else args
     if n_gpus < 1 or gpus_per_node < 1 or micro_batch < 1 or seq_len < 1 or gpu_mem_bytes <= 0:
-        raise TitanliteError(f"n_gpus, gpus_per_node, micro_batch, seq_len and gpu_mem_bytes must be "
-                             f"positive, got {n_gpus}, {gpus_per_node}, {micro_batch}, {seq_len}, "
-                             f"{gpu_mem_bytes}: pass positive numbers")
+        raise TitanliteError(
+            f"n_gpus, gpus_per_node, micro_batch, seq_len and gpu_mem_bytes must be "
+            f"positive, got {n_gpus}, {gpus_per_node}, {micro_batch}, {seq_len}, "
+            f"{gpu_mem_bytes}: pass positive numbers"
+        )
     if n_gpus > gpus_per_node and n_gpus % gpus_per_node:
-        raise TitanliteError(f"{n_gpus} GPUs do not fill whole nodes of {gpus_per_node}: use a multiple of "
-                             f"{gpus_per_node} GPUs, or set gpus_per_node to what your nodes have")
+        raise TitanliteError(
+            f"{n_gpus} GPUs do not fill whole nodes of {gpus_per_node}: use a multiple of "
+            f"{gpus_per_node} GPUs, or set gpus_per_node to what your nodes have"
+        )
     if checkpointing not in AC_MODES:
         raise TitanliteError(f"checkpointing '{checkpointing}' is not one of {', '.join(AC_MODES)}")
     if global_batch is not None and global_batch % micro_batch:
-        raise TitanliteError(f"global_batch={global_batch} is not a multiple of micro_batch={micro_batch}: "
-                             f"choose a global batch of whole micro-batches")
+        raise TitanliteError(
+            f"global_batch={global_batch} is not a multiple of micro_batch={micro_batch}: "
+            f"choose a global batch of whole micro-batches"
+        )
     usable = (1 - reserve) * gpu_mem_bytes
     divisors = [d for d in range(1, n_gpus + 1) if n_gpus % d == 0]
     fitting, rejected, params, shapes = [], [], {}, _named_shapes(args)
-    for pp, tp, dp_shard in ((p, t, s) for p in divisors for t in divisors for s in divisors
-                             if n_gpus % (p * t * s) == 0):
+    for pp, tp, dp_shard in (
+        (p, t, s) for p in divisors for t in divisors for s in divisors if n_gpus % (p * t * s) == 0
+    ):
         c = Candidate(pp, n_gpus // (pp * tp * dp_shard), dp_shard, tp)
         dp = c.dp_replicate * dp_shard
         # Micro-batches per data-parallel rank and step: what the global batch leaves, or 2 per stage.
         m = global_batch // dp // micro_batch if global_batch else (2 * pp if pp > 1 else 1)
         cfg, refused = _trainer_check(pp, tp, m, micro_batch, seq_len, c.dims, args)
         if tp > gpus_per_node or gpus_per_node % tp:
-            c.problem = (f"TP across nodes: tp={tp} must divide the {gpus_per_node} GPUs of a node "
-                         f"(TP talks in every layer; only a node's links are fast enough)")
+            c.problem = (
+                f"TP across nodes: tp={tp} must divide the {gpus_per_node} GPUs of a node "
+                f"(TP talks in every layer; only a node's links are fast enough)"
+            )
         elif global_batch and (global_batch % (dp * micro_batch) or m < pp):
-            c.problem = (f"batch too small: global_batch={global_batch} does not give each of the {dp} "
-                         f"data-parallel ranks whole micro-batches of {micro_batch}"
-                         + (f", at least pp={pp} of them" if pp > 1 else ""))
+            c.problem = (
+                f"batch too small: global_batch={global_batch} does not give each of the {dp} "
+                f"data-parallel ranks whole micro-batches of {micro_batch}"
+                + (f", at least pp={pp} of them" if pp > 1 else "")
+            )
         else:
             c.problem = refused
         if c.problem is None:
             if (pp, tp) not in params:
                 params[pp, tp] = stage_params(args, pp, tp, shapes)
             try:
-                c.memory = _heaviest_stage(args, cfg, c, params[pp, tp], seq_len, micro_batch, precision,
-                                           checkpointing)
+                c.memory = _heaviest_stage(
+                    args, cfg, c, params[pp, tp], seq_len, micro_batch, precision, checkpointing
+                )
             except TitanliteError as e:
                 c.problem = f"not modelled: {e}"
             if c.memory is not None and c.memory.total > usable:
@@ -221,25 +273,31 @@ def plan(args: ModelArgs | str, n_gpus: int, gpu_mem_bytes: float, *, gpus_per_n
     if not fitting:
         closest = min((c for c in rejected if c.memory), key=lambda c: c.memory.total, default=None)
         hint = f"; the smallest, {closest}, needs {closest.memory}" if closest else ""
-        raise TitanliteError(f"no layout of {n_gpus} GPUs can train this model within {_size(usable)} "
-                             f"per GPU{hint}: use more GPUs, checkpointing='full', a smaller micro_batch "
-                             f"or seq_len (plan(...) rejected {len(rejected)} layouts)")
+        raise TitanliteError(
+            f"no layout of {n_gpus} GPUs can train this model within {_size(usable)} "
+            f"per GPU{hint}: use more GPUs, checkpointing='full', a smaller micro_batch "
+            f"or seq_len (plan(...) rejected {len(rejected)} layouts)"
+        )
 
     def crosses_nodes(c: Candidate) -> bool:  # tp is innermost, then dp_shard (mesh.py)
         return n_gpus > gpus_per_node and c.tp * c.dp_shard > gpus_per_node
 
     # The rules of thumb, in order: no PP, no TP, DDP when it fits, HSDP over FSDP across nodes.
     fitting.sort(key=lambda c: (c.pp, c.tp, c.dp_shard > 1, crosses_nodes(c), -c.dp_shard))
-    num_params = sum(math.prod(shape) for _, shape in shapes)  # named_parameters: a tied weight once
+    num_params = sum(
+        math.prod(shape) for _, shape in shapes
+    )  # named_parameters: a tied weight once
     return Plan(args, n_gpus, gpu_mem_bytes, gpus_per_node, usable, num_params, fitting, rejected)
 
 
-def _trainer_check(pp: int, tp: int, m: int, micro_batch: int, seq_len: int, dims: ParallelDims,
-                   args: ModelArgs):
+def _trainer_check(
+    pp: int, tp: int, m: int, micro_batch: int, seq_len: int, dims: ParallelDims, args: ModelArgs
+):
     """The trainer's config for this layout, and what the trainer would refuse about it (TP must
     divide the heads, PP needs a layer per stage, ...), or None."""
     from ..config import Config
     from ..preflight import check_parallel_config
+
     cfg = Config()
     cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.pp_microbatches = pp, tp, m
     cfg.training.seq_len, cfg.training.batch_size = seq_len, m * micro_batch
@@ -255,6 +313,7 @@ def stage_params(args: ModelArgs, pp: int, tp: int, shapes: list | None = None) 
     matrices split tp ways (TP splits every Linear and the embedding), norm weights whole.
     `shapes`: the model's (name, shape) list, when the caller has it already."""
     from ..distributed.pipeline import split_layers
+
     layers = split_layers(args.n_layers, pp)
     counts = [0] * pp
     for name, shape in shapes or _named_shapes(args):
@@ -271,23 +330,33 @@ def _named_shapes(args: ModelArgs) -> list[tuple[str, tuple]]:
         return [(n, tuple(p.shape)) for n, p in Transformer(args).named_parameters()]
 
 
-def _heaviest_stage(args, cfg, c: Candidate, params: list[int], seq_len, micro_batch, precision,
-                    checkpointing) -> Memory:
+def _heaviest_stage(
+    args, cfg, c: Candidate, params: list[int], seq_len, micro_batch, precision, checkpointing
+) -> Memory:
     """Bytes per GPU on the pipeline stage that needs the most (see the module doc)."""
     from ..distributed.parallelize import loss_parallel_enabled, sequence_parallel_enabled
     from ..distributed.pipeline import split_layers
+
     pp, tp = c.pp, c.tp
     layers = split_layers(args.n_layers, pp)
     sp = sequence_parallel_enabled(cfg, c.dims) and tp > 1
-    per_layer = activation_bytes_per_layer(args, seq_len, micro_batch, tp, sequence_parallel=sp,
-                                           checkpointing=checkpointing)
-    recompute = (activation_bytes_per_layer(args, seq_len, micro_batch, tp, sequence_parallel=sp)
-                 if checkpointing != "none" else 0)  # one block recomputed at a time
+    per_layer = activation_bytes_per_layer(
+        args, seq_len, micro_batch, tp, sequence_parallel=sp, checkpointing=checkpointing
+    )
+    recompute = (
+        activation_bytes_per_layer(args, seq_len, micro_batch, tp, sequence_parallel=sp)
+        if checkpointing != "none"
+        else 0
+    )  # one block recomputed at a time
     vocab_split = tp if loss_parallel_enabled(cfg, c.dims) else 1
     stages = []
     for s, n_params in enumerate(params):
-        z = zero_bytes_per_rank(n_params, c.dp_shard, 3 if c.dp_shard > 1 else 0, precision=precision)
-        acts = len(layers[s]) * (pp - s) * per_layer + recompute  # 1F1B: pp - s micro-batches in flight
+        z = zero_bytes_per_rank(
+            n_params, c.dp_shard, 3 if c.dp_shard > 1 else 0, precision=precision
+        )
+        acts = (
+            len(layers[s]) * (pp - s) * per_layer + recompute
+        )  # 1F1B: pp - s micro-batches in flight
         logits = 6 * micro_batch * seq_len * args.vocab_size / vocab_split if s == pp - 1 else 0
         stages.append(Memory(z["params"], z["grads"], z["optimizer"], round(acts), round(logits)))
     return max(stages, key=lambda mem: mem.total)
@@ -297,19 +366,29 @@ def _reasons(c: Candidate, args, m, usable, gpus_per_node, precision) -> list[st
     out = [f"fits: {c.memory} of {_size(usable)} usable"]
     per = sum(PRECISIONS[precision])  # bytes per parameter: weight + gradient + optimizer state
     if c.dp_shard > 1 and c.dp_replicate == 1:
-        out.append(f"FSDP: parameters, gradients and optimizer state sharded over {c.dp_shard} GPUs "
-                   f"(ZeRO-3: {per}·Ψ/{c.dp_shard} bytes)")
+        out.append(
+            f"FSDP: parameters, gradients and optimizer state sharded over {c.dp_shard} GPUs "
+            f"(ZeRO-3: {per}·Ψ/{c.dp_shard} bytes)"
+        )
     elif c.dp_shard > 1:
         where = "one node" if c.tp * c.dp_shard <= gpus_per_node else "several nodes"
-        out.append(f"HSDP: sharded over {c.dp_shard} GPUs within {where}, {c.dp_replicate} replicas: only "
-                   f"the gradient all-reduce crosses between replicas")
+        out.append(
+            f"HSDP: sharded over {c.dp_shard} GPUs within {where}, {c.dp_replicate} replicas: only "
+            f"the gradient all-reduce crosses between replicas"
+        )
     elif c.dp_replicate > 1:
-        out.append(f"DDP: the whole model fits on one GPU, so {c.dp_replicate} full copies; its all-reduce "
-                   f"moves 2·Ψ per step where ZeRO-3 moves 3·Ψ")
+        out.append(
+            f"DDP: the whole model fits on one GPU, so {c.dp_replicate} full copies; its all-reduce "
+            f"moves 2·Ψ per step where ZeRO-3 moves 3·Ψ"
+        )
     if c.tp > 1:
-        out.append(f"TP {c.tp} within a node ({c.tp} divides the {gpus_per_node} GPUs per node): "
-                   f"{args.n_heads // c.tp} heads per GPU, its per-layer collectives on fast links")
+        out.append(
+            f"TP {c.tp} within a node ({c.tp} divides the {gpus_per_node} GPUs per node): "
+            f"{args.n_heads // c.tp} heads per GPU, its per-layer collectives on fast links"
+        )
     if c.pp > 1:
-        out.append(f"PP {c.pp}: ~{args.n_layers // c.pp} layers per stage; 1F1B bubble (pp-1)/m = "
-                   f"{(c.pp - 1) / m:.2f} with m={m} micro-batches; only activations cross between stages")
+        out.append(
+            f"PP {c.pp}: ~{args.n_layers // c.pp} layers per stage; 1F1B bubble (pp-1)/m = "
+            f"{(c.pp - 1) / m:.2f} with m={m} micro-batches; only activations cross between stages"
+        )
     return out

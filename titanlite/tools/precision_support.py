@@ -5,6 +5,7 @@ the trainer itself only asks `probe` (titanlite/efficiency/mixed_precision.py).
 
     for row in support_matrix(): print(row.device, row.mode, row.works, row.fast, row.why)
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,12 +24,12 @@ FAST_CPU_FLAGS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "
 
 @dataclass(frozen=True)
 class Support:
-    device: str         # "cuda", "mps" or "cpu"
-    mode: str           # "fp32", "bf16" or "fp16"
+    device: str  # "cuda", "mps" or "cpu"
+    mode: str  # "fp32", "bf16" or "fp16"
     works: bool | None  # None: depends on the exact hardware (documented rows only)
     why: str
     fast: bool | None = None  # hardware units for this format? None: unknown, measure it
-    here: bool = True   # False: documented knowledge about a device type this machine lacks
+    here: bool = True  # False: documented knowledge about a device type this machine lacks
 
     @property
     def source(self) -> str:
@@ -41,8 +42,10 @@ def support(mode: str, device) -> Support:
     check_mode(mode)
     device = torch.device(device)
     if device.type not in DEVICE_TYPES:
-        raise TitanliteError(f"no mixed-precision support table for device type '{device.type}'"
-                             f"{closest(device.type, DEVICE_TYPES)}: use cuda, mps or cpu")
+        raise TitanliteError(
+            f"no mixed-precision support table for device type '{device.type}'"
+            f"{closest(device.type, DEVICE_TYPES)}: use cuda, mps or cpu"
+        )
     if not _present(device.type):
         return _documented(mode, device.type)
     return _probed(mode, str(device))
@@ -69,9 +72,13 @@ def cpu_flags() -> set[str] | None:
     except OSError:
         pass
     # torch's own CPUID probes (private, hence getattr), named as /proc/cpuinfo names them.
-    probes = {"avx2": "_is_avx2_supported", "avx512f": "_is_avx512_supported",
-              "avx512_bf16": "_is_avx512_bf16_supported", "amx_bf16": "_is_amx_tile_supported",
-              "amx_fp16": "_is_amx_fp16_supported"}
+    probes = {
+        "avx2": "_is_avx2_supported",
+        "avx512f": "_is_avx512_supported",
+        "avx512_bf16": "_is_avx512_bf16_supported",
+        "amx_bf16": "_is_amx_tile_supported",
+        "amx_fp16": "_is_amx_fp16_supported",
+    }
     found = {flag for flag, name in probes.items() if getattr(torch.cpu, name, lambda: False)()}
     return found or None
 
@@ -82,10 +89,20 @@ def _probed(mode: str, device_str: str) -> Support:
     fast, units = _hardware_note(mode, device)
     failure = probe(mode, device_str)
     if failure is None:
-        return Support(device.type, mode, True, f"probe step ran on torch "
-                       f"{torch.__version__.split('+')[0]}; {units}", fast=fast)
-    return Support(device.type, mode, False, failure,
-                   fast=False if failure.startswith("bf16 needs an Ampere") else fast)
+        return Support(
+            device.type,
+            mode,
+            True,
+            f"probe step ran on torch {torch.__version__.split('+')[0]}; {units}",
+            fast=fast,
+        )
+    return Support(
+        device.type,
+        mode,
+        False,
+        failure,
+        fast=False if failure.startswith("bf16 needs an Ampere") else fast,
+    )
 
 
 def _hardware_note(mode: str, device: torch.device) -> tuple[bool | None, str]:
@@ -96,12 +113,18 @@ def _hardware_note(mode: str, device: torch.device) -> tuple[bool | None, str]:
             return major >= 8, "TF32 tensor cores (if allowed)" if major >= 8 else "CUDA cores"
         if mode == "bf16":
             return True, f"bf16 tensor cores (SM {major}.{minor})"
-        return major >= 7, f"fp16 tensor cores (SM {major}.{minor})" if major >= 7 else \
-            f"no tensor cores before SM 7.0 (this is SM {major}.{minor})"
+        return (
+            major >= 7,
+            f"fp16 tensor cores (SM {major}.{minor})"
+            if major >= 7
+            else f"no tensor cores before SM 7.0 (this is SM {major}.{minor})",
+        )
     if device.type == "mps":
-        return {"fp32": (True, "Apple GPU"),
-                "bf16": (None, "bf16 on Metal needs macOS 14+; MPS bf16 autocast since torch 2.6"),
-                "fp16": (True, "GradScaler('mps') since torch 2.8 (pytorch#150255)")}[mode]
+        return {
+            "fp32": (True, "Apple GPU"),
+            "bf16": (None, "bf16 on Metal needs macOS 14+; MPS bf16 autocast since torch 2.6"),
+            "fp16": (True, "GradScaler('mps') since torch 2.8 (pytorch#150255)"),
+        }[mode]
     isa = torch.backends.cpu.get_cpu_capability()
     if mode == "fp32":
         return True, f"vector ISA {isa}"
@@ -112,8 +135,10 @@ def _hardware_note(mode: str, device: torch.device) -> tuple[bool | None, str]:
         return True, f"has {', '.join(have)}: {mode} matmuls can beat fp32{scaler}"
     if flags is None:
         return None, f"CPU flags unreadable here: measure {mode} vs fp32 matmuls{scaler}"
-    return False, (f"no {' / '.join(FAST_CPU_FLAGS[mode])} in the CPU flags (ISA {isa}): {mode} "
-                   f"matmuls are emulated, expect them slower than fp32{scaler}")
+    return False, (
+        f"no {' / '.join(FAST_CPU_FLAGS[mode])} in the CPU flags (ISA {isa}): {mode} "
+        f"matmuls are emulated, expect them slower than fp32{scaler}"
+    )
 
 
 _DOCUMENTED = {  # (device type, mode) -> (works, fast, why): public docs and release notes
@@ -125,8 +150,11 @@ _DOCUMENTED = {  # (device type, mode) -> (works, fast, why): public docs and re
     ("mps", "fp16"): (True, True, "autocast since torch 2.5; GradScaler('mps') since torch 2.8"),
     ("cpu", "fp32"): (True, True, "always"),
     ("cpu", "bf16"): (True, None, "autocast always works; fast only with AVX512-BF16 or AMX"),
-    ("cpu", "fp16"): (True, None, "GradScaler('cpu') since torch 2.3; fast only with AVX512-FP16 "
-                                  "or AMX-FP16"),
+    ("cpu", "fp16"): (
+        True,
+        None,
+        "GradScaler('cpu') since torch 2.3; fast only with AVX512-FP16 or AMX-FP16",
+    ),
 }
 
 

@@ -13,6 +13,7 @@ defaults, bf16 parameters without autocast, leave none). The fake tensors live o
 type: autograd on fake CUDA tensors needs a CUDA build. The bytes do not depend on it, and the
 attention kernels CUDA would pick here (cuDNN or flash) save what the CPU's flash kernel does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,13 @@ from .activation_memory import activation_memory_estimate
 from .zero import zero_bytes_per_rank
 
 GiB = 2**30
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": None, "bf16": torch.bfloat16,
-          "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 def cuda_policy(capability: tuple[int, int], before: bool = False) -> dict:
@@ -64,13 +70,22 @@ class _Parameters(TorchDispatchMode):
         return out
 
 
-def predict(preset: str, seq_len: int, world_size: int, capability: tuple[int, int], *,
-            batch: int = 1, before: bool = False) -> dict:
+def predict(
+    preset: str,
+    seq_len: int,
+    world_size: int,
+    capability: tuple[int, int],
+    *,
+    batch: int = 1,
+    before: bool = False,
+) -> dict:
     """Bytes one of `world_size` FSDP ranks holds for `preset` at `batch` x `seq_len` tokens:
     params, grads and optimizer (AdamW) shards, the activations one forward saves for backward, and
     how many of those are copies of weights. `formula`: ZeRO-3's and the activation formula's."""
     if torch.distributed.is_initialized():
-        raise TitanliteError("predict() starts its own fake process group: call it outside a distributed job")
+        raise TitanliteError(
+            "predict() starts its own fake process group: call it outside a distributed job"
+        )
     policy = cuda_policy(capability, before)
     args = ModelArgs.preset(preset, max_seq_len=max(seq_len, ModelArgs.preset(preset).max_seq_len))
     fake_process_group(world_size)
@@ -81,17 +96,29 @@ def predict(preset: str, seq_len: int, world_size: int, capability: tuple[int, i
         with FakeTensorMode(allow_non_fake_inputs=True):  # the meta shards become fake ones
             model.to_empty(device="cpu")
             shards = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())
-            saved, casts = _one_forward(model, torch.zeros(batch, seq_len, dtype=torch.long), policy["autocast"])
+            saved, casts = _one_forward(
+                model, torch.zeros(batch, seq_len, dtype=torch.long), policy["autocast"]
+            )
     finally:
         torch.distributed.destroy_process_group()
     weight_copies = sum(nbytes for key, nbytes in saved.items() if key in casts)
     n = model.num_params()
     zero = zero_bytes_per_rank(n, world_size, stage=3)
     activations = activation_memory_estimate(args, batch, seq_len, dtype_bytes=2, mode="none")
-    return {"preset": preset, "seq_len": seq_len, "world_size": world_size, "batch": batch, "num_params": n,
-            "policy": policy, "params": shards, "grads": shards, "optimizer": 2 * shards,
-            "saved": sum(saved.values()), "weight_copies": weight_copies,
-            "formula": {"params": zero["params"], "activations": activations}}
+    return {
+        "preset": preset,
+        "seq_len": seq_len,
+        "world_size": world_size,
+        "batch": batch,
+        "num_params": n,
+        "policy": policy,
+        "params": shards,
+        "grads": shards,
+        "optimizer": 2 * shards,
+        "saved": sum(saved.values()),
+        "weight_copies": weight_copies,
+        "formula": {"params": zero["params"], "activations": activations},
+    }
 
 
 def _one_forward(model: Transformer, tokens: torch.Tensor, autocast: torch.dtype | None):
@@ -104,40 +131,60 @@ def _one_forward(model: Transformer, tokens: torch.Tensor, autocast: torch.dtype
         if id(storage := t.untyped_storage()) not in owned:
             saved[id(storage)] = storage.nbytes()
         return t
+
     params = _Parameters()
-    amp = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
-    with torch.enable_grad(), params, amp, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    amp = (
+        torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    )
+    with (
+        torch.enable_grad(),
+        params,
+        amp,
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
         model(tokens)
     kept = {key: nbytes for key, nbytes in saved.items() if key not in params.gathered}
     return kept, params.casts
 
 
-def markdown(world_size: int = 8, capability: tuple[int, int] = (9, 0), gpu: str = "H100 80GB") -> str:
+def markdown(
+    world_size: int = 8, capability: tuple[int, int] = (9, 0), gpu: str = "H100 80GB"
+) -> str:
     """The table docs/hardware/predicted-h100.md holds, computed now."""
-    lines = [f"# Per-GPU memory on {world_size} × {gpu}: predicted on a CPU, not measured", "",
-             f"Generated by `python -m titanlite.tools.predict_memory` (fake tensors on a fake {world_size}-rank "
-             "process group through titanlite's model and FSDP wrapping; see that module's docstring). "
-             "No GPU ran this. Batch 1 per GPU, no activation checkpointing, AdamW. Not counted: the "
-             "gathered weights of the block in flight, logits and loss, the CUDA context, NCCL buffers, "
-             "allocator fragmentation.", "",
-             "| preset | seq | FSDP param dtype | autocast | params+grads+AdamW / GPU | saved activations "
-             "| of which weight copies | total |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Per-GPU memory on {world_size} × {gpu}: predicted on a CPU, not measured",
+        "",
+        f"Generated by `python -m titanlite.tools.predict_memory` (fake tensors on a fake {world_size}-rank "
+        "process group through titanlite's model and FSDP wrapping; see that module's docstring). "
+        "No GPU ran this. Batch 1 per GPU, no activation checkpointing, AdamW. Not counted: the "
+        "gathered weights of the block in flight, logits and loss, the CUDA context, NCCL buffers, "
+        "allocator fragmentation.",
+        "",
+        "| preset | seq | FSDP param dtype | autocast | params+grads+AdamW / GPU | saved activations "
+        "| of which weight copies | total |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for preset in ("1B", "8B"):
         for seq_len in (2048, 8192):
             for before in (False, True):
                 p = predict(preset, seq_len, world_size, capability, before=before)
                 state = p["params"] + p["grads"] + p["optimizer"]
-                name = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}[p["policy"]["autocast"]]
-                lines.append(f"| {preset} | {seq_len} | {str(p['policy']['param_dtype'])[6:]}"
-                             f"{' (before)' if before else ' (default)'} | {name} | {state / GiB:.2f} GiB "
-                             f"| {p['saved'] / GiB:.2f} GiB | {p['weight_copies'] / GiB:.2f} GiB "
-                             f"| {(state + p['saved']) / GiB:.2f} GiB |")
+                name = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+                    p["policy"]["autocast"]
+                ]
+                lines.append(
+                    f"| {preset} | {seq_len} | {str(p['policy']['param_dtype'])[6:]}"
+                    f"{' (before)' if before else ' (default)'} | {name} | {state / GiB:.2f} GiB "
+                    f"| {p['saved'] / GiB:.2f} GiB | {p['weight_copies'] / GiB:.2f} GiB "
+                    f"| {(state + p['saved']) / GiB:.2f} GiB |"
+                )
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m titanlite.tools.predict_memory",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m titanlite.tools.predict_memory", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--world-size", type=int, default=8)
     print(markdown(parser.parse_args(argv).world_size), end="")
 

@@ -9,6 +9,7 @@ is compute-bound and MFU is the right yardstick. A square n x n matmul does 2n^3
 elements, so its intensity grows with n - which is why big matmuls can approach peak and an
 elementwise add (1 FLOP per 3 elements moved) never can.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,8 @@ class OpPoint:
     """One measured operation: what it must do, and how long it took."""
 
     name: str
-    flops: float    # FLOPs per call
-    bytes: float    # minimum bytes per call
+    flops: float  # FLOPs per call
+    bytes: float  # minimum bytes per call
     seconds: float  # best measured seconds per call
 
     @property
@@ -57,8 +58,9 @@ def is_memory_bound(intensity: float, peak_flops: float, bandwidth: float) -> bo
     return intensity < ridge_point(peak_flops, bandwidth)
 
 
-def measure_matmul(m: int, n: int, k: int, dtype, device, budget_s: float = 0.2,
-                   name: str | None = None) -> OpPoint:
+def measure_matmul(
+    m: int, n: int, k: int, dtype, device, budget_s: float = 0.2, name: str | None = None
+) -> OpPoint:
     """Time (m x k) @ (k x n) on device; the point to place on the roofline."""
     a = torch.randn(m, k, dtype=dtype, device=device)
     b = torch.randn(k, n, dtype=dtype, device=device)
@@ -82,9 +84,17 @@ def roofline_table(points, peak: Peak, bandwidth: float) -> list[dict]:
     rows = []
     for p in points:
         bound = roofline_bound(p.intensity, peak.flops, bandwidth)
-        rows.append({"name": p.name, "intensity": p.intensity, "achieved": p.achieved,
-                     "bound": bound, "of_roof": p.achieved / bound, "mfu": mfu(p.achieved, peak),
-                     "memory_bound": is_memory_bound(p.intensity, peak.flops, bandwidth)})
+        rows.append(
+            {
+                "name": p.name,
+                "intensity": p.intensity,
+                "achieved": p.achieved,
+                "bound": bound,
+                "of_roof": p.achieved / bound,
+                "mfu": mfu(p.achieved, peak),
+                "memory_bound": is_memory_bound(p.intensity, peak.flops, bandwidth),
+            }
+        )
     return rows
 
 
@@ -99,8 +109,13 @@ def plot_roofline(points, peak: Peak, bandwidth: float, ax=None, title: str | No
     ridge = ridge_point(peak.flops, bandwidth)
     xs = [p.intensity for p in points] + [ridge]
     x = np.logspace(np.log10(min(xs) / 3), np.log10(max(xs) * 6), 200)
-    ax.loglog(x, np.minimum(peak.flops, x * bandwidth), "k-", lw=2,
-              label=f"roof: {peak.flops / 1e9:,.1f} GFLOP/s, {bandwidth / 1e9:,.1f} GB/s")
+    ax.loglog(
+        x,
+        np.minimum(peak.flops, x * bandwidth),
+        "k-",
+        lw=2,
+        label=f"roof: {peak.flops / 1e9:,.1f} GFLOP/s, {bandwidth / 1e9:,.1f} GB/s",
+    )
     ax.axvline(ridge, color="grey", ls=":", label=f"ridge point {ridge:.1f} FLOP/byte")
     for p in points:
         color = "tab:blue" if p.intensity < ridge else "tab:red"
@@ -108,11 +123,22 @@ def plot_roofline(points, peak: Peak, bandwidth: float, ax=None, title: str | No
         # One line, slanting down-right from its point: measured points lie under the roof, and
         # neighbours (a sweep of matmul sizes climbs up and right) stay apart when the labels
         # run parallel to each other instead of stacking side by side.
-        ax.annotate(f"{p.name.replace('^3', '³')}  {mfu(p.achieved, peak):.1%}", (p.intensity, p.achieved),
-                    textcoords="offset points", xytext=(4, -5), fontsize=7, rotation=-35,
-                    rotation_mode="anchor", ha="left", va="top", color=color)
+        ax.annotate(
+            f"{p.name.replace('^3', '³')}  {mfu(p.achieved, peak):.1%}",
+            (p.intensity, p.achieved),
+            textcoords="offset points",
+            xytext=(4, -5),
+            fontsize=7,
+            rotation=-35,
+            rotation_mode="anchor",
+            ha="left",
+            va="top",
+            color=color,
+        )
     ax.text(0.02, 0.98, "each label: op, MFU", transform=ax.transAxes, fontsize=7, va="top")
-    ax.set_ylim(min(p.achieved for p in points) / 5, peak.flops * 1.6)  # room for the slanted labels
+    ax.set_ylim(
+        min(p.achieved for p in points) / 5, peak.flops * 1.6
+    )  # room for the slanted labels
     ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
     ax.set_ylabel("FLOP/s")
     ax.set_title(title or f"roofline - {peak.label}", fontsize=9)
@@ -121,8 +147,13 @@ def plot_roofline(points, peak: Peak, bandwidth: float, ax=None, title: str | No
     return ax
 
 
-def measure_memory_bandwidth(device, nbytes: int = 256 * 2**20, budget_s: float = 1.0,
-                             kind: str = "copy", dtype: torch.dtype = torch.float32) -> float:
+def measure_memory_bandwidth(
+    device,
+    nbytes: int = 256 * 2**20,
+    budget_s: float = 1.0,
+    kind: str = "copy",
+    dtype: torch.dtype = torch.float32,
+) -> float:
     """Bytes/s the memory system sustains on nbytes (make it dwarf the last-level cache, tens of
     MiB, or you time the cache).
 
@@ -132,11 +163,15 @@ def measure_memory_bandwidth(device, nbytes: int = 256 * 2**20, budget_s: float 
     line is first read in (write-allocate), a transfer the copy count does not see.
     "best": the larger of the two - the roof to draw on a roofline."""
     if kind not in ("copy", "read", "best"):
-        raise TitanliteError(f"unknown bandwidth kind {kind!r}{closest(kind, ('copy', 'read', 'best'))}"
-                             ": use copy, read or best")
+        raise TitanliteError(
+            f"unknown bandwidth kind {kind!r}{closest(kind, ('copy', 'read', 'best'))}"
+            ": use copy, read or best"
+        )
     if kind == "best":
-        return max(measure_memory_bandwidth(device, nbytes, budget_s / 2, "copy", dtype),
-                   measure_memory_bandwidth(device, nbytes, budget_s / 2, "read", dtype))
+        return max(
+            measure_memory_bandwidth(device, nbytes, budget_s / 2, "copy", dtype),
+            measure_memory_bandwidth(device, nbytes, budget_s / 2, "read", dtype),
+        )
     device = torch.device(device)
     size = torch.empty((), dtype=dtype).element_size()
     if kind == "copy":

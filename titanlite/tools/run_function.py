@@ -1,7 +1,8 @@
 """What each rank of `launch_function` runs: join the job, call the function, save its result.
 
-    torchrun --nproc-per-node 2 -m titanlite.tools.run_function <job_dir>
+torchrun --nproc-per-node 2 -m titanlite.tools.run_function <job_dir>
 """
+
 from __future__ import annotations
 
 import importlib
@@ -10,9 +11,9 @@ from pathlib import Path
 
 import torch
 
+from ..distributed.env import destroy_distributed, exit_worker, init_distributed
 from .notebook import quiet_third_party
 from .worker_errors import record
-from ..distributed.env import destroy_distributed, exit_worker, init_distributed
 
 
 @record  # an exception's traceback goes to the file torchrun names (whole or not at all): the launcher shows it
@@ -39,6 +40,7 @@ def report(record: dict) -> None:
     plot), the way training steps are sent."""
     import json
     import os
+
     rank = int(os.environ.get("RANK", 0))
     job = os.environ.get("TITANLITE_JOB_DIR")
     if job:

@@ -25,6 +25,7 @@ one bucket of everything, then it rebuilds the buckets in the order gradients re
 default the first bucket is only 1 MiB, so the first all-reduce starts early; and it
 re-broadcasts rank 0's buffers before every forward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -125,7 +126,7 @@ class ScratchDataParallel(nn.Module):
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
             offset = 0
             for p in bucket:
-                averaged = flat[offset:offset + p.numel()].view_as(p)
+                averaged = flat[offset : offset + p.numel()].view_as(p)
                 if p.grad is None:
                     p.grad = averaged.clone()
                 else:

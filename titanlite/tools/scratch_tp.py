@@ -21,6 +21,7 @@ parallelism (the all-reduce becomes a reduce-scatter + all-gather pair so the no
 a slice of the sequence) and loss parallelism. Notebook 09 asserts this module's outputs and
 gradients equal both the single-process MLP's and `apply_tp`'s.
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,7 +68,9 @@ class ScratchParallelMLP(nn.Module):
     def __init__(self, full, group=None):
         super().__init__()
         self.group, n, r = group, dist.get_world_size(group), dist.get_rank(group)
-        rows = slice(r * full.gate_proj.out_features // n, (r + 1) * full.gate_proj.out_features // n)
+        rows = slice(
+            r * full.gate_proj.out_features // n, (r + 1) * full.gate_proj.out_features // n
+        )
         take = lambda w: nn.Parameter(w.detach().clone())  # noqa: E731
         self.gate = take(full.gate_proj.weight[rows])
         self.up = take(full.up_proj.weight[rows])

@@ -8,6 +8,7 @@ neighbour, an injected `fault.kind=slow`). The trainer measures that per rank an
 a rank whose median over a window is well above the other ranks' median is a straggler.
 (Stragglers inside the GPU's compute need device-side timings; this catches the host side.)
 """
+
 from __future__ import annotations
 
 import statistics
@@ -31,11 +32,13 @@ class StragglerDetector:
         self._history.append(list(ready_s_by_rank))
         if len(self._history) < self.window:
             return []
-        per_rank = [statistics.median(step[r] for step in self._history)
-                    for r in range(len(ready_s_by_rank))]
+        per_rank = [
+            statistics.median(step[r] for step in self._history)
+            for r in range(len(ready_s_by_rank))
+        ]
         flagged = []
         for r, t in enumerate(per_rank):
-            others = statistics.median(per_rank[:r] + per_rank[r + 1:])  # judged against the rest
+            others = statistics.median(per_rank[:r] + per_rank[r + 1 :])  # judged against the rest
             if t > self.ratio * others and t - others > self.min_gap_s:
                 flagged.append(r)
         return flagged
@@ -82,8 +85,11 @@ class Stragglers(Watcher):
         ready = gather_ready_times(end.out["ready_s"], self.run.device)  # every rank takes part
         slow = self.detector.update(ready)
         if slow and self.run.is_main:
-            say(f"[step {end.step}] straggler rank(s) {slow}: ready after "
+            say(
+                f"[step {end.step}] straggler rank(s) {slow}: ready after "
                 f"{', '.join(f'{ready[r]:.2f}s' for r in slow)} vs median "
-                f"{sorted(ready)[len(ready) // 2]:.2f}s", None)
+                f"{sorted(ready)[len(ready) // 2]:.2f}s",
+                None,
+            )
         if self.run.is_main:
             end.extra.update(ready_s_by_rank=ready, stragglers=slow)

@@ -9,6 +9,7 @@ whole report or none, and a missing one only costs the traceback.
 
     record(main)()     # as torch's `record(main)()`; __main__.py and run_function.py use it
 """
+
 from __future__ import annotations
 
 import os

@@ -22,6 +22,7 @@ Real shards are not exactly Ψ/N: FSDP2 splits every parameter along dim 0 into 
 rows and pads the last shards to that size (`fsdp_shard_numel`); torch's
 ZeroRedundancyOptimizer gives whole tensors to ranks, greedily (`zero1_partition`).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,9 +36,16 @@ from ..errors import TitanliteError
 PRECISIONS = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
 
 
-def zero_bytes_per_rank(num_params: int, world_size: int, stage: int, *, precision: str = "fp32",
-                        param_bytes: int | None = None, grad_bytes: int | None = None,
-                        optim_bytes: int | None = None) -> dict[str, int]:
+def zero_bytes_per_rank(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    precision: str = "fp32",
+    param_bytes: int | None = None,
+    grad_bytes: int | None = None,
+    optim_bytes: int | None = None,
+) -> dict[str, int]:
     """Bytes one rank stores at ZeRO `stage` (0 = DDP): {"params", "grads", "optimizer", "total"}.
 
     A sharded state is one flat buffer of Ψ elements split into N equal slices of ceil(Ψ/N)
@@ -49,16 +57,22 @@ def zero_bytes_per_rank(num_params: int, world_size: int, stage: int, *, precisi
     if precision not in PRECISIONS:
         raise TitanliteError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
     if num_params < 0 or world_size < 1:
-        raise TitanliteError(f"need num_params >= 0 and world_size >= 1, got {num_params}, {world_size}")
+        raise TitanliteError(
+            f"need num_params >= 0 and world_size >= 1, got {num_params}, {world_size}"
+        )
     default_p, default_g, default_o = PRECISIONS[precision]
-    per_param = {"params": default_p if param_bytes is None else param_bytes,
-                 "grads": default_g if grad_bytes is None else grad_bytes,
-                 "optimizer": default_o if optim_bytes is None else optim_bytes}
+    per_param = {
+        "params": default_p if param_bytes is None else param_bytes,
+        "grads": default_g if grad_bytes is None else grad_bytes,
+        "optimizer": default_o if optim_bytes is None else optim_bytes,
+    }
     # Stage s shards the first s of these (in ZeRO's order: optimizer, then grads, then params).
     sharded = {"optimizer": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
     shard = math.ceil(num_params / world_size)
-    out = {k: per_param[k] * (shard if sharded[k] else num_params)
-           for k in ("params", "grads", "optimizer")}
+    out = {
+        k: per_param[k] * (shard if sharded[k] else num_params)
+        for k in ("params", "grads", "optimizer")
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -72,8 +86,10 @@ def fsdp_shard_numel(shape, world_size: int, rank: int | None = None) -> int:
     """
     shape = tuple(shape)
     if not shape:
-        raise TitanliteError("FSDP shards along dim 0, but this parameter is a scalar: "
-                             "give it at least one dimension")
+        raise TitanliteError(
+            "FSDP shards along dim 0, but this parameter is a scalar: "
+            "give it at least one dimension"
+        )
     rows = math.ceil(shape[0] / world_size)
     if rank is not None:
         rows = max(0, min(rows, shape[0] - rank * rows))
@@ -118,7 +134,9 @@ def _storage_bytes(tensors) -> tuple[int, int]:
     return stored, logical
 
 
-def measure_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def measure_state_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict:
     """Bytes this rank stores for parameters, gradients and optimizer state, read off its tensors.
 
     DTensors count their local shard; storage is counted, so FSDP2's padding is included
@@ -133,15 +151,20 @@ def measure_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     g_stored, g_logical = _storage_bytes([p.grad for p in params if p.grad is not None])
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps a local one
     states, steps = [], []
-    for state in (inner.state.values() if inner is not None else ()):
+    for state in inner.state.values() if inner is not None else ():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 (steps if key == "step" or value.dim() == 0 else states).append(value)
     o_stored, o_logical = _storage_bytes(states)
     total = p_stored + g_stored + o_stored
-    return {"params": p_stored, "grads": g_stored, "optimizer": o_stored, "total": total,
-            "padding": total - (p_logical + g_logical + o_logical),
-            "optimizer_steps": _storage_bytes(steps)[0]}
+    return {
+        "params": p_stored,
+        "grads": g_stored,
+        "optimizer": o_stored,
+        "total": total,
+        "padding": total - (p_logical + g_logical + o_logical),
+        "optimizer_steps": _storage_bytes(steps)[0],
+    }
 
 
 def unsharded_param_bytes(model: torch.nn.Module) -> int:
@@ -158,6 +181,8 @@ def describe_sharding(model: torch.nn.Module, limit: int = 6) -> str:
     for name, p in list(model.named_parameters())[:limit]:
         local = p.to_local() if hasattr(p, "to_local") else p
         placement = getattr(p, "placements", ("not sharded",))
-        rows.append(f"{name:45s} {str(tuple(p.shape)):14s} → local {str(tuple(local.shape)):14s} "
-                    f"{placement} {p.dtype}")
+        rows.append(
+            f"{name:45s} {str(tuple(p.shape)):14s} → local {str(tuple(local.shape)):14s} "
+            f"{placement} {p.dtype}"
+        )
     return "\n".join(rows)

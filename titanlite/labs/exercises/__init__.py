@@ -11,6 +11,7 @@ first: "02_global_token_loss"). Every check draws its inputs so that the cases w
 classic mistakes apart from the answer are there at every seed (tests/test_exercises.py
 sweeps seeds with more mistakes than the checks name).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -26,6 +27,7 @@ def exercise(name: str, title: str):
     def register(fn):
         EXERCISES[name] = (title, fn)
         return fn
+
     return register
 
 
@@ -38,8 +40,10 @@ def check(name: str, student_fn, *, seed: int | None = None) -> None:
     nbgrader counts anything on stderr in a check cell as a failure)."""
     install_notebook_handler()
     if name not in EXERCISES:
-        raise ExerciseError(f"no exercise named '{name}'{closest(name, EXERCISES)}; "
-                            f"the exercises are: {', '.join(sorted(EXERCISES))}")
+        raise ExerciseError(
+            f"no exercise named '{name}'{closest(name, EXERCISES)}; "
+            f"the exercises are: {', '.join(sorted(EXERCISES))}"
+        )
     run = Check(name, seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,5 +1,6 @@
 """Checks for notebooks 14-15: a CPU run's memory budget, reading a bf16 measurement against its
 noise, and reading an Optuna study (a real one, recorded by titanlite.tools.hpo's own code)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,29 +11,46 @@ from . import exercise
 
 @exercise("14_state_bytes", "fp32 AdamW training memory, without the activations")
 def state_bytes(c, fn):
-    from ...tools.cpu import training_memory_formula
     from ...models.llama import ModelArgs
+    from ...tools.cpu import training_memory_formula
+
     args = ModelArgs()
     for _ in range(8):
-        n, batch, seq, vocab = (c.rng.randint(10**4, 10**9), c.rng.randint(1, 32), c.rng.randint(1, 2048),
-                                c.rng.randint(256, 128_000))
+        n, batch, seq, vocab = (
+            c.rng.randint(10**4, 10**9),
+            c.rng.randint(1, 32),
+            c.rng.randint(1, 2048),
+            c.rng.randint(256, 128_000),
+        )
         want = training_memory_formula(n, args, batch, seq, vocab)
-        c.same_value(c.call(fn, n, batch, seq, vocab), want["total"] - want["activations"],
-                     f"state_bytes({n:,} parameters, batch={batch}, seq_len={seq}, vocab={vocab:,})")
+        c.same_value(
+            c.call(fn, n, batch, seq, vocab),
+            want["total"] - want["activations"],
+            f"state_bytes({n:,} parameters, batch={batch}, seq_len={seq}, vocab={vocab:,})",
+        )
     c.passed("equals titanlite.tools.cpu.training_memory_formula less its activations")
 
 
 def _bf16_kind(bf16, fp32) -> str:
     """Notebook 14's reading, by the package's functions: fast, slow or same."""
     from ...tools.cpu import CpuFeatures, bf16_verdict, relative_spread
+
     noise = max(relative_spread(bf16), relative_spread(fp32))
     ratio = statistics.median(bf16) / statistics.median(fp32)
     verdict = bf16_verdict(ratio, CpuFeatures("DEFAULT", None, 1, 1), spread=max(0.2, noise))
-    return "fast" if verdict.startswith("fast") else "slow" if verdict.startswith("slow") else "same"
+    return (
+        "fast" if verdict.startswith("fast") else "slow" if verdict.startswith("slow") else "same"
+    )
 
 
 def _kind(ratio, band, symmetric=False):
-    return "fast" if ratio > 1 + band else "slow" if ratio < ((1 - band) if symmetric else 1 / (1 + band)) else "same"
+    return (
+        "fast"
+        if ratio > 1 + band
+        else "slow"
+        if ratio < ((1 - band) if symmetric else 1 / (1 + band))
+        else "same"
+    )
 
 
 def _spread(xs):
@@ -40,25 +58,40 @@ def _spread(xs):
 
 
 BF16_MISTAKES = {
-    "means instead of medians": lambda b, f: _kind(statistics.mean(b) / statistics.mean(f),
-                                                   max(0.2, _spread(b), _spread(f))),
-    "no 0.2 floor": lambda b, f: _kind(statistics.median(b) / statistics.median(f), max(_spread(b), _spread(f))),
+    "means instead of medians": lambda b, f: _kind(
+        statistics.mean(b) / statistics.mean(f), max(0.2, _spread(b), _spread(f))
+    ),
+    "no 0.2 floor": lambda b, f: _kind(
+        statistics.median(b) / statistics.median(f), max(_spread(b), _spread(f))
+    ),
     "0.2 only": lambda b, f: _kind(statistics.median(b) / statistics.median(f), 0.2),
-    "1 - band below": lambda b, f: _kind(statistics.median(b) / statistics.median(f),
-                                         max(0.2, _spread(b), _spread(f)), symmetric=True),
-    "the bf16 spread only": lambda b, f: _kind(statistics.median(b) / statistics.median(f), max(0.2, _spread(b))),
-    "the fp32 spread only": lambda b, f: _kind(statistics.median(b) / statistics.median(f), max(0.2, _spread(f))),
+    "1 - band below": lambda b, f: _kind(
+        statistics.median(b) / statistics.median(f),
+        max(0.2, _spread(b), _spread(f)),
+        symmetric=True,
+    ),
+    "the bf16 spread only": lambda b, f: _kind(
+        statistics.median(b) / statistics.median(f), max(0.2, _spread(b))
+    ),
+    "the fp32 spread only": lambda b, f: _kind(
+        statistics.median(b) / statistics.median(f), max(0.2, _spread(f))
+    ),
 }
 
 
 def _draw_rates(rng):
     cases = []
     for _ in range(12):
-        base, ratio = rng.uniform(5, 500), rng.choice([rng.uniform(0.5, 1.6), rng.uniform(0.7, 1.3)])
+        base, ratio = (
+            rng.uniform(5, 500),
+            rng.choice([rng.uniform(0.5, 1.6), rng.uniform(0.7, 1.3)]),
+        )
         lists = []
         for centre in (base * ratio, base):
             noise = rng.choice([rng.uniform(0.01, 0.15), rng.uniform(0.2, 0.6)])
-            xs = [centre * (1 + rng.uniform(-noise / 2, noise / 2)) for _ in range(rng.randint(3, 7))]
+            xs = [
+                centre * (1 + rng.uniform(-noise / 2, noise / 2)) for _ in range(rng.randint(3, 7))
+            ]
             if rng.random() < 0.3:  # one slow outlier (a burst of load from elsewhere)
                 xs[rng.randrange(len(xs))] = centre * rng.uniform(0.3, 0.7)
             lists.append(xs)
@@ -70,15 +103,19 @@ def _draw_rates(rng):
 def bf16_verdict_exercise(c, fn):
     cases = c.separating(_draw_rates, _bf16_kind, BF16_MISTAKES)
     for bf16, fp32 in cases:
-        c.same_value(c.call(fn, list(bf16), list(fp32)), _bf16_kind(bf16, fp32),
-                     f"the verdict for bf16 rates {[round(x, 3) for x in bf16]} and fp32 rates "
-                     f"{[round(x, 3) for x in fp32]} GFLOP/s")
+        c.same_value(
+            c.call(fn, list(bf16), list(fp32)),
+            _bf16_kind(bf16, fp32),
+            f"the verdict for bf16 rates {[round(x, 3) for x in bf16]} and fp32 rates "
+            f"{[round(x, 3) for x in fp32]} GFLOP/s",
+        )
     c.passed(f"the reading of titanlite.tools.cpu.bf16_verdict on {len(cases)} measurements")
 
 
 @contextlib.contextmanager
 def _quiet_optuna():
     import optuna
+
     level = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     try:
@@ -100,22 +137,43 @@ def _study(rng):
 
     from ...config import load_config
     from ...tools.hpo import ACCUM_CHOICES, PruningCallback, suggest
+
     base = load_config()
     evals = 4
-    every = base.training.batch_size * max(ACCUM_CHOICES) * base.training.seq_len * rng.choice([1, 2])
+    every = (
+        base.training.batch_size * max(ACCUM_CHOICES) * base.training.seq_len * rng.choice([1, 2])
+    )
     budget = every * evals
-    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.RandomSampler(seed=rng.randrange(2**31)),
-                                pruner=optuna.pruners.NopPruner())
+    study = optuna.create_study(
+        direction="minimize",
+        sampler=optuna.samplers.RandomSampler(seed=rng.randrange(2**31)),
+        pruner=optuna.pruners.NopPruner(),
+    )
     accums = list(ACCUM_CHOICES)
     rng.shuffle(accums)
     several, no_complete, mixed = accums[0], accums[1], accums[2]
-    plan = ([(several, "complete")] * rng.randint(2, 3) + [(several, "pruned-best")]
-            + [(no_complete, rng.choice(["pruned", "failed", "running"])) for _ in range(rng.randint(1, 3))]
-            + [(mixed, "complete")] + [(mixed, rng.choice(["complete", "pruned", "failed"])) for _ in range(rng.randint(0, 2))]
-            + [(rng.choice(accums), "failed-early"), (rng.choice(accums), "failed"), (rng.choice(accums), "running")])
+    plan = (
+        [(several, "complete")] * rng.randint(2, 3)
+        + [(several, "pruned-best")]
+        + [
+            (no_complete, rng.choice(["pruned", "failed", "running"]))
+            for _ in range(rng.randint(1, 3))
+        ]
+        + [(mixed, "complete")]
+        + [(mixed, rng.choice(["complete", "pruned", "failed"])) for _ in range(rng.randint(0, 2))]
+        + [
+            (rng.choice(accums), "failed-early"),
+            (rng.choice(accums), "failed"),
+            (rng.choice(accums), "running"),
+        ]
+    )
     # Validations each trial reached: all for complete ones; none for a crash at start-up.
-    reports = [{"complete": evals, "failed-early": 0, "pruned-best": rng.choice([1, evals - 1])}.get(
-        kind, rng.randint(1, evals - 1)) for _, kind in plan]
+    reports = [
+        {"complete": evals, "failed-early": 0, "pruned-best": rng.choice([1, evals - 1])}.get(
+            kind, rng.randint(1, evals - 1)
+        )
+        for _, kind in plan
+    ]
     pruned = [i for i, (_, kind) in enumerate(plan) if kind.startswith("pruned")]
     if 2 * sum(reports[i] for i in pruned) == len(pruned) * evals:  # trained = saved: not telling
         best = next(i for i in pruned if plan[i][1] == "pruned-best")
@@ -127,7 +185,9 @@ def _study(rng):
         study.enqueue_trial({"grad_accum_steps": accum})
         trial = study.ask()
         cfg = suggest(trial, base, budget)
-        tokens_per_step = cfg.training.batch_size * cfg.training.grad_accum_steps * cfg.training.seq_len
+        tokens_per_step = (
+            cfg.training.batch_size * cfg.training.grad_accum_steps * cfg.training.seq_len
+        )
         trial.set_user_attr("steps", cfg.training.steps)  # as Objective does before training
         trial.set_user_attr("token_budget", budget)
         callback = PruningCallback(trial, tokens_per_step)
@@ -152,6 +212,7 @@ _STATE = {"FAIL": "failed"}
 
 def _describe(study) -> str:
     from collections import Counter
+
     states = Counter(_STATE.get(t.state.name, t.state.name.lower()) for t in study.trials)
     return f"a study of {len(study.trials)} trials ({', '.join(f'{n} {s}' for s, n in sorted(states.items()))})"
 
@@ -161,39 +222,64 @@ def best_lr(c, fn):
     from optuna.trial import TrialState
 
     from ...tools.hpo import best_lr_per_accum
+
     for _ in range(3):
         with _quiet_optuna():
             study = _study(c.rng)
         got, want = c.call(fn, study), best_lr_per_accum(study)
         where = f"in {_describe(study)}"
         if not isinstance(got, dict):
-            c.fail(f"return a dict {{grad_accum_steps: (lr, loss)}}, got {type(got).__name__} {where}")
+            c.fail(
+                f"return a dict {{grad_accum_steps: (lr, loss)}}, got {type(got).__name__} {where}"
+            )
         for accum in sorted(set(got) - set(want), key=str):
-            states = sorted(_STATE.get(t.state.name, t.state.name.lower()) for t in study.trials
-                            if t.params.get("grad_accum_steps") == accum)
-            c.fail(f"grad_accum_steps={accum} should not be in the answer: no complete trial tried it "
-                   f"(its trials: {', '.join(states) or 'none'}) {where}")
+            states = sorted(
+                _STATE.get(t.state.name, t.state.name.lower())
+                for t in study.trials
+                if t.params.get("grad_accum_steps") == accum
+            )
+            c.fail(
+                f"grad_accum_steps={accum} should not be in the answer: no complete trial tried it "
+                f"(its trials: {', '.join(states) or 'none'}) {where}"
+            )
         for accum, (lr, loss) in want.items():
             if accum not in got:
-                c.fail(f"grad_accum_steps={accum} is missing; its best complete trial has lr {lr:.6g}, "
-                       f"loss {loss:.6g} {where}")
+                c.fail(
+                    f"grad_accum_steps={accum} is missing; its best complete trial has lr {lr:.6g}, "
+                    f"loss {loss:.6g} {where}"
+                )
             pair = got[accum]
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                c.fail(f"the answer for grad_accum_steps={accum} should be the pair (lr, loss), got {pair!r}")
-            c.same_value(pair[0], lr, f"the lr for grad_accum_steps={accum} (of its best complete trial, "
-                                      f"loss {loss:.6g}) {where}")
+                c.fail(
+                    f"the answer for grad_accum_steps={accum} should be the pair (lr, loss), got {pair!r}"
+                )
+            c.same_value(
+                pair[0],
+                lr,
+                f"the lr for grad_accum_steps={accum} (of its best complete trial, "
+                f"loss {loss:.6g}) {where}",
+            )
             c.same_value(pair[1], loss, f"the loss for grad_accum_steps={accum} {where}")
         assert any(t.state == TrialState.PRUNED for t in study.trials)
-    c.passed("equals titanlite.tools.hpo.best_lr_per_accum on 3 real studies with pruned, failed "
-             "and running trials")
+    c.passed(
+        "equals titanlite.tools.hpo.best_lr_per_accum on 3 real studies with pruned, failed "
+        "and running trials"
+    )
 
 
 @exercise("15_compute_saved", "the tokens pruning saved")
 def compute_saved(c, fn):
     from ...tools.hpo import compute_saved as real
+
     for _ in range(3):
         with _quiet_optuna():
             study = _study(c.rng)
-        c.same_value(c.call(fn, study), real(study)["tokens_saved"], f"the tokens saved in {_describe(study)}")
-    c.passed("equals titanlite.tools.hpo.compute_saved on 3 real studies with pruned, failed and "
-             "running trials")
+        c.same_value(
+            c.call(fn, study),
+            real(study)["tokens_saved"],
+            f"the tokens saved in {_describe(study)}",
+        )
+    c.passed(
+        "equals titanlite.tools.hpo.compute_saved on 3 real studies with pruned, failed and "
+        "running trials"
+    )

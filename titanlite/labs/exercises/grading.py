@@ -10,6 +10,7 @@ line naming the student's own line for anything else it raises), and the compari
 *what* is wrong (which item, which element, with enough digits to see the difference).
 The checks themselves live beside this module, one file per group of notebooks.
 """
+
 from __future__ import annotations
 
 import linecache
@@ -37,9 +38,11 @@ def fresh_seed() -> int:
 
 
 # Frames in these folders are not the student's: the line a crash names is the student's own.
-_NOT_STUDENT = tuple(str(Path(p).resolve()) + os.sep for p in
-                     {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-                     | {str(Path(__file__).resolve().parents[2])})
+_NOT_STUDENT = tuple(
+    str(Path(p).resolve()) + os.sep
+    for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    | {str(Path(__file__).resolve().parents[2])}
+)
 
 
 def _student_frame(tb):
@@ -89,8 +92,10 @@ class Check:
 
     def __init__(self, name: str, seed: int | None = None):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ExerciseError(f"{name}: seed must be a whole number >= 0 (the one a failure "
-                                f"printed), got {seed!r}")
+            raise ExerciseError(
+                f"{name}: seed must be a whole number >= 0 (the one a failure "
+                f"printed), got {seed!r}"
+            )
         self.name = name
         self.seed = fresh_seed() if seed is None else seed
         self.rng = random.Random(self.seed)
@@ -103,13 +108,17 @@ class Check:
         """fn(*args, **kwargs), with whatever it raises turned into one line: its type, its
         message's first line, the line of the student's code it came from, and the seed."""
         if not callable(fn):
-            self.fail(f"expected a function, got {type(fn).__name__}: pass the function itself "
-                      f"(no parentheses)")
+            self.fail(
+                f"expected a function, got {type(fn).__name__}: pass the function itself "
+                f"(no parentheses)"
+            )
         try:
             return fn(*args, **kwargs)
         except NotImplementedError:
-            raise ExerciseError(f"{self.name}: {NOT_ATTEMPTED} - replace `raise NotImplementedError()` "
-                                f"in the cell above with your code, run it, then run this check") from None
+            raise ExerciseError(
+                f"{self.name}: {NOT_ATTEMPTED} - replace `raise NotImplementedError()` "
+                f"in the cell above with your code, run it, then run this check"
+            ) from None
         except ExerciseError:
             raise
         except Exception as e:  # the student's bug: one line, no traceback wall
@@ -120,25 +129,41 @@ class Check:
             frame = _student_frame(e.__traceback__)
             if frame is not None:
                 code = frame.tb_frame.f_code
-                text = linecache.getline(code.co_filename, frame.tb_lineno, frame.tb_frame.f_globals).strip()
+                text = linecache.getline(
+                    code.co_filename, frame.tb_lineno, frame.tb_frame.f_globals
+                ).strip()
                 text = text if len(text) <= 80 else text[:77] + "..."
                 where = f" (line {frame.tb_lineno} of {code.co_name}{': ' + text if text else ''})"
-            self.fail(f"your function raised {type(e).__name__}{': ' + first if first else ''}{where}")
+            self.fail(
+                f"your function raised {type(e).__name__}{': ' + first if first else ''}{where}"
+            )
 
-    def same_tensor(self, got, want: torch.Tensor, what: str, *, rtol: float = 1e-5, atol: float = 1e-6,
-                    exact: bool = False) -> None:
+    def same_tensor(
+        self,
+        got,
+        want: torch.Tensor,
+        what: str,
+        *,
+        rtol: float = 1e-5,
+        atol: float = 1e-6,
+        exact: bool = False,
+    ) -> None:
         """Fail with one line naming the first difference: type, shape, dtype, then values.
         `exact`: the same dtype and the same bits (NaN equal to NaN)."""
         if not isinstance(got, torch.Tensor):
             self.fail(f"{what} should be a torch.Tensor, got {type(got).__name__}")
         if tuple(got.shape) != tuple(want.shape):
             self.fail(f"{what} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
-        if got.dtype != want.dtype and (exact or not (got.is_floating_point() and want.is_floating_point())):
+        if got.dtype != want.dtype and (
+            exact or not (got.is_floating_point() and want.is_floating_point())
+        ):
             self.fail(f"{what} has dtype {got.dtype}, expected {want.dtype}")
         got64, want64 = got.detach().cpu().double(), want.detach().cpu().double()
         if not torch.isfinite(got64).all() and torch.isfinite(want64).all():
             index = tuple(int(i) for i in (~torch.isfinite(got64)).nonzero()[0])
-            self.fail(f"{what} holds {got64[index].item()} at index {index}; the real one is finite")
+            self.fail(
+                f"{what} holds {got64[index].item()} at index {index}; the real one is finite"
+            )
         if exact:
             bad = (got64 != want64) & ~(got64.isnan() & want64.isnan())
         else:
@@ -147,8 +172,10 @@ class Check:
             index = tuple(int(i) for i in bad.nonzero()[0])
             a, b = show_pair(got64[index].item(), want64[index].item())
             at = f" at index {index}" if index else ""
-            self.fail(f"{what} is {a}{at}, expected {b} ({int(bad.sum())} of {bad.numel()} values differ"
-                      f"{', compared bit for bit' if exact else ''})")
+            self.fail(
+                f"{what} is {a}{at}, expected {b} ({int(bad.sum())} of {bad.numel()} values differ"
+                f"{', compared bit for bit' if exact else ''})"
+            )
 
     def same_value(self, got, want, what: str, *, rel: float = 1e-9) -> None:
         """Numbers (floats within `rel`, ints exactly), bools, and dicts, lists and tuples of them
@@ -159,26 +186,36 @@ class Check:
                 self.fail(f"{what} should be a dict, got {type(got).__name__}: {_short(got)}")
             missing = [k for k in want if k not in got]
             if missing:
-                self.fail(f"{what} has no key {missing[0]!r} (expected keys: {', '.join(map(repr, want))})")
+                self.fail(
+                    f"{what} has no key {missing[0]!r} (expected keys: {', '.join(map(repr, want))})"
+                )
             extra = [k for k in got if k not in want]
             if extra:
-                self.fail(f"{what} has a key {extra[0]!r} that should not be there (expected keys: "
-                          f"{', '.join(map(repr, want))})")
+                self.fail(
+                    f"{what} has a key {extra[0]!r} that should not be there (expected keys: "
+                    f"{', '.join(map(repr, want))})"
+                )
             for key in want:
                 self.same_value(got[key], want[key], f"{what}[{key!r}]", rel=rel)
             return
         if isinstance(want, (list, tuple)):
             if not isinstance(got, (list, tuple)):
-                self.fail(f"{what} should be a {type(want).__name__} of {len(want)}, got "
-                          f"{type(got).__name__}: {_short(got)}")
+                self.fail(
+                    f"{what} should be a {type(want).__name__} of {len(want)}, got "
+                    f"{type(got).__name__}: {_short(got)}"
+                )
             if len(got) != len(want):
-                self.fail(f"{what} has {len(got)} items, expected {len(want)}: {_short(got)} vs {_short(want)}")
+                self.fail(
+                    f"{what} has {len(got)} items, expected {len(want)}: {_short(got)} vs {_short(want)}"
+                )
             for i, (g, w) in enumerate(zip(got, want)):
                 self.same_value(g, w, f"{what}[{i}]", rel=rel)
             return
         if isinstance(want, bool):
             if not isinstance(got, bool):
-                self.fail(f"{what} should be True or False, got {type(got).__name__}: {_short(got)}")
+                self.fail(
+                    f"{what} should be True or False, got {type(got).__name__}: {_short(got)}"
+                )
             if got != want:
                 self.fail(f"{what} is {got}, expected {want}")
             return
@@ -204,19 +241,27 @@ class Check:
         at least one of them: a check whose inputs cannot tell a mistake apart from the answer
         would pass it. `draw(rng)` gives a list of argument tuples; `right` and each mistake
         are functions of those arguments. A draw that cannot separate them is a bug in the check."""
+
         def answer(fn, args):
             try:
                 return fn(*args)
             except Exception as e:  # noqa: BLE001 - a crash is an answer that differs
                 return ("raised", type(e).__name__)
+
         for _ in range(tries):
             cases = draw(self.rng)
             want = [answer(right, args) for args in cases]
-            if all(any(answer(m, args) != w for args, w in zip(cases, want)) for m in mistakes.values()):
+            if all(
+                any(answer(m, args) != w for args, w in zip(cases, want)) for m in mistakes.values()
+            ):
                 return cases
-        left = [n for n, m in mistakes.items() if all(answer(m, a) == w for a, w in zip(cases, want))]
-        raise RuntimeError(f"{self.name}: the check's inputs never separate {left} from the answer "
-                           f"(seed {self.seed}): a bug in the check")
+        left = [
+            n for n, m in mistakes.items() if all(answer(m, a) == w for a, w in zip(cases, want))
+        ]
+        raise RuntimeError(
+            f"{self.name}: the check's inputs never separate {left} from the answer "
+            f"(seed {self.seed}): a bug in the check"
+        )
 
     def passed(self, detail: str) -> None:
         """Print the line a passing check shows (once: check() returns nothing to echo)."""

@@ -4,6 +4,7 @@ technique's, and the check stays fast enough for a lab.
 
 Where a random draw could miss the case that tells a classic mistake apart, the check draws
 until every mistake listed beside it answers differently (`Check.separating`)."""
+
 from __future__ import annotations
 
 import math
@@ -50,7 +51,11 @@ def _by_dtype(params, cap, *, strict=False, before=False, open_first=False):
         size = _bytes([params[j] for j in bucket])
         if size > cap or (size == cap and not strict):
             closed.append(open_buckets.pop(p.dtype))
-    return (list(open_buckets.values()) + closed) if open_first else closed + list(open_buckets.values())
+    return (
+        (list(open_buckets.values()) + closed)
+        if open_first
+        else closed + list(open_buckets.values())
+    )
 
 
 BUCKET_MISTAKES = {
@@ -68,7 +73,10 @@ def _draw_buckets(rng: random.Random):
     for i in range(3):
         n = rng.randint(4, 12)
         dtypes = [rng.choice([torch.float32, torch.float32, torch.bfloat16]) for _ in range(n)]
-        dtypes[rng.randrange(n)], dtypes[rng.randrange(n)] = torch.bfloat16, torch.float32  # both, mixed
+        dtypes[rng.randrange(n)], dtypes[rng.randrange(n)] = (
+            torch.bfloat16,
+            torch.float32,
+        )  # both, mixed
         params = [torch.zeros(rng.randint(1, 64), rng.randint(1, 64), dtype=d) for d in dtypes]
         f32 = [p for p in params if p.dtype == torch.float32]
         # The first case's cap is reached exactly (by its first two float32 tensors): >= vs >.
@@ -80,24 +88,38 @@ def _draw_buckets(rng: random.Random):
 @exercise("07_buckets", "DDP's bucket assignment")
 def buckets(c, fn):
     from ...tools.scratch_ddp import assign_buckets
-    cases = c.separating(_draw_buckets, lambda ps, cap: _which(ps, assign_buckets(ps, cap)), BUCKET_MISTAKES)
+
+    cases = c.separating(
+        _draw_buckets, lambda ps, cap: _which(ps, assign_buckets(ps, cap)), BUCKET_MISTAKES
+    )
     for params, cap in cases:
         got = c.call(fn, list(params), cap)
         if not isinstance(got, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in got):
-            c.fail(f"return a list of buckets (lists of the tensors given), got {type(got).__name__}")
+            c.fail(
+                f"return a list of buckets (lists of the tensors given), got {type(got).__name__}"
+            )
         got_i, want_i = _which(params, got), _which(params, assign_buckets(params, cap))
         if got_i != want_i:
-            where = next((i for i, (a, b) in enumerate(zip(got_i, want_i)) if a != b), min(len(got_i), len(want_i)))
-            sizes = " ".join(f"{i}:{p.numel() * p.element_size()}B/{_SHORT[p.dtype]}" for i, p in enumerate(params))
-            c.fail(f"with cap {cap:,} B and tensors (index:bytes/dtype) {sizes}: bucket {where} is "
-                   f"{got_i[where] if where < len(got_i) else 'missing'}, expected "
-                   f"{want_i[where] if where < len(want_i) else 'no more buckets'} (all: {want_i})")
+            where = next(
+                (i for i, (a, b) in enumerate(zip(got_i, want_i)) if a != b),
+                min(len(got_i), len(want_i)),
+            )
+            sizes = " ".join(
+                f"{i}:{p.numel() * p.element_size()}B/{_SHORT[p.dtype]}"
+                for i, p in enumerate(params)
+            )
+            c.fail(
+                f"with cap {cap:,} B and tensors (index:bytes/dtype) {sizes}: bucket {where} is "
+                f"{got_i[where] if where < len(got_i) else 'missing'}, expected "
+                f"{want_i[where] if where < len(want_i) else 'no more buckets'} (all: {want_i})"
+            )
     c.passed("the same buckets as titanlite.tools.scratch_ddp.assign_buckets")
 
 
 @exercise("07_bucketed_allreduce", "average gradients over ranks, one collective per bucket")
 def bucketed_allreduce(c, fn):
     from ...tools.scratch_ddp import assign_buckets
+
     rng = c.rng
     while True:  # at least two buckets, and one holding several tensors: counting per tensor fails
         world, cap = rng.randint(2, 4), rng.choice([512, 2048, 8192])
@@ -111,31 +133,59 @@ def bucketed_allreduce(c, fn):
         c.fail(f"return (averaged_grads, n_collectives), got {type(got).__name__}")
     averaged, collectives = got
     if not isinstance(averaged, (list, tuple)) or len(averaged) != len(shapes):
-        c.fail(f"return one averaged gradient per parameter ({len(shapes)}), got "
-               f"{len(averaged) if isinstance(averaged, (list, tuple)) else type(averaged).__name__}")
+        c.fail(
+            f"return one averaged gradient per parameter ({len(shapes)}), got "
+            f"{len(averaged) if isinstance(averaged, (list, tuple)) else type(averaged).__name__}"
+        )
     for i in range(len(shapes)):
         want = torch.stack([rank[i] for rank in grads]).mean(0)
-        c.same_tensor(averaged[i], want, f"gradient {i} (shape {shapes[i]}) averaged over {world} ranks", rtol=1e-5)
+        c.same_tensor(
+            averaged[i],
+            want,
+            f"gradient {i} (shape {shapes[i]}) averaged over {world} ranks",
+            rtol=1e-5,
+        )
     sizes = [s[0] * s[1] * 4 for s in shapes]
-    c.same_value(collectives, len(found), f"the number of all-reduces for {len(shapes)} tensors of "
-                 f"{sizes} B and a {cap:,} B cap (one per bucket)")
+    c.same_value(
+        collectives,
+        len(found),
+        f"the number of all-reduces for {len(shapes)} tensors of "
+        f"{sizes} B and a {cap:,} B cap (one per bucket)",
+    )
     c.passed(f"the mean over {world} ranks, in {len(found)} collectives as DDP's buckets")
 
 
 @exercise("08_zero_bytes", "bytes per rank at ZeRO stage 0-3 (fp32 Adam)")
 def zero_bytes(c, fn):
     from ...tools.zero import zero_bytes_per_rank
+
     rng = c.rng
     cases = []
-    for stage in (0, 1, 2, 3, 0, 1, 2, 3):  # every stage on several ranks, with a remainder: ceil, not floor
+    for stage in (
+        0,
+        1,
+        2,
+        3,
+        0,
+        1,
+        2,
+        3,
+    ):  # every stage on several ranks, with a remainder: ceil, not floor
         world = rng.choice([3, 8, 64])
-        cases.append((rng.randint(1, 10**9 // world) * world + rng.randint(1, world - 1), world, stage))
-    cases += [(rng.randint(1, 10**9), rng.choice([1, 2, 3, 8, 64]), rng.randint(0, 3)) for _ in range(4)]
+        cases.append(
+            (rng.randint(1, 10**9 // world) * world + rng.randint(1, world - 1), world, stage)
+        )
+    cases += [
+        (rng.randint(1, 10**9), rng.choice([1, 2, 3, 8, 64]), rng.randint(0, 3)) for _ in range(4)
+    ]
     rng.shuffle(cases)
     for n, world, stage in cases:
         real = zero_bytes_per_rank(n, world, stage)
-        c.same_value(c.call(fn, n, world, stage), {k: real[k] for k in ("params", "grads", "optimizer")},
-                     f"zero_bytes({n:,} parameters, world_size={world}, stage={stage})")
+        c.same_value(
+            c.call(fn, n, world, stage),
+            {k: real[k] for k in ("params", "grads", "optimizer")},
+            f"zero_bytes({n:,} parameters, world_size={world}, stage={stage})",
+        )
     c.passed(f"equals titanlite.tools.zero.zero_bytes_per_rank on {len(cases)} random cases")
 
 
@@ -154,12 +204,17 @@ SHARD_MISTAKES = {
     "ceil(numel / world)": lambda shape, w, r: math.ceil(math.prod(shape) / w),
     "numpy.array_split's rows": _array_split,
     "the last rank takes the rest": _last_takes_rest,
-    "the padded shard on every rank": lambda shape, w, r: math.ceil(shape[0] / w) * math.prod(shape[1:]),
+    "the padded shard on every rank": lambda shape, w, r: (
+        math.ceil(shape[0] / w) * math.prod(shape[1:])
+    ),
 }
 
 
 def _draw_shards(rng: random.Random):
-    pairs = [(tuple(rng.randint(1, 33) for _ in range(rng.randint(1, 3))), rng.randint(1, 9)) for _ in range(14)]
+    pairs = [
+        (tuple(rng.randint(1, 33) for _ in range(rng.randint(1, 3))), rng.randint(1, 9))
+        for _ in range(14)
+    ]
     world = rng.randint(3, 8)  # and one where the last ranks own nothing: d0 = world + 1
     pairs.append(((world + 1, rng.randint(2, 9)), world))
     rng.shuffle(pairs)
@@ -169,36 +224,60 @@ def _draw_shards(rng: random.Random):
 @exercise("08_fsdp_shard", "elements of a parameter FSDP2 keeps on a rank")
 def fsdp_shard(c, fn):
     from ...tools.zero import fsdp_shard_numel
+
     cases = c.separating(_draw_shards, fsdp_shard_numel, SHARD_MISTAKES)
     for shape, world, rank in cases:
-        c.same_value(c.call(fn, shape, world, rank), fsdp_shard_numel(shape, world, rank),
-                     f"shard_numel(shape={shape}, world_size={world}, rank={rank})")
+        c.same_value(
+            c.call(fn, shape, world, rank),
+            fsdp_shard_numel(shape, world, rank),
+            f"shard_numel(shape={shape}, world_size={world}, rank={rank})",
+        )
     c.passed("equals titanlite.tools.zero.fsdp_shard_numel, rank by rank")
 
 
 @exercise("09_tp_mlp", "a column-parallel then row-parallel SwiGLU MLP")
 def tp_mlp(c, fn):
     from ...models.llama import FeedForward, ModelArgs
+
     tp = c.rng.choice([2, 4])
-    with torch.random.fork_rng():  # the model's init draws from the global generator: not the student's
+    with (
+        torch.random.fork_rng()
+    ):  # the model's init draws from the global generator: not the student's
         torch.manual_seed(c.seed)
         full = FeedForward(ModelArgs(dim=16, ffn_hidden_dim=8 * tp, n_heads=2, n_kv_heads=1))
     x = torch.randn(2, 5, 16, generator=c.gen)
     partials = []
     h = full.gate_proj.out_features
     for rank in range(tp):
-        got = c.call(fn, full.gate_proj.weight.detach().clone(), full.up_proj.weight.detach().clone(),
-                     full.down_proj.weight.detach().clone(), tp, rank)
+        got = c.call(
+            fn,
+            full.gate_proj.weight.detach().clone(),
+            full.up_proj.weight.detach().clone(),
+            full.down_proj.weight.detach().clone(),
+            tp,
+            rank,
+        )
         if not isinstance(got, (tuple, list)) or len(got) != 3:
             c.fail(f"return (gate_shard, up_shard, down_shard), got {type(got).__name__}")
         gate, up, down = got
         rows = slice(rank * h // tp, (rank + 1) * h // tp)  # ScratchParallelMLP's split
-        c.same_tensor(gate, full.gate_proj.weight[rows].detach(), f"rank {rank}'s gate shard "
-                      f"(column-parallel: rows {rows.start}:{rows.stop} of the [{h}, 16] weight)")
-        c.same_tensor(up, full.up_proj.weight[rows].detach(), f"rank {rank}'s up shard "
-                      f"(rows {rows.start}:{rows.stop} of the [{h}, 16] weight)")
-        c.same_tensor(down, full.down_proj.weight[:, rows].detach(), f"rank {rank}'s down shard "
-                      f"(row-parallel: columns {rows.start}:{rows.stop} of the [16, {h}] weight)")
+        c.same_tensor(
+            gate,
+            full.gate_proj.weight[rows].detach(),
+            f"rank {rank}'s gate shard "
+            f"(column-parallel: rows {rows.start}:{rows.stop} of the [{h}, 16] weight)",
+        )
+        c.same_tensor(
+            up,
+            full.up_proj.weight[rows].detach(),
+            f"rank {rank}'s up shard (rows {rows.start}:{rows.stop} of the [{h}, 16] weight)",
+        )
+        c.same_tensor(
+            down,
+            full.down_proj.weight[:, rows].detach(),
+            f"rank {rank}'s down shard "
+            f"(row-parallel: columns {rows.start}:{rows.stop} of the [16, {h}] weight)",
+        )
         partials.append((torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T)
     c.same_tensor(sum(partials), full(x).detach(), "the all-reduced output", rtol=1e-4, atol=1e-5)
     c.passed(f"{tp} shards whose partial sums (one all-reduce) equal the full MLP")
@@ -207,27 +286,39 @@ def tp_mlp(c, fn):
 @exercise("10_one_f_one_b", "the 1F1B order of rank r for p stages and m micro-batches")
 def one_f_one_b(c, fn):
     from ...tools.pipeline_timeline import one_f_one_b_order
+
     for p in (2, 3, 4):
         for m in (1, p - 1, p, 2 * p + 1):
             for rank in range(p):
                 got = c.call(fn, rank, p, m)
-                got = [tuple(op) if isinstance(op, (list, tuple)) else op for op in got] \
-                    if isinstance(got, (list, tuple)) else got
+                got = (
+                    [tuple(op) if isinstance(op, (list, tuple)) else op for op in got]
+                    if isinstance(got, (list, tuple))
+                    else got
+                )
                 want = one_f_one_b_order(rank, p, m)
                 if not isinstance(got, list):
                     c.fail(f"return a list of ('F', i) and ('B', i), got {type(got).__name__}")
                 if got != want:
-                    where = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                    c.fail(f"rank {rank} of p={p}, m={m}: op {where} is "
-                           f"{got[where] if where < len(got) else 'missing'}, expected "
-                           f"{want[where] if where < len(want) else 'nothing more'} (full: {want})")
+                    where = next(
+                        (i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                        min(len(got), len(want)),
+                    )
+                    c.fail(
+                        f"rank {rank} of p={p}, m={m}: op {where} is "
+                        f"{got[where] if where < len(got) else 'missing'}, expected "
+                        f"{want[where] if where < len(want) else 'nothing more'} (full: {want})"
+                    )
     c.passed("the same order as titanlite.tools.pipeline_timeline for every rank")
 
 
 @exercise("10_bubble", "the 1F1B bubble fraction")
 def bubble(c, fn):
     from ...tools.pipeline_timeline import formula_bubble
-    cases = [(2, 4), (4, 4), (4, 16), (8, 3)] + [(c.rng.randint(2, 16), c.rng.randint(1, 64)) for _ in range(4)]
+
+    cases = [(2, 4), (4, 4), (4, 16), (8, 3)] + [
+        (c.rng.randint(2, 16), c.rng.randint(1, 64)) for _ in range(4)
+    ]
     for p, m in cases:
         c.same_value(c.call(fn, p, m), formula_bubble("1f1b", p, m), f"the bubble for p={p}, m={m}")
     c.passed("(p-1)/m, as formula_bubble")
@@ -235,8 +326,11 @@ def bubble(c, fn):
 
 def _random_dims(rng: random.Random):
     from ...distributed.mesh import ParallelDims
+
     pp, rep, shard, tp = (rng.choice([1, 2, 3]) for _ in range(4))
-    return ParallelDims(dp_replicate=rep, dp_shard=shard, world_size=pp * rep * shard * tp, tp=tp, pp=pp)
+    return ParallelDims(
+        dp_replicate=rep, dp_shard=shard, world_size=pp * rep * shard * tp, tp=tp, pp=pp
+    )
 
 
 def _unravel(rank, sizes):
@@ -248,17 +342,24 @@ def _unravel(rank, sizes):
 
 
 GRID_MISTAKES = {
-    "pp varying fastest": lambda rank, shape: dict(zip(("pp", "dp_replicate", "dp_shard", "tp"),
-                                                       _unravel(rank, shape[::-1])[::-1])),
-    "dp_replicate and dp_shard swapped": lambda rank, shape: dict(zip(("pp", "dp_shard", "dp_replicate", "tp"),
-                                                                      _unravel(rank, shape))),
-    "sizes read in reverse": lambda rank, shape: dict(zip(("pp", "dp_replicate", "dp_shard", "tp"),
-                                                          _unravel(rank, shape[::-1]))),
+    "pp varying fastest": lambda rank, shape: dict(
+        zip(("pp", "dp_replicate", "dp_shard", "tp"), _unravel(rank, shape[::-1])[::-1])
+    ),
+    "dp_replicate and dp_shard swapped": lambda rank, shape: dict(
+        zip(("pp", "dp_shard", "dp_replicate", "tp"), _unravel(rank, shape))
+    ),
+    "sizes read in reverse": lambda rank, shape: dict(
+        zip(("pp", "dp_replicate", "dp_shard", "tp"), _unravel(rank, shape[::-1]))
+    ),
 }
 
 
 def _draw_grids(rng: random.Random):
-    return [(rank, dims.shape) for dims in (_random_dims(rng) for _ in range(4)) for rank in range(dims.world_size)]
+    return [
+        (rank, dims.shape)
+        for dims in (_random_dims(rng) for _ in range(4))
+        for rank in range(dims.world_size)
+    ]
 
 
 @exercise("11_rank_grid", "a rank's coordinates in the (pp, dp_replicate, dp_shard, tp) grid")
@@ -267,13 +368,20 @@ def rank_grid(c, fn):
 
     def real(rank, shape):
         pp, rep, shard, tp = shape
-        return ParallelDims(dp_replicate=rep, dp_shard=shard, world_size=math.prod(shape), tp=tp,
-                            pp=pp).coordinates(rank)
+        return ParallelDims(
+            dp_replicate=rep, dp_shard=shard, world_size=math.prod(shape), tp=tp, pp=pp
+        ).coordinates(rank)
+
     cases = c.separating(_draw_grids, real, GRID_MISTAKES)
     for rank, shape in cases:
-        c.same_value(c.call(fn, rank, shape), real(rank, shape),
-                     f"the coordinates of rank {rank} in a grid of shape {shape}")
-    c.passed(f"equals ParallelDims.coordinates for every rank of {len({s for _, s in cases})} random grids")
+        c.same_value(
+            c.call(fn, rank, shape),
+            real(rank, shape),
+            f"the coordinates of rank {rank} in a grid of shape {shape}",
+        )
+    c.passed(
+        f"equals ParallelDims.coordinates for every rank of {len({s for _, s in cases})} random grids"
+    )
 
 
 def _sorted_groups(groups):
@@ -287,17 +395,28 @@ def _groups_along(shape, axis):
 
 _AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 GROUP_MISTAKES = {
-    "the axis counted from the end": lambda shape, dim: _sorted_groups(_groups_along(shape, 3 - _AXES.index(dim))),
+    "the axis counted from the end": lambda shape, dim: _sorted_groups(
+        _groups_along(shape, 3 - _AXES.index(dim))
+    ),
     "consecutive ranks, whatever the dim": lambda shape, dim: _sorted_groups(
-        torch.arange(math.prod(shape)).view(-1, shape[_AXES.index(dim)]).tolist()),
+        torch.arange(math.prod(shape)).view(-1, shape[_AXES.index(dim)]).tolist()
+    ),
     "the ranks sharing this coordinate": lambda shape, dim: _sorted_groups(
-        torch.arange(math.prod(shape)).view(shape).movedim(_AXES.index(dim), 0).reshape(shape[_AXES.index(dim)], -1).tolist()),
+        torch.arange(math.prod(shape))
+        .view(shape)
+        .movedim(_AXES.index(dim), 0)
+        .reshape(shape[_AXES.index(dim)], -1)
+        .tolist()
+    ),
 }
 
 
 def _draw_group_cases(rng: random.Random):
     from ...distributed.mesh import DIM_NAMES
-    return [(dims.shape, dim) for dims in (_random_dims(rng) for _ in range(4)) for dim in DIM_NAMES]
+
+    return [
+        (dims.shape, dim) for dims in (_random_dims(rng) for _ in range(4)) for dim in DIM_NAMES
+    ]
 
 
 @exercise("11_groups", "the process groups along one dim of the grid")
@@ -306,28 +425,44 @@ def groups(c, fn):
 
     def real(shape, dim):
         pp, rep, shard, tp = shape
-        return sorted(ParallelDims(dp_replicate=rep, dp_shard=shard, world_size=math.prod(shape), tp=tp,
-                                   pp=pp).groups(dim))
+        return sorted(
+            ParallelDims(
+                dp_replicate=rep, dp_shard=shard, world_size=math.prod(shape), tp=tp, pp=pp
+            ).groups(dim)
+        )
+
     cases = c.separating(_draw_group_cases, real, GROUP_MISTAKES)
     for shape, dim in cases:
         got = c.call(fn, shape, dim)
         try:
             got = _sorted_groups(got)
         except (TypeError, ValueError):
-            c.fail(f"return a list of lists of ranks for the '{dim}' groups of shape {shape}, got {got!r}")
+            c.fail(
+                f"return a list of lists of ranks for the '{dim}' groups of shape {shape}, got {got!r}"
+            )
         c.same_value(got, real(shape, dim), f"the '{dim}' groups of shape {shape} (sorted)")
-    c.passed(f"equals ParallelDims.groups for every dim of {len({s for s, _ in cases})} random grids")
+    c.passed(
+        f"equals ParallelDims.groups for every dim of {len({s for s, _ in cases})} random grids"
+    )
 
 
 @exercise("09_block_comm", "bytes one transformer block's forward communicates under TP")
 def block_comm(c, fn):
     from ...models.llama import ModelArgs
     from ..nb09_tensor_parallel import tp_comm_formula
+
     rng = c.rng
     for sp in (False, True, False, True, False, True):
         batch, seq, dim = rng.randint(1, 8), rng.randint(1, 512), rng.choice([64, 256, 4096])
-        want = {op: row["bytes"] for op, row in tp_comm_formula(
-            ModelArgs(dim=dim), batch, seq, 2, sequence_parallel=sp)["per_block"]["forward"].items()}
-        c.same_value(c.call(fn, batch, seq, dim, sp), want,
-                     f"block_forward_comm(batch={batch}, seq={seq}, dim={dim}, sequence_parallel={sp})")
+        want = {
+            op: row["bytes"]
+            for op, row in tp_comm_formula(ModelArgs(dim=dim), batch, seq, 2, sequence_parallel=sp)[
+                "per_block"
+            ]["forward"].items()
+        }
+        c.same_value(
+            c.call(fn, batch, seq, dim, sp),
+            want,
+            f"block_forward_comm(batch={batch}, seq={seq}, dim={dim}, sequence_parallel={sp})",
+        )
     c.passed("the bytes tp_comm_formula predicts, which notebook 09 counted on real collectives")

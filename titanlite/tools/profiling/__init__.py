@@ -9,6 +9,7 @@ The profiler's C++ backend (kineto) prints "profiler_start/stop" lines straight 
 descriptor 2, which Jupyter shows as red stderr; they say nothing to a learner, so we point
 fd 2 at /dev/null while it starts and stops.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,8 +62,27 @@ def top_ops(prof, n: int = 8, device_type: str = "cpu") -> list[tuple[str, float
     return [(e.key, getattr(e, attr) / total) for e in events[:n]]
 
 
-from .reading import memory_timeline, phase_at, phase_seconds, plot_memory, plot_phases, trace_phases  # noqa: E402
+from .reading import (  # noqa: E402
+    memory_timeline,
+    phase_at,
+    phase_seconds,
+    plot_memory,
+    plot_phases,
+    trace_phases,
+)
 from .watcher import StepProfiler, memory_record_kind, parse_steps  # noqa: E402
 
-__all__ = ["profile_steps", "top_ops", "activities_for", "StepProfiler", "memory_record_kind",
-           "parse_steps", "trace_phases", "phase_seconds", "phase_at", "memory_timeline", "plot_phases", "plot_memory"]
+__all__ = [
+    "profile_steps",
+    "top_ops",
+    "activities_for",
+    "StepProfiler",
+    "memory_record_kind",
+    "parse_steps",
+    "trace_phases",
+    "phase_seconds",
+    "phase_at",
+    "memory_timeline",
+    "plot_phases",
+    "plot_memory",
+]

@@ -10,6 +10,7 @@ the only names in a trace that mean the same thing on every device and torch ver
 the labelled spans are the host's (when the work was issued; the kernels run later, and appear
 beside them in Perfetto), and the collectives include NCCL's kernels on the device.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,12 +21,14 @@ from typing import NamedTuple
 PHASES = ("forward", "backward", "forward_backward", "optimizer")  # the trainer's labels
 # c10d's operators (DDP's and FSDP's all-reduce/all-gather/reduce-scatter, and the functional
 # ones with their waits), the backend's own spans (gloo:, nccl:), and NCCL's GPU kernels.
-COLLECTIVE = re.compile(r"^(c10d::|_c10d_functional::|c10d_functional::|gloo:|nccl:|ncclKernel|ncclDevKernel)")
+COLLECTIVE = re.compile(
+    r"^(c10d::|_c10d_functional::|c10d_functional::|gloo:|nccl:|ncclKernel|ncclDevKernel)"
+)
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
 
 
 class Span(NamedTuple):
-    phase: str      # forward, backward, forward_backward (pipeline), optimizer, collective, step
+    phase: str  # forward, backward, forward_backward (pipeline), optimizer, collective, step
     start_s: float  # from the earliest profiled step's start, over all ranks
     end_s: float
 
@@ -39,7 +42,10 @@ def _trace_paths(source) -> list:
         paths = sorted(Path(source).glob("*.pt.trace.json"))
         if not paths:
             from ...errors import TitanliteError
-            raise TitanliteError(f"no *.pt.trace.json in {source}: train with --profile.steps 2-3 first")
+
+            raise TitanliteError(
+                f"no *.pt.trace.json in {source}: train with --profile.steps 2-3 first"
+            )
         return paths
     return [source]
 
@@ -75,20 +81,37 @@ def trace_phases(source) -> dict[int, list[Span]]:
                 continue
             name, host_label = ev.get("name", ""), ev.get("cat") == "user_annotation"
             # (On CUDA the labels appear a second time, as gpu_user_annotation: the host's are the ones.)
-            phase = (name if name in PHASES and host_label else "step" if host_label and STEP.match(name)
-                     else "collective" if COLLECTIVE.match(name) else None)
+            phase = (
+                name
+                if name in PHASES and host_label
+                else "step"
+                if host_label and STEP.match(name)
+                else "collective"
+                if COLLECTIVE.match(name)
+                else None
+            )
             if phase:
                 spans.setdefault(phase, []).append((ev["ts"] / 1e6, (ev["ts"] + ev["dur"]) / 1e6))
     starts = [a for spans in raw.values() for a, _ in spans.get("step", [])]
     if not starts:
         from ...errors import TitanliteError
-        raise TitanliteError("the trace has no ProfilerStep# spans: write it with --profile.steps "
-                             "(the trainer labels its steps), not a bare torch.profiler run")
+
+        raise TitanliteError(
+            "the trace has no ProfilerStep# spans: write it with --profile.steps "
+            "(the trainer labels its steps), not a bare torch.profiler run"
+        )
     t0 = min(starts)
-    return {rank: sorted((Span(phase, a - t0, b - t0) for phase, intervals in spans.items()
-                          for a, b in (_merged(intervals) if phase == "collective" else intervals)),
-                         key=lambda s: s.start_s)
-            for rank, spans in sorted(raw.items())}
+    return {
+        rank: sorted(
+            (
+                Span(phase, a - t0, b - t0)
+                for phase, intervals in spans.items()
+                for a, b in (_merged(intervals) if phase == "collective" else intervals)
+            ),
+            key=lambda s: s.start_s,
+        )
+        for rank, spans in sorted(raw.items())
+    }
 
 
 def phase_seconds(phases: dict[int, list[Span]]) -> dict[int, dict[str, list[float]]]:
@@ -96,9 +119,17 @@ def phase_seconds(phases: dict[int, list[Span]]) -> dict[int, dict[str, list[flo
     out = {}
     for rank, spans in phases.items():
         steps = [s for s in spans if s.phase == "step"]
-        out[rank] = {phase: [sum(s.end_s - s.start_s for s in spans if s.phase == phase
-                                 and step.start_s <= s.start_s < step.end_s) for step in steps]
-                     for phase in sorted({s.phase for s in spans})}
+        out[rank] = {
+            phase: [
+                sum(
+                    s.end_s - s.start_s
+                    for s in spans
+                    if s.phase == phase and step.start_s <= s.start_s < step.end_s
+                )
+                for step in steps
+            ]
+            for phase in sorted({s.phase for s in spans})
+        }
     return out
 
 
@@ -108,7 +139,9 @@ def phase_at(spans: list[Span], t_s: float) -> str | None:
     return inside[0].phase if inside else None
 
 
-def memory_timeline(source, device: str | None = None, rank: int = 0) -> tuple[list[float], list[int]]:
+def memory_timeline(
+    source, device: str | None = None, rank: int = 0
+) -> tuple[list[float], list[int]]:
     """(seconds since the first profiled step, bytes allocated) from the profiler's memory events.
 
     `source`: a trace file or dict, a folder (this rank's trace in it), or the rank<r>.memory.json
@@ -123,20 +156,35 @@ def memory_timeline(source, device: str | None = None, rank: int = 0) -> tuple[l
         return data["t_s"], data["bytes_allocated"]
     events = [ev for ev in data.get("traceEvents", []) if ev.get("name") == "[memory]"]
     types = {ev["args"].get("Device Type") for ev in events}
-    wanted = {"cpu": 0, "cuda": 1}[device] if device else (1 if 1 in types else 0)  # c10::DeviceType
-    events = sorted((ev for ev in events if ev["args"].get("Device Type") == wanted), key=lambda ev: ev["ts"])
+    wanted = (
+        {"cpu": 0, "cuda": 1}[device] if device else (1 if 1 in types else 0)
+    )  # c10::DeviceType
+    events = sorted(
+        (ev for ev in events if ev["args"].get("Device Type") == wanted), key=lambda ev: ev["ts"]
+    )
     if not events:
         return [], []
     # The same origin as trace_phases: this trace's first profiled step, so the two line up.
-    steps = [ev["ts"] for ev in data["traceEvents"] if ev.get("ph") == "X" and STEP.match(ev.get("name", ""))]
+    steps = [
+        ev["ts"]
+        for ev in data["traceEvents"]
+        if ev.get("ph") == "X" and STEP.match(ev.get("name", ""))
+    ]
     t0 = min(steps) if steps else events[0]["ts"]
-    return [(ev["ts"] - t0) / 1e6 for ev in events], [int(ev["args"]["Total Allocated"]) for ev in events]
+    return [(ev["ts"] - t0) / 1e6 for ev in events], [
+        int(ev["args"]["Total Allocated"]) for ev in events
+    ]
 
 
 # ----- pictures for the notebooks --------------------------------------------------------------
 
-COLORS = {"forward": "tab:blue", "backward": "tab:orange", "forward_backward": "tab:purple",
-          "optimizer": "tab:green", "collective": "tab:red"}
+COLORS = {
+    "forward": "tab:blue",
+    "backward": "tab:orange",
+    "forward_backward": "tab:purple",
+    "optimizer": "tab:green",
+    "collective": "tab:red",
+}
 
 
 def plot_phases(ax, phases: dict[int, list[Span]], title: str = "one row per rank"):
@@ -150,22 +198,28 @@ def plot_phases(ax, phases: dict[int, list[Span]], title: str = "one row per ran
             y = len(rows)
             rows.append(f"rank {rank} {row}")
             for s in bars:
-                ax.broken_barh([(s.start_s * 1e3, (s.end_s - s.start_s) * 1e3)], (y - 0.4, 0.8),
-                               color=COLORS[s.phase])
+                ax.broken_barh(
+                    [(s.start_s * 1e3, (s.end_s - s.start_s) * 1e3)],
+                    (y - 0.4, 0.8),
+                    color=COLORS[s.phase],
+                )
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlabel("ms since the first profiled step")
     ax.set_title(title)
     seen = sorted({s.phase for spans in phases.values() for s in spans} & set(COLORS))
     from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=COLORS[p], label=p) for p in seen], loc="upper right", fontsize=8)
+
+    ax.legend(
+        handles=[Patch(color=COLORS[p], label=p) for p in seen], loc="upper right", fontsize=8
+    )
     return ax
 
 
 def plot_memory(ax, t_s, allocated, label: str = None):
     """Bytes allocated over time, in MiB, with the peak marked; the x axis matches plot_phases."""
     ms, mib = [t * 1e3 for t in t_s], [b / 2**20 for b in allocated]
-    line, = ax.step(ms, mib, where="post", label=label)
+    (line,) = ax.step(ms, mib, where="post", label=label)
     if mib:
         i = max(range(len(mib)), key=mib.__getitem__)
         ax.plot([ms[i]], [mib[i]], "o", color=line.get_color())

@@ -10,6 +10,7 @@ One file per rank, named by it, so a torchrun job's traces sit side by side. Ste
 as the training records do. The profiled steps run slower (the profiler records every operator):
 their tokens/s in metrics.jsonl say so honestly rather than being hidden.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,11 @@ def memory_record_kind(device_type: str, has_history_api: bool = True) -> str:
 
 def trace_files(trace_dir: str | Path, rank: int) -> dict[str, Path]:
     d = Path(trace_dir)
-    return {"trace": d / f"rank{rank}.pt.trace.json", "memory": d / f"rank{rank}.memory.json",
-            "snapshot": d / f"rank{rank}.memory_snapshot.pickle"}
+    return {
+        "trace": d / f"rank{rank}.pt.trace.json",
+        "memory": d / f"rank{rank}.memory.json",
+        "snapshot": d / f"rank{rank}.memory_snapshot.pickle",
+    }
 
 
 class StepProfiler(Watcher):
@@ -41,6 +45,7 @@ class StepProfiler(Watcher):
     torch.profiler's own schedule uses, so TensorBoard's plugin finds the steps.
     A tool handed to the loop: `Trainer.fit(watchers=[StepProfiler])` makes one from the run's
     facts (`titanlite train` does when [profile] steps is set)."""
+
     profiles = True  # the loop's note "profile.steps is set but nothing profiles" stays quiet
 
     def __init__(self, run: Run):
@@ -48,7 +53,9 @@ class StepProfiler(Watcher):
         self.first, self.last = parse_steps(cfg.profile.steps, cfg.training.steps) or (0, -1)
         self.memory = cfg.profile.memory
         self.device = run.device
-        self.kind = memory_record_kind(self.device.type, hasattr(torch.cuda.memory, "_record_memory_history"))
+        self.kind = memory_record_kind(
+            self.device.type, hasattr(torch.cuda.memory, "_record_memory_history")
+        )
         self.files = trace_files(cfg.profile.trace_dir or Path(run.run_dir) / "trace", run.rank)
         self.prof = None
         self.step_label = None
@@ -56,13 +63,19 @@ class StepProfiler(Watcher):
     def on_step_start(self, step: int) -> None:
         if not self.first <= step <= self.last:
             return
-        if self.prof is None:  # the first profiled step (or the first after a resume inside the range)
+        if (
+            self.prof is None
+        ):  # the first profiled step (or the first after a resume inside the range)
             from . import _quiet_fd2, activities_for
+
             if self.memory and self.kind == "snapshot":
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
             # record_shapes names each allocation's operator and its inputs in the trace
-            self.prof = profile(activities=activities_for(self.device.type),
-                                profile_memory=self.memory, record_shapes=self.memory)
+            self.prof = profile(
+                activities=activities_for(self.device.type),
+                profile_memory=self.memory,
+                record_shapes=self.memory,
+            )
             with _quiet_fd2():
                 self.prof.__enter__()
         self.step_label = record_function(f"ProfilerStep#{step}")
@@ -78,6 +91,7 @@ class StepProfiler(Watcher):
     def _stop_and_write(self) -> None:
         from . import _quiet_fd2
         from .reading import memory_timeline
+
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the last kernels belong in the trace
         with _quiet_fd2():
@@ -88,9 +102,17 @@ class StepProfiler(Watcher):
         if not self.memory:
             return
         t_s, allocated = memory_timeline(self.files["trace"], device=self.device.type)
-        self.files["memory"].write_text(json.dumps({
-            "device": str(self.device), "steps": [self.first, self.last], "t_s": t_s,
-            "bytes_allocated": allocated, "source": "profiler [memory] events of the trace"}))
+        self.files["memory"].write_text(
+            json.dumps(
+                {
+                    "device": str(self.device),
+                    "steps": [self.first, self.last],
+                    "t_s": t_s,
+                    "bytes_allocated": allocated,
+                    "source": "profiler [memory] events of the trace",
+                }
+            )
+        )
         if self.kind == "snapshot":
             torch.cuda.memory._dump_snapshot(str(self.files["snapshot"]))
             torch.cuda.memory._record_memory_history(enabled=None)  # stop recording
