@@ -124,7 +124,7 @@ def run_child(variant: str, args) -> dict:
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         return {"variant": variant, "error": err}

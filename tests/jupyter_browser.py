@@ -101,7 +101,7 @@ class JupyterLabServer:
         env.update(self.extra_env)
         return env
 
-    def start(self) -> "JupyterLabServer":
+    def start(self) -> JupyterLabServer:
         settings = self.scratch / "settings"
         for rel, values in LAB_SETTINGS.items():
             (settings / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -208,7 +208,7 @@ class LabBrowser:
         self.viewport = viewport
         self._pw = self.browser = None
 
-    def start(self) -> "LabBrowser":
+    def start(self) -> LabBrowser:
         from playwright.sync_api import sync_playwright
 
         self._pw = sync_playwright().start()

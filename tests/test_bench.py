@@ -31,7 +31,7 @@ def test_ablation_table_has_every_requested_row(tmp_path):
         tmp_path=tmp_path,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = [l.split()[0] for l in r.stdout.splitlines()[3:] if l.strip()]
+    rows = [line.split()[0] for line in r.stdout.splitlines()[3:] if line.strip()]
     assert rows == ["baseline", "accum-2", "ac-full", "baseline"], r.stdout
     assert "failed" not in r.stdout and "x " in r.stdout
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works under --import-mode=importlib too
-from jupyter_browser import (  # noqa: E402
+from jupyter_browser import (
     REPO,
     JupyterLabServer,
     LabBrowser,

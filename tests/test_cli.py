@@ -61,7 +61,7 @@ def test_bad_input_is_one_line_and_exit_2(data_dir, tmp_path, args, message):
     base = flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 2}))
     r = titanlite("train", *base, *args)
     assert r.returncode == 2, (r.stdout, r.stderr)
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("titanlite: error:"), r.stderr
     assert message in lines[0]
     assert "Traceback" not in r.stderr

@@ -81,7 +81,7 @@ def test_compiled_loss_and_gradients_match_eager(results, scope):
             eager_grads[name],
             rtol=1e-4,
             atol=1e-5 * scale.item(),
-            msg=lambda m: f"{scope} gradient of {name}: {m}",
+            msg=lambda m, name=name: f"{scope} gradient of {name}: {m}",
         )
 
 

@@ -59,7 +59,7 @@ def test_pruned_trial_stops_training_and_closes_the_metrics_file(tmp_path):
     }
     # The trainer's `finally` ran: the pruned run's metrics file is complete JSON lines.
     lines = (tmp_path / "runs" / "prune-trial1" / "metrics.jsonl").read_text().splitlines()
-    assert lines and all(l.startswith("{") and l.endswith("}") for l in lines)
+    assert lines and all(line.startswith("{") and line.endswith("}") for line in lines)
     assert hpo.best_lr_per_accum(study) == {1: (3e-3, good.value)}
 
 

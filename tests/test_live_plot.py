@@ -134,7 +134,7 @@ def test_same_file_names_get_labels_that_tell_them_apart(tmp_path):
         paths.append(tmp_path / f"rank{rank}" / "log.jsonl")
         paths[-1].write_text(json.dumps(train(0)) + "\n")
     labels = set(lines_by_label(LivePlot.from_jsonl(paths, mode="off")._axes[0]))
-    assert len(labels) == 2 and all("rank0" in l or "rank1" in l for l in labels)
+    assert len(labels) == 2 and all("rank0" in line or "rank1" in line for line in labels)
 
 
 def test_ranks_of_one_run_get_separate_lines(tmp_path):
@@ -378,7 +378,7 @@ def test_short_runs_get_integer_steps_and_smoothed_throughput(tmp_path):
     ticks = plot._axes[0].get_xticks()
     assert all(float(t).is_integer() for t in ticks)
     lines = lines_by_label(plot._axes[1])
-    smooth = next(l for label, l in lines.items() if label.startswith("EMA"))
+    smooth = next(line for label, line in lines.items() if label.startswith("EMA"))
     raw = np.array(lines["train"].get_ydata())
     assert np.std(np.diff(smooth.get_ydata())) < 0.5 * np.std(np.diff(raw))  # it does smooth
     assert plot.legend_labels()[-2:] == [

@@ -270,7 +270,10 @@ def test_fp16_without_a_working_scaler_says_what_to_use_instead(monkeypatch):
 def test_autocast_that_silently_disables_itself_is_caught(monkeypatch):
     # torch.autocast does not raise on a dtype the device lacks: it warns and runs in fp32.
     def autocast_without_bf16(device_type, dtype=None, **kw):
-        warnings.warn("In CPU autocast, but the target dtype is not supported. Disabling autocast.")
+        warnings.warn(
+            "In CPU autocast, but the target dtype is not supported. Disabling autocast.",
+            stacklevel=2,
+        )
         return contextlib.nullcontext()
 
     monkeypatch.setattr(torch, "autocast", autocast_without_bf16)

@@ -34,7 +34,9 @@ def test_environment_yml_names_the_same_packages_as_pyproject():
 def test_readme_gives_two_commands_and_ci_runs_the_test_one():
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"```(?:bash|sh)?\n(.*?)```", readme, re.S).group(1)
-    commands = [l for l in block.splitlines() if l.strip() and not l.strip().startswith("#")]
+    commands = [
+        line for line in block.splitlines() if line.strip() and not line.strip().startswith("#")
+    ]
     assert len(commands) == 2, commands
     test_command = commands[1].split("#")[0].strip()
     ci = (ROOT / ".ci" / "run").read_text()

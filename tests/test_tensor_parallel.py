@@ -90,7 +90,7 @@ def test_trainer_loss_on_vocabulary_sharded_logits(tp2):
     """loss_sum (fp32) on Shard(-1) DTensor logits under loss_parallel: the same loss and
     gradients as on whole logits, and a plain tensor comes back. fp32 with the softmax summed
     in another order: ~1e-7 relative (measured ~4e-7 on gradients)."""
-    for r, rank in enumerate(tp2):
+    for rank in tp2:
         check = rank["loss_sum"]
         assert check["logits_type"] == "DTensor" and check["logits_placements"] == "(Shard(dim=2),)"
         assert check["local_logits_shape"] == [2, 16, 256 // 2]  # each rank: half the vocabulary

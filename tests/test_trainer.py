@@ -34,7 +34,9 @@ def test_loss_falls_and_metrics_are_logged(data_dir, tmp_path, monkeypatch):
         warnings.simplefilter("always")
         history = trainer.fit(callbacks=[seen.append])
     assert sum(history.losses[-5:]) / 5 < sum(history.losses[:5]) / 5 - 0.5
-    records = [json.loads(l) for l in (history.run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (history.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     train = [r for r in records if r["kind"] == "train"]
     assert len(train) == 40 and REQUIRED <= set(train[0])
     assert [r["step"] for r in records if r["kind"] == "val"] == [6, 12, 18, 24, 30, 36, 40]

@@ -37,18 +37,18 @@ def drive(total, step_s, initial=0, every_s=30.0):
 
 def test_two_hundred_steps_give_ten_whole_lines_with_elapsed_and_left():
     lines = drive(200, step_s=0.1)
-    assert len(lines) == 10 and all(LINE.match(l) for l in lines), lines
-    assert [int(LINE.match(l).group(1)) for l in lines] == list(range(20, 201, 20))
+    assert len(lines) == 10 and all(LINE.match(line) for line in lines), lines
+    assert [int(LINE.match(line).group(1)) for line in lines] == list(range(20, 201, 20))
     assert lines[3] == "step 80/200 · loss 9.600 · 1,234 tok/s · 00:08 elapsed, 00:12 left"
     assert lines[-1].endswith("00:20 elapsed, 00:00 left") and "\r" not in "".join(lines)
 
 
 def test_slow_steps_also_print_every_thirty_seconds_and_a_resumed_run_counts_from_its_start():
     lines = drive(100, step_s=12.0)  # 10% = 10 steps = 120 s: too long to stay silent
-    steps = [int(LINE.match(l).group(1)) for l in lines]
+    steps = [int(LINE.match(line).group(1)) for line in lines]
     assert steps[:4] == [3, 6, 9, 10] and steps[-1] == 100
     resumed = drive(50, step_s=0.1, initial=40)  # ten steps left: a line each
-    assert [int(LINE.match(l).group(1)) for l in resumed] == list(range(41, 51))
+    assert [int(LINE.match(line).group(1)) for line in resumed] == list(range(41, 51))
     assert resumed[0].endswith("00:00 elapsed, 00:01 left")
 
 
@@ -90,7 +90,7 @@ def test_a_training_run_logged_to_a_file_writes_plain_progress_lines(data_dir, t
         )
     text = log.read_text()
     assert r.returncode == 0, text
-    progress = [l for l in text.splitlines() if l.startswith("step ")]
-    assert "\r" not in text and [int(LINE.match(l).group(1)) for l in progress] == list(
+    progress = [line for line in text.splitlines() if line.startswith("step ")]
+    assert "\r" not in text and [int(LINE.match(line).group(1)) for line in progress] == list(
         range(2, 21, 2)
     ), text

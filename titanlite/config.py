@@ -278,14 +278,14 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def with_overrides(self, overrides: dict, source: str = "override") -> "Config":
+    def with_overrides(self, overrides: dict, source: str = "override") -> Config:
         """A copy with `overrides` ({"section.key": value}) applied by `set_value`; self is unchanged."""
         copy = Config(**{k: type(v)(**vars(v)) for k, v in vars(self).items()})
         for key, value in overrides.items():
             set_value(copy, key, value, source=source)
         return copy
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         """Every key against its declaration (`ranged`, `one_of`, `matching`), then rules spanning keys."""
         for section in dataclasses.fields(self):
             for f in dataclasses.fields(getattr(self, section.name)):
@@ -329,7 +329,9 @@ def load_config(
         try:
             doc = tomllib.loads(p.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise TitanliteError(f"config file '{p}' is not valid TOML ({e}): fix the syntax")
+            raise TitanliteError(
+                f"config file '{p}' is not valid TOML ({e}): fix the syntax"
+            ) from None
         for section, values in doc.items():
             if not isinstance(values, dict):
                 raise TitanliteError(f"'{section}' in {p} must be a [section] table, not a value")

@@ -52,7 +52,7 @@ def cpp_compiler_error() -> Exception | None:
         return None
     try:
         get_cpp_compiler()
-    except Exception as e:  # noqa: BLE001 - InvalidCxxCompiler and friends
+    except Exception as e:  # InvalidCxxCompiler and friends
         return e
     return None
 

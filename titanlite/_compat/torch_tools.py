@@ -8,7 +8,7 @@ from __future__ import annotations
 
 # FakeTensor: comm.CommCounter skips collectives traced on fake tensors (a compile's tracing
 # pass), which would otherwise be counted twice.
-from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402,F401
+from torch._subclasses.fake_tensor import FakeTensor  # noqa: F401
 
 # TorchDispatchMode: the documented way to see every operator call (`__torch_dispatch__`); torch
 # has only ever exported it from this module. comm.CommCounter counts collectives with it and
@@ -16,11 +16,11 @@ from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402,F401
 # comm / checkpointing fails here with torch's ImportError naming this file.
 # is_traceable_wrapper_subclass: is this a tensor subclass wrapping inner tensors (DTensor,
 # torchao's FP8 weights)? zero.py counts the bytes of what such a subclass wraps.
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass  # noqa: E402,F401
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass  # noqa: F401
 
 # tree_leaves: the tensors inside a nested output (tuples, dicts). torch has no public pytree
 # module up to 2.13; the private one has been stable for years and torch.compile relies on it.
-from torch.utils._pytree import tree_leaves  # noqa: E402,F401
+from torch.utils._pytree import tree_leaves  # noqa: F401
 
 from ..errors import TitanliteError
 

@@ -26,7 +26,7 @@ class ParallelDims:
     @classmethod
     def resolve(
         cls, dp_replicate: int, dp_shard: int, world_size: int, tp: int = 1, pp: int = 1
-    ) -> "ParallelDims":
+    ) -> ParallelDims:
         """Fill in dp_shard=-1 ("every rank not used otherwise") and check the product."""
         for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp)):
             if value < 1:

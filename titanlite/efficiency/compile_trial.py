@@ -40,7 +40,7 @@ def compile_support(
 ) -> CompileSupport:
     """Can torch.compile (with these kwargs) run on `device`? Static checks first (the clearest fix),
     then a trial compile of a copy of `block` on an `example_shape` batch, or else of a tiny matmul."""
-    import torch._dynamo  # noqa: F401  (heavy: imported only when compiling)
+    import torch._dynamo  # heavy: imported only when compiling
 
     device = torch.device(device)
     backend = compile_kwargs.get("backend", "inductor")
@@ -88,7 +88,7 @@ def _static_problem(device: torch.device, backend) -> tuple[str, str] | None:
             check()  # raises with the reason (e.g. this Python is newer than Dynamo supports)
         elif not torch._dynamo.is_dynamo_supported():
             raise RuntimeError("Dynamo is not supported on this platform")
-    except Exception as e:  # noqa: BLE001 - the reason is in the message
+    except Exception as e:  # the reason is in the message
         return (
             f"TorchDynamo is unavailable with Python {sys.version.split()[0]} and torch "
             f"{torch.__version__} ({first_line(e)})",
@@ -165,7 +165,7 @@ def _trial_compile(
                     out = torch.compile(trial, **compile_kwargs)(x, cos, sin)
                 out.float().pow(2).mean().backward()
         synchronize(device)
-    except Exception as e:  # noqa: BLE001 - any failure means "not here"
+    except Exception as e:  # any failure means "not here"
         return e
     return None
 

@@ -135,7 +135,7 @@ def _present(kind: str) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe(mode: str, device_str: str) -> str | None:
     """None if `mode` trains on this device, else why not and the fix (cached per process)."""
     device = torch.device(device_str)
@@ -199,6 +199,6 @@ def _probe_step(mode: str, device: torch.device) -> str | None:
                 if inject_inf and mode == "fp16" and (changed or scaler.get_scale() >= scale):
                     return "GradScaler did not skip an overflowing step and halve its scale"
                 opt.zero_grad()
-    except Exception as e:  # noqa: BLE001 - any failure means "does not work here"; say which
+    except Exception as e:  # any failure means "does not work here"; say which
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None

@@ -263,9 +263,9 @@ def allreduce_share(
     counter = CommCounter()
     for i in range(warmup + repeats):
         with model.no_sync():
-            t_compute = timed(lambda: fwd_bwd(i))
+            t_compute = timed(lambda i=i: fwd_bwd(i))
         model.zero_grad(set_to_none=True)
-        t_synced = timed(lambda: counted(fwd_bwd, i))
+        t_synced = timed(lambda i=i: counted(fwd_bwd, i))
         t_optimizer = timed(optimizer.step)
         optimizer.zero_grad(set_to_none=True)
         t_all_reduce = timed(lambda: dist.all_reduce(flat))

@@ -47,7 +47,7 @@ class ModelArgs:
             int(8 * self.dim / 3) / self.multiple_of
         )
 
-    def validate(self) -> "ModelArgs":
+    def validate(self) -> ModelArgs:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise TitanliteError(f"model.{name} must be positive, got {getattr(self, name)}")
@@ -79,7 +79,7 @@ class ModelArgs:
         return self
 
     @staticmethod
-    def preset(name: str, **overrides) -> "ModelArgs":
+    def preset(name: str, **overrides) -> ModelArgs:
         if name not in PRESETS:
             raise TitanliteError(
                 f"unknown model preset '{name}'{closest(name, PRESETS)}; "

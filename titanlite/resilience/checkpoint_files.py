@@ -236,7 +236,7 @@ def dcp_load(
             warnings.simplefilter("ignore")  # DCP's notes on planners, process groups
             try:
                 FileSystemReader(path).read_metadata()
-            except Exception:  # noqa: BLE001 -- any unreadable index is a damaged one
+            except Exception:  # any unreadable index is a damaged one
                 raise _damaged(path, "its index .metadata cannot be read") from None
             try:
                 dcp.load(

@@ -451,7 +451,7 @@ def run_for_progress(path: Path, timeout_s: float = 600, checks: bool = False) -
         with open(log_path, "w") as log:
             try:
                 client.execute(stdout=log, stderr=log)
-            except Exception as e:  # noqa: BLE001 - a dead kernel or a timeout: every check unknown
+            except Exception as e:  # a dead kernel or a timeout: every check unknown
                 lines = [
                     ln
                     for ln in log_path.read_text(errors="replace").splitlines()

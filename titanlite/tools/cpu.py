@@ -167,7 +167,7 @@ def oversubscription(layouts, seconds: float = 1.0, n: int = 384) -> dict[tuple[
                 jobs.put((threads, seconds, start_at))
             totals[(procs, threads)] = sum(out.get(timeout=300) for _ in range(procs))
     finally:
-        for w, jobs in workers:
+        for _, jobs in workers:
             jobs.put(None)
         for w, _ in workers:
             w.join(timeout=30)

@@ -472,7 +472,7 @@ def run_doctor(
             t0 = time.perf_counter()
             try:
                 new = _runner(step.name)(dev, facts, smoke, out, **step.args)
-            except Exception as e:  # noqa: BLE001 - a failed check is a report line, not a crash
+            except Exception as e:  # a failed check is a report line, not a crash
                 why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 new = [
                     Check(

@@ -41,7 +41,7 @@ class HuggingFaceStart:
         self.tokenizer = str(path)  # the corpus is encoded with the checkpoint's own tokenizer
 
     @classmethod
-    def from_config(cls, cfg) -> "HuggingFaceStart | None":
+    def from_config(cls, cfg) -> HuggingFaceStart | None:
         """The start `--checkpoint.initial_load_path` names, or None."""
         return cls(cfg.checkpoint.initial_load_path) if cfg.checkpoint.initial_load_path else None
 

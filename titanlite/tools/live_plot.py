@@ -650,7 +650,7 @@ class LivePlot:
         if show:
             self._show()
 
-    def _final_output(self) -> "_Bundle":
+    def _final_output(self) -> _Bundle:
         """What a saved notebook keeps of the live plot: an image/png output (nbconvert, GitHub)
         whose HTML twin adds the status line and keeps the live image's class."""
         import base64

@@ -83,7 +83,7 @@ def cpu_flags() -> set[str] | None:
     return found or None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probed(mode: str, device_str: str) -> Support:
     device = torch.device(device_str)
     fast, units = _hardware_note(mode, device)

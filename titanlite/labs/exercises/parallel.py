@@ -29,7 +29,7 @@ def _which(tensors, found) -> list[list[int]]:
 # Classic bucketing mistakes, as tensor indices (the checks' inputs always tell them apart).
 def _ignore_dtype(params, cap):  # one open bucket for every dtype
     buckets, current = [], []
-    for i, p in enumerate(params):
+    for i in range(len(params)):
         current.append(i)
         if _bytes([params[j] for j in current]) >= cap:
             buckets.append(current)
