@@ -54,14 +54,27 @@ def tiny_overrides(data_dir: Path, tmp_path: Path, **extra) -> dict:
     return o
 
 
-def run_torchrun(script, *args, nproc: int = 2, timeout: float = 120):
-    """Run `script` under torchrun with `nproc` ranks on this machine (1 thread each); the
-    test fails with the ranks' output if the job does."""
+def run_torchrun(script, *args, nproc: int = 2, timeout: float = 120, torchrun: bool = False):
+    """Run `script` on `nproc` ranks of this machine (1 thread each), as `torchrun script args`
+    would, through the launcher's warm path (ranks forked from a server with torch imported:
+    seconds, not a torchrun start-up each); `torchrun=True` runs torchrun itself, for the tests
+    of its own entry. The test fails with the ranks' output if the job does."""
     import subprocess
     import sys
+    import tempfile
 
-    from titanlite.tools.launcher import _free_port
+    from titanlite import TitanliteError
+    from titanlite.tools.launcher import _free_port, launch_script, rank_output
 
+    if not torchrun:
+        run_dir = Path(tempfile.mkdtemp(prefix="ranks-"))
+        try:
+            return launch_script(
+                [script, *args], nproc, run_dir=run_dir, threads=1, timeout_s=timeout
+            )
+        except TitanliteError as e:
+            out, err = rank_output(run_dir, "stdout"), rank_output(run_dir)
+            pytest.fail(f"{e}\n{out[-3000:]}{err[-3000:]}")
     cmd = [
         sys.executable,
         "-m",

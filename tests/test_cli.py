@@ -112,6 +112,7 @@ def test_a_torchrun_worker_imports_the_trainer_once(data_dir, tmp_path):
         *flags(tiny_overrides(data_dir, tmp_path, **{"training.steps": 2, "eval.every": 0})),
         nproc=1,
         timeout=300,
+        torchrun=True,  # this is about torchrun's own `-m titanlite` entry
     )
     seen = json.loads(report.read_text())
     assert seen == {"copies": ["titanlite.train"], "code": 0, "main": "titanlite.__main__"}

@@ -226,7 +226,7 @@ def test_interrupting_the_kernel_leaves_no_process(data_dir, tmp_path):
     try:
         assert proc.stdout.readline().strip() == "STEP"  # training is under way
         ranks = _our_processes()
-        assert len(ranks) >= 3  # torchrun and two ranks
+        assert len(ranks) >= 3  # torchrun and two ranks, or the fork server and two ranks
         proc.send_signal(signal.SIGINT)
         start = time.monotonic()
         _, err = proc.communicate(timeout=60)
@@ -293,11 +293,17 @@ def _cuda() -> bool:
 
 
 def _our_processes() -> list[int]:
-    """Live processes (but this one) that carry this test's marker."""
+    """Live processes (but this one) that carry this test's marker, and the ranks this process's
+    fork server still runs. The server itself is not a leftover: it stays, warm, by design (its
+    ranks are forks of it, so they show its environment in /proc, and are asked of it)."""
+    from titanlite.tools.forkserver import ForkServer
+
+    server = ForkServer._shared
+    ours = {os.getpid()} | ({server.proc.pid} if server is not None else set())
     marker = f"TITANLITE_TEST_MARKER={os.environ['TITANLITE_TEST_MARKER']}".encode()
-    pids = []
+    pids = server.children() if server is not None and server.proc.poll() is None else []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) in ours:
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
@@ -400,3 +406,102 @@ def test_every_worker_entry_reports_through_the_atomic_handler():
     assert (
         "from .worker_errors import record" in (package / "tools" / "run_function.py").read_text()
     )
+
+
+# ----- the warm path: ranks forked from a server that has torch imported ----------------------
+
+
+def test_two_warm_jobs_in_a_row_train_like_two_fresh_torchrun_launches(
+    data_dir, tmp_path, monkeypatch
+):
+    """Nothing a job does reaches the next: RNG, environment, process group, compiled graphs.
+    Two jobs in a row through the warm path (the second forked from the server the first
+    started) give the losses of two jobs each started by torchrun from nothing; the second
+    job, and every rank of it, took the warm path (a flag, not a timing)."""
+    from titanlite.tools.launcher import launch_path
+
+    layouts = [  # a compiled FSDP job, then an eager one: graphs would be what leaks
+        {"parallel.dp_shard": 2, "compile.enable": True},
+        {"parallel.dp_replicate": 2, "parallel.dp_shard": 1, "training.deterministic": True},
+    ]
+
+    def two_jobs(tag):
+        out = []
+        for i, layout in enumerate(layouts):
+            cfg = _cfg(data_dir, tmp_path, **{"metrics.run_name": f"{tag}{i}"})
+            out.append(launch(cfg, nproc=2, overrides=layout, timeout_s=240))
+        return out
+
+    assert launch_path() == "fork"
+    warm = two_jobs("warm")
+    monkeypatch.setenv("TITANLITE_LAUNCH", "torchrun")
+    assert launch_path() == "torchrun"
+    fresh = two_jobs("fresh")
+    assert [r.warm for r in warm] == [True, True] and [r.warm for r in fresh] == [False, False]
+    for w, f in zip(warm, fresh):
+        assert w.losses == f.losses  # bit for bit
+        for rank in (0, 1):
+            env = (w.run_dir / "logs").glob(f"*/attempt_0/{rank}/stdout.log")
+            assert next(env).exists()
+    assert warm[1].first_step_s is not None
+
+
+def test_the_warm_server_loads_what_every_rank_needs_and_nothing_that_forbids_a_fork():
+    """The server never starts CUDA (a forked child could not use it), never starts a Python
+    thread and never runs a torch op (a fork copies only the calling thread), all checked in a
+    fresh interpreter with CUDA's entry points replaced by spies; and each rank of a job gets
+    the thread count it asked for (OpenMP read OMP_NUM_THREADS when the server loaded it)."""
+    probe = textwrap.dedent("""
+        import json, threading, torch
+        calls = []
+        def spy(name):
+            def f(*a, **k):
+                calls.append(name)
+                raise AssertionError(name)
+            return f
+        for name in ("_cuda_getDeviceCount", "_cuda_init"):  # present in CUDA builds
+            if hasattr(torch._C, name):
+                setattr(torch._C, name, spy(name))
+        for name in ("is_available", "device_count", "init", "_lazy_init", "current_device"):
+            setattr(torch.cuda, name, spy(name))
+        import importlib
+        from titanlite.tools.forkserver import PRELOAD, fork_safety
+        for name in PRELOAD:
+            importlib.import_module(name)
+        print(json.dumps({"calls": calls, **fork_safety()}))
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["calls"] == [] and seen["python_threads"] == 1 and not seen["cuda_initialized"]
+
+
+def test_a_forked_rank_gets_its_own_threads_seeds_and_environment(tmp_path):
+    """What a fresh interpreter would have: OMP_NUM_THREADS as asked, Python's, NumPy's and
+    torch's generators seeded anew (two ranks differ, as two fresh processes do), the job's
+    variables and arguments."""
+    from titanlite.tools.launcher import launch_script
+
+    script = tmp_path / "probe.py"
+    script.write_text(
+        textwrap.dedent("""
+        import json, os, random, sys, numpy, torch
+        out = {"threads": torch.get_num_threads(), "py": random.random(),
+               "np": float(numpy.random.rand()), "torch_seed": torch.initial_seed(),
+               "rank": os.environ["RANK"], "launch": os.environ["TITANLITE_LAUNCH"],
+               "argv": sys.argv[1:]}
+        with open(os.path.join(sys.argv[1], f"r{os.environ['RANK']}.json"), "w") as f:
+            json.dump(out, f)
+        """)
+    )
+    result = launch_script([script, tmp_path, "x"], 2, run_dir=tmp_path / "job", threads=1)
+    import json
+
+    ranks = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1)]
+    assert result.warm and [r["launch"] for r in ranks] == ["fork", "fork"]
+    assert [r["threads"] for r in ranks] == [1, 1] and [r["rank"] for r in ranks] == ["0", "1"]
+    assert ranks[0]["py"] != ranks[1]["py"] and ranks[0]["np"] != ranks[1]["np"]
+    assert ranks[0]["torch_seed"] != ranks[1]["torch_seed"]
+    assert ranks[0]["argv"] == [str(tmp_path), "x"]

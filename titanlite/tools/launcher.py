@@ -33,6 +33,8 @@ from ..errors import TitanliteError
 from ..paths import check_output_dir, claim_run_dir
 
 JOB_ENV = "TITANLITE_JOB_ID"  # set in every process of a job: how we find them to clean up
+STOP_GRACE_S = 5.0  # how long stopped processes get to exit before they are killed
+_FORKED: dict = {}  # job id -> (the fork server, its ranks' pids): job_processes asks it
 
 
 @dataclass
@@ -42,6 +44,9 @@ class LaunchResult:
     wall_s: float
     job_id: str
     records: list[dict] = field(default_factory=list)  # every rank's records, in arrival order
+    warm: bool = False  # ranks forked from the warm server (tools/forkserver.py), not torchrun's
+    first_step_s: float | None = None  # launch -> the last rank's step 1 began (training runs)
+    arrivals: dict = field(default_factory=dict, repr=False)  # rank -> its first train record's
 
     def rank(self, r: int, kind: str = "train") -> list[dict]:
         return [x for x in self.records if x.get("rank", 0) == r and x.get("kind") == kind]
@@ -99,7 +104,7 @@ def launch(
         raise TitanliteError(refusal)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg.to_dict()))
-    return _run(
+    result = _run(
         ["-m", "titanlite", "train", "--config", str(run_dir / "config.toml")],
         nproc,
         run_dir,
@@ -112,6 +117,12 @@ def launch(
         max_restarts=max_restarts,
         echo=echo,
     )
+    how = "forked from the warm server" if result.warm else "started by torchrun"
+    if result.first_step_s is not None:
+        print(
+            f"launch: {nproc} ranks {how}; step 1 began {result.first_step_s:.1f} s after the launch"
+        )
+    return result
 
 
 def launch_function(
@@ -163,6 +174,40 @@ def launch_function(
     return [torch.load(run_dir / f"result.rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
+def launch_script(
+    argv: list[str],
+    nproc: int = 2,
+    *,
+    run_dir: str | Path,
+    threads: int | None = None,
+    timeout_s: float | None = 300,
+) -> LaunchResult:
+    """`torchrun --nproc-per-node nproc <argv>` (a script and its arguments, or "-m", a module
+    and its arguments), through the same warm path as `launch`; each rank's output in
+    run_dir/logs. Raises TitanliteError, having shown the failing rank's traceback, if a rank fails."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return _run(
+        [str(a) for a in argv],
+        nproc,
+        run_dir,
+        device="cpu",
+        backend="auto",
+        threads=threads,
+        callbacks=(),
+        timeout_s=timeout_s,
+        port=None,
+        max_restarts=0,
+        echo=False,
+    )
+
+
+def rank_output(run_dir: str | Path, stream: str = "stderr") -> str:
+    """Every rank's `stream` (stdout or stderr) of the jobs launched into `run_dir`, rank by rank."""
+    logs = sorted(Path(run_dir).glob(f"logs/**/attempt_*/*/{stream}.log"))
+    return "".join(f"--- {p.parent.name} ---\n{p.read_text(errors='replace')}" for p in logs)
+
+
 # ----- the machinery -------------------------------------------------------------------------
 
 
@@ -180,18 +225,80 @@ def _run(
     max_restarts,
     echo,
 ) -> LaunchResult:
+    start = time.perf_counter()  # the launch: a warm server's first start counts in it
     _check_machine(nproc, device, backend)
     port = _free_port() if port is None else _check_port(port)
     job_id = uuid.uuid4().hex
     env = dict(os.environ, PYTHONUNBUFFERED="1", TITANLITE_JOB_DIR=str(run_dir))
     env[JOB_ENV] = job_id
     # Ranks on one CPU share its cores; torchrun would otherwise default to 1 thread and warn.
-    env.setdefault("OMP_NUM_THREADS", str(threads or max(1, (os.cpu_count() or 1) // nproc)))
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    server = _warm_server() if max_restarts == 0 else None
+    if server is not None:
+        return _run_forked(
+            server,
+            module_args,
+            nproc,
+            run_dir,
+            env,
+            port,
+            job_id,
+            timeout_s,
+            callbacks,
+            echo,
+            start,
+        )
+    return _run_torchrun(
+        module_args,
+        nproc,
+        run_dir,
+        env,
+        port,
+        job_id,
+        timeout_s,
+        callbacks,
+        max_restarts,
+        echo,
+        start,
+    )
+
+
+LAUNCH_ENV = "TITANLITE_LAUNCH"  # "torchrun" turns the warm start off; set in every forked rank
+
+
+def launch_path(max_restarts: int = 0) -> str:
+    """Which way `launch` starts the next job: "fork" (ranks forked from a warm server that has
+    torch and titanlite imported, tools/forkserver.py) or "torchrun" (the command it shows).
+    torchrun for restarts (its agent restarts the job), off Linux, or when TITANLITE_LAUNCH=torchrun."""
+    if max_restarts or not sys.platform.startswith("linux"):
+        return "torchrun"
+    return "torchrun" if os.environ.get(LAUNCH_ENV, "fork") == "torchrun" else "fork"
+
+
+def _warm_server():
+    """The fork server of this process, or None where jobs go through torchrun."""
+    if launch_path() != "fork":
+        return None
+    from .forkserver import ForkServer, ForkServerError
+
+    try:
+        return ForkServer.shared()
+    except ForkServerError as e:
+        warnings.warn(f"launching through torchrun: {e}", stacklevel=4)
+        return None
+
+
+def _run_torchrun(
+    module_args, nproc, run_dir, env, port, job_id, timeout_s, callbacks, max_restarts, echo, start
+) -> LaunchResult:
     # Restartable rendezvous: c10d (not static --master-addr/--master-port) and workers on a
     # store of their own. With torchrun's shared store a restarted attempt can read the dead
     # attempt's gloo addresses and fail with "Connection refused" or hang (torch 2.13, seen
     # here; pytorch/pytorch#135712), so --max-restarts would never recover.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env[LAUNCH_ENV] = "torchrun"
     cmd = [
         sys.executable,
         "-m",
@@ -217,7 +324,6 @@ def _run(
     ]
     shown = "torchrun " + shlex.join(cmd[3:])
     log = open(run_dir / "launcher.log", "w")
-    start = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
         env=env,
@@ -233,11 +339,7 @@ def _run(
             _deliver(tail.read(), result, callbacks)
             if timeout_s is not None and time.perf_counter() - start > timeout_s:
                 _stop(proc, job_id)
-                raise TitanliteError(
-                    f"the job did not finish within {timeout_s:.0f} s (last step per "
-                    f"rank: {tail.last_steps() or 'none logged'}); all {nproc} ranks "
-                    f"were stopped: raise timeout_s, or look for a hung rank in {run_dir / 'logs'}"
-                )
+                raise _timed_out(timeout_s, tail, nproc, run_dir)
             time.sleep(0.2)
     except KeyboardInterrupt:
         _stop(proc, job_id)
@@ -246,19 +348,175 @@ def _run(
     finally:
         _stop(proc, job_id)  # a no-op when the job ended by itself
         log.close()
-    _deliver(tail.read(), result, callbacks)
-    result.wall_s = time.perf_counter() - start
-    for cb in callbacks:
-        if hasattr(cb, "on_train_end"):
-            cb.on_train_end()
+    _finish(result, tail, callbacks, start)
     if proc.returncode != 0:
         raise _failure(run_dir, proc.returncode, tail.last_steps())
     return result
 
 
+def _run_forked(
+    server, module_args, nproc, run_dir, env, port, job_id, timeout_s, callbacks, echo, start
+) -> LaunchResult:
+    """The job torchrun would run, its ranks forked from `server`: the same environment per rank
+    (RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*), logs in the same places
+    (logs/<id>/attempt_0/<rank>/), the same teardown when one rank fails (the others are stopped),
+    the same error reports. No agent: this loop is the agent."""
+    logs = run_dir / "logs" / job_id[:12] / "attempt_0"
+    shown = "torchrun " + shlex.join(
+        ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        + module_args
+    )
+    result = LaunchResult(run_dir=run_dir, command=shown, wall_s=0.0, job_id=job_id, warm=True)
+    tail, ranks = _Tail(run_dir), {}
+    for rank in range(nproc):
+        folder = logs / str(rank)
+        folder.mkdir(parents=True, exist_ok=True)
+        rank_env = dict(env, **_torchrun_env(rank, nproc, port, job_id))
+        rank_env[LAUNCH_ENV] = "fork"
+        rank_env["TORCHELASTIC_ERROR_FILE"] = str(folder / "error.json")
+        ranks[rank] = server.spawn(
+            module_args,
+            rank_env,
+            os.getcwd(),
+            str(folder / "stdout.log"),
+            str(folder / "stderr.log"),
+        )
+    _FORKED[job_id] = (server, list(ranks.values()))
+    echoes = _Echo(logs, nproc) if echo else None
+    failed: list[dict] = []  # in the order seen: the first is the root cause
+    try:
+        while True:
+            _deliver(tail.read(), result, callbacks)
+            if echoes is not None:
+                echoes.show()
+            exits = server.exits()  # in the order the ranks ended
+            rank_of = {pid: rank for rank, pid in ranks.items()}
+            for pid, code in exits.items():
+                rank = rank_of.get(pid)
+                if code and rank is not None and not any(f["rank"] == rank for f in failed):
+                    failed.append(
+                        {"rank": rank, "code": code, "error_file": _error_file(logs, rank)}
+                    )
+            if failed or all(pid in exits for pid in ranks.values()):
+                break
+            if timeout_s is not None and time.perf_counter() - start > timeout_s:
+                _stop_forked(server, ranks, job_id)
+                raise _timed_out(timeout_s, tail, nproc, run_dir)
+            time.sleep(0.05)
+        if failed:  # as torchrun's agent does: one rank failed, the job is over
+            others = _stop_forked(server, ranks, job_id)
+            failed += [
+                {"rank": r, "code": c, "error_file": _error_file(logs, r)}
+                for r, c in others.items()
+                if c and not any(f["rank"] == r for f in failed)
+            ]
+    except KeyboardInterrupt:
+        _stop_forked(server, ranks, job_id)
+        print(f"interrupted: stopped all {nproc} ranks of {run_dir.name}", file=sys.stderr)
+        raise
+    finally:
+        _stop_forked(server, ranks, job_id)  # a no-op when every rank has ended
+        if echoes is not None:
+            echoes.show()
+    _finish(result, tail, callbacks, start)
+    if failed:
+        raise _failure_of(run_dir, failed, tail.last_steps())
+    return result
+
+
+def _torchrun_env(rank: int, nproc: int, port: int, job_id: str) -> dict:
+    """What torchrun's agent sets for local rank `rank` of a one-machine job of `nproc`."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "ROLE_WORLD_SIZE": str(nproc),
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": job_id[:12],
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+
+
+def _error_file(logs: Path, rank: int) -> Path | None:
+    path = logs / str(rank) / "error.json"
+    return path if path.exists() else None
+
+
+def _stop_forked(server, ranks: dict[int, int], job_id: str, grace_s: float = STOP_GRACE_S):
+    """Stop every rank still running (SIGTERM to its session, SIGKILL after `grace_s`) and
+    whatever they started; return {rank: exit status} of all ranks."""
+    live = [pid for pid in ranks.values() if pid not in server.exits()]
+    for pid in live:
+        _signal_group(pid, signal.SIGTERM)  # each rank leads its own session (setsid)
+    deadline = time.monotonic() + grace_s
+    while live and time.monotonic() < deadline:
+        time.sleep(0.02)
+        live = [pid for pid in live if pid not in server.exits()]
+    for pid in live:
+        _signal_group(pid, signal.SIGKILL)
+    while live:
+        time.sleep(0.02)
+        live = [pid for pid in live if pid not in server.exits()]
+    _signal_all(job_processes(job_id), signal.SIGKILL)  # a rank's own children: checkpoint writers
+    exits = server.exits()
+    return {rank: exits[pid] for rank, pid in ranks.items()}
+
+
+class _Echo:
+    """torchrun's --tee for forked ranks: each rank's new output lines, prefixed [rank<r>]:."""
+
+    def __init__(self, logs: Path, nproc: int):
+        self.files = [
+            (r, logs / str(r) / f"{s}.log", s) for r in range(nproc) for s in ("stdout", "stderr")
+        ]
+        self.offsets = {}
+
+    def show(self) -> None:
+        for rank, path, stream in self.files:
+            if not path.exists():
+                continue
+            with path.open("rb") as f:
+                f.seek(self.offsets.get(path, 0))
+                chunk = f.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            self.offsets[path] = self.offsets.get(path, 0) + len(complete)
+            out = sys.stdout if stream == "stdout" else sys.stderr
+            for line in complete.decode(errors="replace").splitlines():
+                print(f"[rank{rank}]:{line}", file=out)
+
+
+def _timed_out(timeout_s, tail, nproc, run_dir) -> TitanliteError:
+    return TitanliteError(
+        f"the job did not finish within {timeout_s:.0f} s (last step per "
+        f"rank: {tail.last_steps() or 'none logged'}); all {nproc} ranks "
+        f"were stopped: raise timeout_s, or look for a hung rank in {run_dir / 'logs'}"
+    )
+
+
+def _finish(result: LaunchResult, tail, callbacks, start: float) -> None:
+    _deliver(tail.read(), result, callbacks)
+    result.wall_s = time.perf_counter() - start
+    if result.arrivals:
+        result.first_step_s = max(result.arrivals.values()) - start
+    for cb in callbacks:
+        if hasattr(cb, "on_train_end"):
+            cb.on_train_end()
+
+
 def _deliver(records, result, callbacks) -> None:
     for record in records:
         result.records.append(record)
+        if record.get("kind") == "train" and record.get("rank", 0) not in result.arrivals:
+            # when step 1 began: this record's arrival less the time since then (elapsed_s;
+            # the poll's 50-200 ms aside)
+            result.arrivals[record.get("rank", 0)] = time.perf_counter() - record["elapsed_s"]
         for cb in callbacks:
             cb(record)
 
@@ -287,9 +545,6 @@ class _Tail:
 
     def last_steps(self) -> str:
         return ", ".join(f"rank {r}: {s}" for r, s in sorted(self.steps.items()))
-
-
-STOP_GRACE_S = 5.0  # how long stopped processes get to exit before they are killed
 
 
 def _stop(proc: subprocess.Popen, job_id: str, grace_s: float = STOP_GRACE_S) -> None:
@@ -343,9 +598,12 @@ def _dies_with_us():
 
 
 def job_processes(job_id: str) -> list[int]:
-    """PIDs of live processes started for this job (Linux: read from /proc; else empty)."""
+    """PIDs of live processes started for this job (Linux: read from /proc; else empty): those
+    whose environment carries the job's id, and the ranks forked for it that still run (a fork
+    keeps its parent's /proc environ, so those are asked of the server that forked them)."""
     marker = f"{JOB_ENV}={job_id}".encode()
-    pids = []
+    server, ranks = _FORKED.get(job_id, (None, []))
+    pids = sorted(set(ranks) & set(server.children())) if server is not None else []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             if (
@@ -394,51 +652,14 @@ def _read_report(error_file: Path | None) -> dict | None:
 
 
 def _failure(run_dir: Path, returncode: int, last_steps: str) -> TitanliteError:
-    """Show the failing rank's traceback; return the one-line error to raise.
-
-    torchrun names the root cause (the first rank observed to fail) in its summary; the other
-    ranks usually fail *because* of it (a closed connection, a timed-out collective). Its clock
-    has one-second resolution, so a peer's "connection closed" can be stamped before the agent
-    notices the killed rank: a rank killed by a signal (other than the agent's own SIGTERM)
-    is then the better root cause."""
+    """After torchrun: its summary in launcher.log names the failed ranks, root cause first."""
     log = (run_dir / "launcher.log").read_text()
-    where = f"last step per rank: {last_steps or 'none logged'}; logs in {run_dir / 'logs'}"
     parts = log.rsplit("Root Cause (first observed failure):", 1)
     if len(parts) == 2:
         failures = parts[0].rsplit("Failures:", 1)[-1]
-        root, *others = _failed_ranks("\n" + parts[1]) + _failed_ranks("\n" + failures)
-        message = None
-        info = _read_report(root["error_file"])
-        if info is not None:
-            message = info["message"].strip().splitlines()[-1]
-            killed = [f for f in others if f["code"] < 0 and -f["code"] != signal.SIGTERM]
-            if killed and _PEER_GONE.search(message):
-                root, message = killed[0], None
-            else:
-                print(
-                    f"--- rank {root['rank']} failed; its traceback: ---\n"
-                    f"{info['extraInfo']['py_callstack']}",
-                    file=sys.stderr,
-                )
-        rank, code = root["rank"], root["code"]
-        if message is not None:
-            hint = (
-                " - a peer stopped answering (hung or dead rank?)" if "imed out" in message else ""
-            )
-            return TitanliteError(f"rank {rank} failed: {message}{hint} ({where})")
-        if code < 0:
-            name = (
-                signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
-            )
-            return TitanliteError(f"rank {rank} was killed by signal {name} ({where})")
-        errors = _reported_errors(run_dir)
-        if errors:
-            # One line per distinct error: the ranks print an error they share only once
-            # (cli._report), so the root-cause rank may have printed nothing itself.
-            for line in errors[1:]:
-                print(f"titanlite: error: {line}", file=sys.stderr)
-            return TitanliteError(errors[0])
-        return TitanliteError(f"rank {rank} exited with status {code} ({where})")
+        return _failure_of(
+            run_dir, _failed_ranks("\n" + parts[1]) + _failed_ranks("\n" + failures), last_steps
+        )
     print("\n".join(log.strip().splitlines()[-15:]), file=sys.stderr)
     return TitanliteError(
         f"the job failed with exit status {returncode} before any rank reported "
@@ -446,9 +667,52 @@ def _failure(run_dir: Path, returncode: int, last_steps: str) -> TitanliteError:
     )
 
 
+def _failure_of(run_dir: Path, failed: list[dict], last_steps: str) -> TitanliteError:
+    """Show the failing rank's traceback; return the one-line error to raise. `failed`: the
+    failed ranks ({rank, code, error_file}), the first observed first.
+
+    The first rank observed to fail is the root cause; the other ranks usually fail *because* of
+    it (a closed connection, a timed-out collective). torchrun's clock has one-second resolution
+    and a poll sees exits in batches, so a peer's "connection closed" can be seen before the
+    killed rank: a rank killed by a signal (other than the SIGTERM that stops the rest) is then
+    the better root cause."""
+    where = f"last step per rank: {last_steps or 'none logged'}; logs in {run_dir / 'logs'}"
+    root, *others = failed
+    message = None
+    info = _read_report(root["error_file"])
+    if info is not None:
+        message = info["message"].strip().splitlines()[-1]
+        killed = [f for f in others if f["code"] < 0 and -f["code"] != signal.SIGTERM]
+        if killed and _PEER_GONE.search(message):
+            root, message = killed[0], None
+        else:
+            print(
+                f"--- rank {root['rank']} failed; its traceback: ---\n"
+                f"{info['extraInfo']['py_callstack']}",
+                file=sys.stderr,
+            )
+    rank, code = root["rank"], root["code"]
+    if message is not None:
+        hint = " - a peer stopped answering (hung or dead rank?)" if "imed out" in message else ""
+        return TitanliteError(f"rank {rank} failed: {message}{hint} ({where})")
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
+        return TitanliteError(f"rank {rank} was killed by signal {name} ({where})")
+    errors = _reported_errors(run_dir)
+    if errors:
+        # One line per distinct error: the ranks print an error they share only once
+        # (cli._report), so the root-cause rank may have printed nothing itself.
+        for line in errors[1:]:
+            print(f"titanlite: error: {line}", file=sys.stderr)
+        return TitanliteError(errors[0])
+    return TitanliteError(f"rank {rank} exited with status {code} ({where})")
+
+
 def _reported_errors(run_dir: Path) -> list[str]:
     """The distinct `titanlite: error:` lines of the last attempt's ranks, lowest rank first."""
-    attempts = sorted((run_dir / "logs").glob("**/attempt_*"), key=lambda a: int(a.name[8:]))
+    attempts = sorted(
+        (run_dir / "logs").glob("**/attempt_*"), key=lambda a: (int(a.name[8:]), a.stat().st_mtime)
+    )
     if not attempts:
         return []
     lines = []
