@@ -271,8 +271,9 @@ class ForkServer:
     def spawn(self, argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> int:
         """Fork one rank running `python <argv>` with exactly `env`; its output appended to the files."""
         self._next_id += 1
-        request = {"id": self._next_id, "argv": argv, "env": env, "cwd": cwd}
-        request.update(stdout=stdout, stderr=stderr)
+        request = {"id": self._next_id, "argv": argv, "env": env, "cwd": os.path.abspath(cwd)}
+        # the server's working directory is not the launcher's: paths go over whole
+        request.update(stdout=os.path.abspath(stdout), stderr=os.path.abspath(stderr))
         try:
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()

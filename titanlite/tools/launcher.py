@@ -513,7 +513,7 @@ def _finish(result: LaunchResult, tail, callbacks, start: float) -> None:
 def _deliver(records, result, callbacks) -> None:
     for record in records:
         result.records.append(record)
-        if record.get("kind") == "train" and record.get("rank", 0) not in result.arrivals:
+        if "elapsed_s" in record and record.get("rank", 0) not in result.arrivals:
             # when step 1 began: this record's arrival less the time since then (elapsed_s;
             # the poll's 50-200 ms aside)
             result.arrivals[record.get("rank", 0)] = time.perf_counter() - record["elapsed_s"]
