@@ -40,6 +40,8 @@ $(VENV)/.course: $(VENV)/.installed
 	touch $@
 
 test: setup $(VENV)/.course  ## the whole test suite (notebooks in smoke scale, the browser check included)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 doctor: setup  ## self-check this machine's device: writes runs/doctor/report.md (attach it to bug reports)
