@@ -93,7 +93,7 @@ def test_the_commit_takes_each_files_crc_from_the_bytes_written(tmp_path, monkey
     monkeypatch.setattr(checkpoint_files, "crc32", lambda f: read_back.append(f.name) or real(f))
     torch.manual_seed(0)
     state = {"model": {"w": torch.randn(300, 100), "b": torch.randn(7)}, "step": 1}
-    ckpt = Checkpointer(tmp_path, mode=mode)
+    ckpt = Checkpointer(tmp_path, mode=mode, file_format="raw")
     ckpt.save(state, 1)
     ckpt.close()
     step = tmp_path / "step-00000001"
@@ -180,7 +180,7 @@ def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_wr
     monkeypatch.setattr(RawWriter, "write_data", held_write)
 
     folder = tmp_path / "ck"
-    ckpt = Checkpointer(folder, mode="async", keep_latest_k=0)
+    ckpt = Checkpointer(folder, mode="async", keep_latest_k=0, file_format="raw")
     state = {"w": torch.zeros(4096)}
 
     def save(step):
@@ -191,9 +191,8 @@ def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_wr
 
     try:
         save(1)
-        save(
-            2
-        )  # save 1 has committed before save 2 began: no overlap before a first finished write
+        # save 1 has committed before save 2 began: no overlap before a first finished write
+        save(2)
         assert len(made) == 1 and (folder / "step-00000001").is_dir()
         save(3)
         # Save 2 is still held: save 3 was staged (copied) into a buffer of its own, and waits to write.
@@ -272,7 +271,7 @@ def test_tensors_are_stored_as_their_bytes_and_load_back_exactly(tmp_path, mode)
     from titanlite.resilience.checkpoint_files import RAW
 
     state = _every_kind_of_entry()
-    ckpt = Checkpointer(tmp_path, mode=mode)
+    ckpt = Checkpointer(tmp_path, mode=mode, file_format="raw")
     ckpt.save(state, 1)
     ckpt.close()
     step = tmp_path / "step-00000001"
@@ -313,6 +312,61 @@ def test_tensors_are_stored_as_their_bytes_and_load_back_exactly(tmp_path, mode)
             ), key
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_default_format_is_torchs_own_and_torch_alone_reads_it(tmp_path, mode):
+    """A checkpoint in the default format opens with nothing but torch: `dcp.load` with torch's
+    own reader into a plain state dict (a torchtitan user's way), in a process that never
+    imported titanlite, and `dcp_to_torch_save`; every kind of entry comes back equal. The
+    commit, which did not see the bytes go out, read each file back for its CRC."""
+    import json
+    import subprocess
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from titanlite.resilience.checkpoint import Checkpointer
+    from titanlite.resilience.checkpoint_files import crc32, verify
+
+    state = _every_kind_of_entry()
+    ckpt = Checkpointer(tmp_path, mode=mode)
+    ckpt.save(state, 1)
+    ckpt.close()
+    step = tmp_path / "step-00000001"
+    files = json.loads((step / "titanlite.json").read_text())["files"]
+    assert all(files[n] == [(step / n).stat().st_size, crc32(step / n)] for n in files)
+    assert verify(step)["step"] == 1
+    template = {
+        part: {
+            k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in d.items()
+        }
+        for part, d in state.items()
+    }
+    template["optimizer"]["groups"] = [{"betas": None}]
+    torch.save(template, tmp_path / "template.pt")
+    script = (
+        "import sys, torch, torch.distributed.checkpoint as dcp\n"
+        f"sd = torch.load({str(tmp_path / 'template.pt')!r}, weights_only=False)\n"
+        f"dcp.load(sd, checkpoint_id={str(step)!r}, no_dist=True)\n"
+        f"torch.save(sd, {str(tmp_path / 'loaded.pt')!r})\n"
+        "assert not [m for m in sys.modules if m.startswith('titanlite')]\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    dcp_to_torch_save(step, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    for got in (loaded, whole):
+        for part in ("model", "optimizer"):
+            for key, value in state[part].items():
+                have = got[part][key]
+                same = (
+                    torch.equal(have, value) and have.dtype == value.dtype
+                    if isinstance(value, torch.Tensor)
+                    else have == value
+                )
+                assert same, (part, key, have, value)
+
+
 def test_a_checkpoint_written_by_dcps_own_writer_still_loads(tmp_path):
     """Checkpoints from before the raw format (DCP's torch.save per tensor) load through the same reader."""
     import warnings
@@ -350,7 +404,7 @@ def test_dcps_own_reader_refuses_raw_tensors_instead_of_misreading_them(tmp_path
 
     from titanlite.resilience.checkpoint import Checkpointer
 
-    ckpt = Checkpointer(tmp_path)
+    ckpt = Checkpointer(tmp_path, file_format="raw")
     ckpt.save({"w": torch.randn(8)}, 1)
     ckpt.close()
     with pytest.raises(
@@ -398,7 +452,7 @@ def test_a_save_works_on_a_system_without_fdatasync(tmp_path, monkeypatch):
 
     monkeypatch.delattr(os, "fdatasync", raising=False)
     state = {"w": torch.randn(3 << 20)}  # 12 MiB
-    ckpt = Checkpointer(tmp_path)
+    ckpt = Checkpointer(tmp_path, file_format="raw")
     ckpt.save(state, 1)
     fresh = {"w": torch.zeros(3 << 20)}
     assert ckpt.load(fresh) == 1 and torch.equal(fresh["w"], state["w"])
@@ -418,7 +472,7 @@ def test_a_disk_error_seen_by_a_background_sync_fails_the_save_and_keeps_the_las
     from titanlite.resilience.checkpoint import Checkpointer
     from titanlite.resilience.checkpoint_files import committed
 
-    ckpt = Checkpointer(tmp_path, keep_latest_k=1)
+    ckpt = Checkpointer(tmp_path, keep_latest_k=1, file_format="raw")
     ckpt.save({"w": torch.ones(3 << 20)}, 1)
 
     def failing(fd):
@@ -470,6 +524,5 @@ def test_cpu_seconds_counts_the_trainer_and_its_writer_process():
         child.join()
     assert after["trainer"] - before["trainer"] >= 0.25
     assert after["writer"] - before["writer"] >= 0.35  # the child's own, not this process's
-    assert (
-        _cpu_seconds()["writer"] - before["writer"] < 0.1
-    )  # a child that ended is no longer counted
+    # a child that ended is no longer counted
+    assert _cpu_seconds()["writer"] - before["writer"] < 0.1

@@ -49,7 +49,7 @@ def test_train_then_export_to_hugging_face(data_dir, tmp_path):
         (["--training.stesp", "5"], "unknown config key 'training.stesp'"),
         (["--training.steps", "many"], "training.steps must be an integer"),
         (["--training.steps", "0"], "training.steps must be positive"),
-        (["--training.batch_size", "-1"], "training.batch_size must be positive"),
+        (["--training.batch_size", "-1"], "training.batch_size must be between 1 and 1048576"),
         (["--training.seq_len", "4096"], "exceeds the model's maximum"),
         (["--model.vocab_size", "64"], "but the model's vocab_size is 64"),
         (["--data.dataset", "file", "--data.path", "missing.txt"], "missing.txt"),
@@ -287,9 +287,8 @@ def test_every_entry_point_refuses_another_run_and_a_resume_goes_on(data_dir, tm
         launch(
             load_config(None, {**o, "data.vocab_size": 600}), 2, overrides={"parallel.dp_shard": 2}
         )
-    assert _tree(run_dir) == resumed and set(first) <= set(
-        resumed
-    )  # refused twice, nothing written
+    # refused twice, nothing written
+    assert _tree(run_dir) == resumed and set(first) <= set(resumed)
 
 
 def test_done_line_gives_the_runs_median_and_notes_settings_without_effect(data_dir, tmp_path):

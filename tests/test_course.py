@@ -83,9 +83,8 @@ def test_student_edition_replaces_only_what_the_student_did_not_change(tmp_path)
     (out / NB16).unlink()
     (out / "runs").mkdir()  # what running the notebooks leaves beside them
     (out / "runs" / "metrics.jsonl").write_text("{}\n")
-    (out / "scratch.ipynb").write_text(
-        json.dumps(nbformat.v4.new_notebook())
-    )  # a student's own notebook
+    # a student's own notebook
+    (out / "scratch.ipynb").write_text(json.dumps(nbformat.v4.new_notebook()))
     before = (out / NB02).read_bytes()
 
     # The instructor changes every notebook's first cell (a new release, pulled).
@@ -306,9 +305,8 @@ def test_checks_mode_keeps_the_exercise_cells_and_the_imports_only():
     nb = nbformat.read(ROOT / "notebooks" / "05_torch_compile.ipynb", 4)
     small = checks_only(nb)
     setup = small.cells[0].source
-    assert (
-        "notebook_setup()" in setup and "import torch" in setup and "Trainer" in setup
-    )  # imports only
+    # imports only
+    assert "notebook_setup()" in setup and "import torch" in setup and "Trainer" in setup
     kept = small.cells[1:]
     assert all(is_solution_cell(c) or is_check_cell(c) for c in kept) and len(kept) == 4
     assert not any("Trainer(" in c.source or "fit(" in c.source for c in small.cells)

@@ -22,9 +22,8 @@ def test_native_bf16_follows_the_flags_of_other_cpus():
     assert _features({"avx512f", "avx512_bf16"}).native_bf16 is True  # Zen 4, Cooper Lake
     sapphire = _features({"avx512_bf16", "amx_bf16", "amx_tile"})
     assert sapphire.native_bf16 and sapphire.amx
-    assert (
-        _features(None).native_bf16 is None and not _features(None).amx
-    )  # Apple Silicon: unreadable
+    # Apple Silicon: unreadable
+    assert _features(None).native_bf16 is None and not _features(None).amx
 
 
 def test_bf16_verdict_is_a_function_of_the_measured_ratio():
@@ -32,9 +31,8 @@ def test_bf16_verdict_is_a_function_of_the_measured_ratio():
     assert cpu.bf16_verdict(4.0, zen4).startswith("fast native bf16")
     assert cpu.bf16_verdict(0.1, _features({"avx2"})).startswith("slow bf16")
     assert cpu.bf16_verdict(1.1, zen4).startswith("bf16 about as fast")
-    assert cpu.bf16_verdict(1.1, zen4, spread=0.05).startswith(
-        "fast native"
-    )  # less noise, finer verdict
+    # less noise, finer verdict
+    assert cpu.bf16_verdict(1.1, zen4, spread=0.05).startswith("fast native")
     assert "unknown" in cpu.bf16_verdict(1.0, _features(None))
 
 

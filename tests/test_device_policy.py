@@ -58,9 +58,8 @@ def test_flash_takes_16_bit_on_ampere_only():
     assert not flash_takes("cuda", torch.float32, 64, H100)  # flash has no fp32 kernel
     assert not flash_takes("cuda", torch.float16, 64, T4)  # FlashAttention-2 needs SM 8.0
     assert not flash_takes("cuda", torch.bfloat16, 512, H100)  # head_dim above 256
-    assert not flash_takes(
-        "cuda", torch.bfloat16, 64, H100, torch_version="2.4.1"
-    )  # no enable_gqa yet
+    # no enable_gqa yet
+    assert not flash_takes("cuda", torch.bfloat16, 64, H100, torch_version="2.4.1")
 
 
 @pytest.mark.parametrize(
@@ -120,9 +119,8 @@ def test_matmul_dtype_follows_what_the_matmuls_compute_in():
     assert matmul_dtype(f32) == f32
     assert matmul_dtype(f32, autocast_dtype=bf16) == bf16
     assert matmul_dtype(f32, fsdp_param_dtype="bfloat16") == bf16  # FSDP casts the weights
-    assert (
-        matmul_dtype(f32, autocast_dtype=f16, fsdp_param_dtype="bfloat16") == f16
-    )  # autocast wins
+    # autocast wins
+    assert matmul_dtype(f32, autocast_dtype=f16, fsdp_param_dtype="bfloat16") == f16
     assert matmul_dtype(f32, fsdp_param_dtype="float32") == f32
     # Real FP8 still divides by the bf16 peak: attention and the output layer never run in FP8,
     # and torchtitan's MFU does the same (before: the FP8 peak, twice as high).

@@ -985,9 +985,8 @@ def test_strip_solutions_with_nbgrader_calls_its_clear_solutions(no_nbgrader, tm
     nb = nbformat.read(ROOT / "notebooks" / "16_capstone.ipynb", 4)
     nb.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="old output")]
     student = strip_solutions(nb)
-    assert (
-        len(calls) == 1 and calls[0][1] == {} and calls[0][0] is student
-    )  # (nb, {}) as documented
+    # (nb, {}) as documented
+    assert len(calls) == 1 and calls[0][1] == {} and calls[0][0] is student
     solutions = [i for i, c in enumerate(nb.cells) if is_solution_cell(c)]
     assert solutions and all(student.cells[i].source == "# stripped by nbgrader" for i in solutions)
     assert not student.cells[2].outputs and nb.cells[2].outputs, "outputs cleared, on a copy"

@@ -466,9 +466,8 @@ def test_many_trials_list_a_dozen_and_count_the_rest(tmp_path):
     assert labels[:12] == [f"trial {i}" for i in range(12)] and "… 18 more runs" in labels
     ticks = [t.get_text() for t in plot._axes[0].get_xticklabels() if t.get_text()]
     assert ticks and all(len(t) <= 5 for t in ticks), ticks  # "37k", not "36,864"
-    assert (
-        plot._legend.get_window_extent().y1 < plot._axes[0].get_window_extent().y0
-    )  # below the panel
+    # below the panel
+    assert plot._legend.get_window_extent().y1 < plot._axes[0].get_window_extent().y0
 
 
 def test_the_status_names_the_phase_until_a_record_arrives(clock):

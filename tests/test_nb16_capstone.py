@@ -54,9 +54,8 @@ def test_published_steps_are_each_row_over_the_row_before():
     tt, sm = lab.step_gains(lab.TORCHTITAN_8B_H100), lab.step_gains(lab.SAGEMAKER_8B_H100)
     assert tt == {"+compile": 6667 / 5762, "+FP8": 8532 / 6667}
     assert sm == {"+compile": 7166 / 6475, "+FP8": 8624 / 7166, "+FP8 all-gather": 8950 / 8624}
-    assert (
-        round(sm["+FP8"] - 1, 3) == 0.203 and round(8624 / 6475 - 1, 4) == 0.3319
-    )  # the study's +33.19%
+    # the study's +33.19%
+    assert round(sm["+FP8"] - 1, 3) == 0.203 and round(8624 / 6475 - 1, 4) == 0.3319
     assert round(8950 / 6475 - 1, 3) == 0.382 and round(7166 / 6475 - 1, 4) == 0.1067
     rungs = {r.name: r for r in lab.ladder(2, 2)}
     assert "6,667 → 8,532 (1.28×)" in rungs["+FP8 tensorwise"].published
@@ -398,9 +397,8 @@ def test_drill_band_grows_with_what_mean_step_charging_misses():
     measured = {"wall_s": 100.0, "lost_s": 1.0, "goodput": 0.4}
     tight = lab.DrillCheck(measured, {"goodput": 0.4}, [2], 1, step_s=1.0)
     assert tight.band == pytest.approx(0.03) and tight.error == 0
-    compiled = lab.DrillCheck(
-        measured, {"goodput": 0.38}, [2], 1, step_s=7.0
-    )  # a long compile step in the mean
+    # a long compile step in the mean
+    compiled = lab.DrillCheck(measured, {"goodput": 0.38}, [2], 1, step_s=7.0)
     assert compiled.band == pytest.approx(0.09) and abs(compiled.error) < compiled.band
 
 
@@ -428,9 +426,8 @@ def test_memory_that_is_not_a_rows_own_is_never_compared_and_said_once():
     ]
     text = lab.table(rows)
     assert "—*" in text and text.count("not the row's own") == 1
-    assert "—*" not in lab.table(
-        [{**r, "peak_memory_bytes": 2**30} for r in rows]
-    )  # no footnote needed
+    # no footnote needed
+    assert "—*" not in lab.table([{**r, "peak_memory_bytes": 2**30} for r in rows])
     recipe = lab.choose_recipe(
         ModelArgs.preset("small", vocab_size=4096), 2, 80e9, rows, seq_len=64
     )
@@ -438,9 +435,8 @@ def test_memory_that_is_not_a_rows_own_is_never_compared_and_said_once():
         "not comparable" not in recipe and recipe.count("memory only where both rows' figures") == 1
     )
     fsdp = next(ln for ln in recipe.splitlines() if ln.strip().startswith("FSDP ×2"))
-    assert (
-        "1.00× +bf16" in fsdp and "memory" not in fsdp
-    )  # +bf16 has no figure of its own to divide by
+    # +bf16 has no figure of its own to divide by
+    assert "1.00× +bf16" in fsdp and "memory" not in fsdp
     assert (
         lab.choose_recipe(
             ModelArgs.preset("small", vocab_size=4096),

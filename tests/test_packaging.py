@@ -57,9 +57,8 @@ def test_license_is_an_spdx_string_setuptools_reads_without_a_deprecation_warnin
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert isinstance(project["project"]["license"], str)
-    assert (
-        "setuptools>=77" in project["build-system"]["requires"][0]
-    )  # first to accept SPDX strings
+    # first to accept SPDX strings
+    assert "setuptools>=77" in project["build-system"]["requires"][0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         apply_configuration(Distribution(), ROOT / "pyproject.toml")

@@ -97,15 +97,13 @@ def test_activations_per_layer_are_measured_ones_split_over_tp():
     no_sp = [activation_bytes_per_layer(a, s, b, t, sequence_parallel=False) for t in (1, 2, 4, 8)]
     assert no_sp[0] == one and no_sp[3] > one / 8  # the norms' tensors stay whole on every rank
     assert no_sp[1] - no_sp[2] == pytest.approx(2 * (no_sp[2] - no_sp[3]))  # the rest: ∝ 1/t
-    assert (
-        activation_bytes_per_layer(a, s, b, checkpointing="full") == 2 * s * b * a.dim
-    )  # bf16 input
+    # bf16 input
+    assert activation_bytes_per_layer(a, s, b, checkpointing="full") == 2 * s * b * a.dim
     whole_input = activation_bytes_per_layer(
         a, s, b, 8, sequence_parallel=False, checkpointing="full"
     )
-    assert (
-        whole_input == 2 * s * b * a.dim
-    )  # without SP the residual stream is whole on every TP rank
+    # without SP the residual stream is whole on every TP rank
+    assert whole_input == 2 * s * b * a.dim
     # 1F1B: stage 0 of pp holds pp micro-batches of n_layers/pp layers: all layers' worth.
     p = plan(a, 8, 1000 * GB, seq_len=s, micro_batch=b)
     assert _find(p, (2, 1, 4, 1)).memory.activations == round(a.n_layers * one)

@@ -57,9 +57,8 @@ def test_an_unlogged_step_never_waits_for_the_device_alone(data_dir, tmp_path):
     )
     assert _unlogged_syncs(per_step) == {}
     assert [s for s, (logged, _) in per_step.items() if logged] == [4, 8]
-    assert all(
-        sites for logged, sites in per_step.values() if logged
-    )  # reading the loss: one, at least
+    # reading the loss: one, at least
+    assert all(sites for logged, sites in per_step.values() if logged)
 
 
 @pytest.mark.slow
@@ -200,18 +199,16 @@ def test_on_an_h100_attention_tries_cudnn_first_and_keeps_gqa(monkeypatch):
         torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(major=9, minor=0)
     )
     with FakeTensorMode():
-        q = torch.empty(
-            2, 32, 128, 64, device="cuda", dtype=torch.bfloat16
-        )  # the 1B preset: 32 heads, 8 KV
+        # the 1B preset: 32 heads, 8 KV
+        q = torch.empty(2, 32, 128, 64, device="cuda", dtype=torch.bfloat16)
         kv = torch.empty(2, 8, 128, 64, device="cuda", dtype=torch.bfloat16)
         causal_attention(q, kv, kv)
         causal_attention(q.float(), kv.float(), kv.float())
     bf16, fp32 = calls
     assert bf16["order"][:4] == sdpa_priority("cuda") and fp32["order"][:4] == sdpa_priority("cuda")
     assert bf16["heads"] == (32, 8) and bf16["enable_gqa"]
-    assert (
-        fp32["heads"] == (32, 32) and not fp32["enable_gqa"]
-    )  # repeated to reach the efficient kernel
+    # repeated to reach the efficient kernel
+    assert fp32["heads"] == (32, 32) and not fp32["enable_gqa"]
     assert _cur_sdpa_kernel_backends(with_priority=True) == before
     calls.clear()
     causal_attention(torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16))
@@ -314,9 +311,8 @@ def test_under_fsdp_only_rank_0_holds_the_whole_model_and_in_cpu_memory(data_dir
     run_torchrun(script, json.dumps(o), tmp_path / "held", timeout=300)
     rank0, rank1 = (json.loads((tmp_path / f"held.rank{r}.json").read_text()) for r in (0, 1))
     assert rank0["keys"] > 0 and rank0["devices"] == ["cpu"] and rank1["keys"] == 0
-    assert (
-        rank0["cpu_offload"] == rank1["cpu_offload"] == [True, True]
-    )  # and save_weights asked for it too
+    # and save_weights asked for it too
+    assert rank0["cpu_offload"] == rank1["cpu_offload"] == [True, True]
     assert (tmp_path / "runs" / "t" / "model.safetensors").is_file()
 
 
@@ -335,9 +331,8 @@ def test_an_async_save_of_cuda_tensors_lets_the_step_finish_before_staging(tmp_p
 
     def recording_stager(options, shared_memory):
         assert options["use_staging_stream"]  # what CUDA tensors get
-        stager = make_stager(
-            checkpoint.staging_options({"cpu"}), shared_memory
-        )  # a CPU copy stands in
+        # a CPU copy stands in
+        stager = make_stager(checkpoint.staging_options({"cpu"}), shared_memory)
         stage = stager.stage
         stager.stage = lambda state_dict, **kw: (order.append("stage"), stage(state_dict, **kw))[1]
         return stager
@@ -415,9 +410,8 @@ def test_fsdp_defaults_keep_no_weight_copy_for_backward_and_match_the_formulas(p
     assert now["policy"] == {"param_dtype": torch.bfloat16, "autocast": None}
     assert now["weight_copies"] == 0
     assert now["params"] == now["formula"]["params"]
-    rotary_cos = (
-        2 * seq_len * ModelArgs.preset(preset).head_dim
-    )  # the fp32 table cast to bf16, once a forward
+    # the fp32 table cast to bf16, once a forward
+    rotary_cos = 2 * seq_len * ModelArgs.preset(preset).head_dim
     assert now["saved"] == now["formula"]["activations"] + rotary_cos
     before = predict(preset, seq_len, 8, H100, before=True)
     with torch.device("meta"):

@@ -23,19 +23,22 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, before it joined th
     import tomli as tomllib
 
 
+# Sizes are bounded by what is meaningful, not only by what a number can hold: a batch of a
+# million sequences or a 16M-token vocabulary is a typo, refused in one line before anything runs
+# (a size inside these bounds that this machine cannot hold is refused by preflight's memory check).
+
+
 @dataclass
 class ModelSection:
     preset: str = one_of("debug", "small", "125M", "1B", "8B")  # titanlite.models.llama.PRESETS
-    dim: int | None = ranged(
-        None, "[1, inf)"
-    )  # Overrides of the preset; None keeps the preset's value.
-    n_layers: int | None = ranged(None, "[1, inf)")
-    n_heads: int | None = ranged(None, "[1, inf)")
-    n_kv_heads: int | None = ranged(None, "[1, inf)")
-    vocab_size: int | None = ranged(
-        None, "[1, inf)"
-    )  # None: tokenizer's (debug, small), else the preset's
-    max_seq_len: int | None = ranged(None, "[1, inf)")
+    # Overrides of the preset; None keeps the preset's value.
+    dim: int | None = ranged(None, "[1, 65536]")
+    n_layers: int | None = ranged(None, "[1, 1024]")
+    n_heads: int | None = ranged(None, "[1, 1024]")
+    n_kv_heads: int | None = ranged(None, "[1, 1024]")
+    # None: tokenizer's (debug, small), else the preset's
+    vocab_size: int | None = ranged(None, "[1, 16777216]")
+    max_seq_len: int | None = ranged(None, "[1, 1048576]")
     tie_embeddings: bool | None = None
 
 
@@ -49,9 +52,8 @@ class DataSection:
     )
     path: str | None = None  # local file/folder for dataset="file"
     tokenizer: str | None = None  # None: train (and cache) a BPE tokenizer on the corpus
-    vocab_size: int = ranged(
-        4096, "[259, inf)"
-    )  # of the tokenizer we train: 256 bytes + 3 specials at least
+    # of the tokenizer we train: 256 bytes + 3 specials at least
+    vocab_size: int = ranged(4096, "[259, 1048576]")
     val_fraction: float = ranged(0.05, "(0, 1)")
     data_dir: str | None = None  # caches; None: <repo>/data or ~/.cache/titanlite/data
     max_chars: int | None = ranged(None, "[1, inf)")  # cap on the corpus size (for hf: datasets)
@@ -60,14 +62,12 @@ class DataSection:
 @dataclass
 class TrainingSection:
     steps: int = ranged(200, "[1, inf)")  # optimizer steps
-    batch_size: int = ranged(
-        8, "[1, inf)"
-    )  # micro-batch: sequences per forward/backward (per process)
-    grad_accum_steps: int = ranged(1, "[1, inf)")  # micro-batches per optimizer step
-    global_batch_size: int | None = ranged(
-        None, "[1, inf)"
-    )  # alternative: micro × accum × dp; accum derived
-    seq_len: int = ranged(128, "[1, inf)")
+    # micro-batch: sequences per forward/backward (per process)
+    batch_size: int = ranged(8, "[1, 1048576]")
+    grad_accum_steps: int = ranged(1, "[1, 1048576]")  # micro-batches per optimizer step
+    # alternative: micro × accum × dp; accum derived
+    global_batch_size: int | None = ranged(None, "[1, 16777216]")
+    seq_len: int = ranged(128, "[1, 1048576]")
     grad_clip: float = ranged(1.0, "[0, inf)")  # max global grad norm; 0 disables clipping
     seed: int = ranged(0, "[0, 4294967295]")  # numpy and the data pipeline take 32-bit seeds
     deterministic: bool = False  # torch.use_deterministic_algorithms + fixed seeds everywhere
@@ -76,9 +76,8 @@ class TrainingSection:
     dtype: str = one_of("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
     # autocast dtype: auto (cuda: bf16, fp16 before SM 8.0; cpu/mps: fp32) | fp32 | bf16 | fp16 (+ GradScaler)
     mixed_precision: str = one_of("auto", "fp32", "bf16", "fp16")
-    threads: int | None = ranged(
-        None, "[1, inf)"
-    )  # CPU intra-op threads; None keeps torch's default
+    # CPU intra-op threads; None keeps torch's default
+    threads: int | None = ranged(None, "[1, 4096]")
 
 
 @dataclass
@@ -105,39 +104,32 @@ class ParallelSection:
     # ranks sharding params/grads/optimizer (FSDP); -1: all ranks left over
     dp_shard: int = ranged(-1, "[1, inf)", also=(-1,))
     backend: str = one_of("auto", "gloo", "nccl")  # auto: nccl on CUDA, gloo otherwise
-    timeout_s: float = ranged(
-        300.0, "(0, inf)"
-    )  # a collective waiting longer fails the job (hung peer)
+    # a collective waiting longer fails the job (hung peer)
+    timeout_s: float = ranged(300.0, "(0, inf)")
     bucket_cap_mb: float = ranged(25.0, "(0, inf)")  # DDP gradient bucket size
     reshard_after_forward: str = one_of("default", "always", "never")  # FSDP; never: ZeRO-2-like
     # FSDP all-gather/compute dtype; auto: bfloat16 on CUDA SM 8.0+ (then no autocast), else float32
     param_dtype: str = one_of("auto", "float32", "bfloat16")
     reduce_dtype: str = one_of("float32", "bfloat16")  # FSDP gradient reduce-scatter dtype
     cpu_offload: bool = False  # FSDP: sharded params, grads and optimizer step on the CPU
-    tp: int = ranged(
-        1, "[1, inf)"
-    )  # tensor-parallel degree: every matmul split over this many ranks
-    sequence_parallel: bool = (
-        True  # TP: norms and residual stream split over the sequence (not with pp > 1)
-    )
+    # tensor-parallel degree: every matmul split over this many ranks
+    tp: int = ranged(1, "[1, inf)")
+    # TP: norms and residual stream split over the sequence (not with pp > 1)
+    sequence_parallel: bool = True
     loss_parallel: bool = True  # TP: cross-entropy on vocabulary-sharded logits (not with pp > 1)
-    pp: int = ranged(
-        1, "[1, inf)"
-    )  # pipeline-parallel degree: the layers split into stages over this many ranks
+    # pipeline-parallel degree: the layers split into stages over this many ranks
+    pp: int = ranged(1, "[1, inf)")
     pp_schedule: str = one_of("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")
-    pp_microbatches: int | None = ranged(
-        None, "[1, inf)"
-    )  # micro-batches per pipeline step; None: 2 × stages
-    pp_stages_per_rank: int | None = ranged(
-        None, "[1, inf)"
-    )  # interleaved schedules: stages per rank (None: 2)
+    # micro-batches per pipeline step; None: 2 × stages
+    pp_microbatches: int | None = ranged(None, "[1, inf)")
+    # interleaved schedules: stages per rank (None: 2)
+    pp_stages_per_rank: int | None = ranged(None, "[1, inf)")
 
 
 @dataclass
 class ActivationCheckpointSection:
-    mode: str = one_of(
-        "none", "full", "selective", "op"
-    )  # selective: every N-th block; op: saves matmuls
+    # selective: every N-th block; op: saves matmuls
+    mode: str = one_of("none", "full", "selective", "op")
     every: int = ranged(2, "[1, inf)")  # selective: checkpoint blocks 0, N, 2N, ...
 
 
@@ -158,27 +150,22 @@ class CompileSection:
 class Float8Section:
     enable: bool = False
     recipe: str = one_of("tensorwise", "rowwise")  # torchao recipe names
-    min_dim: int = ranged(
-        64, "[1, inf)"
-    )  # skip Linears with a side below this: too small to gain from FP8
-    emulate: str = one_of(
-        "auto", "true", "false"
-    )  # auto: real on CUDA SM >= 8.9, emulated elsewhere
+    # skip Linears with a side below this: too small to gain from FP8
+    min_dim: int = ranged(64, "[1, inf)")
+    # auto: real on CUDA SM >= 8.9, emulated elsewhere
+    emulate: str = one_of("auto", "true", "false")
     fsdp_all_gather: bool = False  # FSDP all-gathers FP8 weights (tensorwise recipe only)
 
 
 @dataclass
 class EvalSection:
-    every: int = ranged(
-        50, "[0, inf)"
-    )  # validation loss every N steps (and at the end); 0 disables
-    batches: int = ranged(
-        8, "[1, inf)"
-    )  # validation batches per evaluation (the same ones each time)
-    sample_every: int = ranged(
-        0, "[0, inf)"
-    )  # print a text sample every N steps; 0: only before and after
-    sample_tokens: int = ranged(48, "[1, inf)")
+    # validation loss every N steps (and at the end); 0 disables
+    every: int = ranged(50, "[0, inf)")
+    # validation batches per evaluation (the same ones each time)
+    batches: int = ranged(8, "[1, 65536]")
+    # print a text sample every N steps; 0: only before and after
+    sample_every: int = ranged(0, "[0, inf)")
+    sample_tokens: int = ranged(48, "[1, 65536]")
     prompt: str = matching("The ", r"(?s).+", "some text to continue")
 
 
@@ -189,12 +176,10 @@ class MetricsSection:
     run_name: str | None = matching(
         None, r"(?!\.\.?$)[^/\\]+", "a name without / (a folder in log_dir)"
     )
-    overwrite: bool = (
-        False  # a run_name whose folder holds another run: delete that run first (else refused)
-    )
-    log_every: int | None = ranged(
-        None, "[1, inf)"
-    )  # None: 10 on CUDA (logging waits for the GPU), else 1
+    # a run_name whose folder holds another run: delete that run first (else refused)
+    overwrite: bool = False
+    # None: 10 on CUDA (logging waits for the GPU), else 1
+    log_every: int | None = ranged(None, "[1, inf)")
     tensorboard: bool = False
     progress: bool = True  # tqdm bar in terminals
     peak: str = one_of("auto", "measured", "datasheet")  # the MFU denominator
@@ -204,42 +189,39 @@ class MetricsSection:
 class FaultSection:
     kind: str = one_of("none", "exception", "kill", "hang", "slow")  # titanlite.resilience.faults
     rank: int = ranged(0, "[0, inf)")  # which rank fails
-    step: int = ranged(
-        1, "[1, inf)"
-    )  # at the start of this step (1-based); slow: from this step on
+    # at the start of this step (1-based); slow: from this step on
+    step: int = ranged(1, "[1, inf)")
     slow_s: float = ranged(0.5, "[0, inf)")  # slow: extra seconds per step
     once: bool = True  # only in the first `attempts` attempts, so a restarted job can finish
-    attempts: int = ranged(
-        1, "[1, inf)"
-    )  # with once: how many attempts fail (attempt k at step + k*step_gap)
+    # with once: how many attempts fail (attempt k at step + k*step_gap)
+    attempts: int = ranged(1, "[1, inf)")
     step_gap: int = ranged(0, "[0, inf)")
-    during: str = one_of(
-        "step", "save"
-    )  # step: as the step begins | save: while a checkpoint is being saved
+    # step: as the step begins | save: while a checkpoint is being saved
+    during: str = one_of("step", "save")
 
 
 @dataclass
 class CheckpointSection:
     enable: bool = False
     folder: str | None = None  # None: <run dir>/checkpoints
-    every: int = ranged(
-        0, "[0, inf)"
-    )  # save every N steps, and after the last step; 0: only after the last
-    mode: str = one_of(
-        "sync", "async", "async_process"
-    )  # sync, or in a background thread / process
+    # save every N steps, and after the last step; 0: only after the last
+    every: int = ranged(0, "[0, inf)")
+    # sync, or in a background thread / process
+    mode: str = one_of("sync", "async", "async_process")
+    # dcp: torch's own format, which torch.distributed.checkpoint.load (and torchtitan) read
+    # without titanlite; raw: each tensor's bare bytes (ByteCheckpoint-style, measured in
+    # bench/checkpoint.py), which only titanlite reads
+    format: str = one_of("dcp", "raw")
     keep_latest_k: int = ranged(2, "[0, inf)")  # committed checkpoints kept; 0 keeps all
     resume: bool = True  # start from the newest committed checkpoint in `folder`, if any
     load: str | None = None  # or from this checkpoint (e.g. another run's; resharded on load)
     # Start from a Hugging Face Llama folder (config.json, *.safetensors, tokenizer.json): its shape
     # and tokenizer, fresh optimizer, step 0; a checkpoint found by resume or `load` wins (tools/hf_start.py).
     initial_load_path: str | None = None
-    verify: str = one_of(
-        "crc", "size"
-    )  # before loading, check every file's size and CRC-32 | only "size"
-    read_once: bool = (
-        True  # data-parallel ranks read each replicated tensor once per job, then broadcast it
-    )
+    # before loading, check every file's size and CRC-32 | only "size"
+    verify: str = one_of("crc", "size")
+    # data-parallel ranks read each replicated tensor once per job, then broadcast it
+    read_once: bool = True
 
 
 @dataclass

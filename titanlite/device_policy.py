@@ -136,9 +136,8 @@ def device_defaults(cfg, device_type: str, capability: tuple[int, int] | None, f
     if cfg.compile.enable is None:
         out["compile.enable"] = cuda
     if cfg.metrics.log_every is None:
-        out["metrics.log_every"] = (
-            10 if cuda else 1
-        )  # a logged step waits for the GPU to read the loss
+        # a logged step waits for the GPU to read the loss
+        out["metrics.log_every"] = 10 if cuda else 1
     return out
 
 

@@ -51,9 +51,8 @@ def generate(
     for _ in range(max_new_tokens):
         with eager():  # prompts of every length would each trigger a recompile
             logits = model(x[:, -context:])
-        logits = (
-            logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-        )  # TP: vocab-sharded
+        # TP: vocab-sharded
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
         logits = logits[0, -1].float().cpu() / max(temperature, 1e-5)
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         probs = torch.softmax(logits.masked_fill(logits < kth, -float("inf")), dim=-1)

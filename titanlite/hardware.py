@@ -147,9 +147,8 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds CUDA and MPS generators
     if deterministic:
-        os.environ.setdefault(
-            "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
-        )  # deterministic cuBLAS, before first use
+        # deterministic cuBLAS, before first use
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
 

@@ -6,6 +6,7 @@ and fragmentation included) and the allocator's retries after a failed allocatio
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -84,3 +85,20 @@ def readings_from_stats(stats: dict) -> dict:
         "reserved_memory_bytes": int(stats.get("reserved_bytes.all.peak", 0)),
         "alloc_retries": int(stats.get("num_alloc_retries", 0)),
     }
+
+
+def memory_limit_bytes(device) -> int | None:
+    """The most memory a process could use on `device`: a GPU's total memory, or the host's RAM (a
+    container's cgroup limit where that is lower); None where it cannot be read. Not what is free
+    now: a run that cannot fit even in all of it is refused, a busy machine is not."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "mps":
+        return int(torch.mps.recommended_max_memory())
+    limits = []
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    with contextlib.suppress(OSError, ValueError):  # cgroup v2: "max" when unlimited
+        limits.append(int(Path("/sys/fs/cgroup/memory.max").read_text().strip()))
+    return min(limits) if limits else None

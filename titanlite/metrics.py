@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import peaks
-from .errors import TitanliteError
+from .errors import TitanliteError, writing
 from .memory import allocator_readings, peak_memory_bytes
 from .paths import check_output_dir
 
@@ -91,7 +91,8 @@ class MetricsLogger:
         self.run_dir = check_output_dir(run_dir, "run folder (metrics.log_dir / metrics.run_name)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / filename
-        self._file = self.path.open("a", buffering=1)  # line-buffered: readers see whole lines
+        with writing(self.path, "the metrics"):
+            self._file = self.path.open("a", buffering=1)  # line-buffered: readers see whole lines
         self._tb = None
         if tensorboard:
             try:
@@ -107,7 +108,8 @@ class MetricsLogger:
 
     def log(self, record: dict) -> None:
         line = json.dumps(record, default=lambda x: x.item() if hasattr(x, "item") else str(x))
-        self._file.write(line + "\n")
+        with writing(self.path, "the metrics"):
+            self._file.write(line + "\n")
         if self._tb is not None:
             for key, value in record.items():
                 if (
@@ -120,6 +122,7 @@ class MetricsLogger:
                     )
 
     def close(self) -> None:
-        self._file.close()
+        with writing(self.path, "the metrics"):  # closing flushes: a full disk can show here
+            self._file.close()
         if self._tb is not None:
             self._tb.close()

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .config import Config
 from .data.tokenizer import load_tokenizer
 from .distributed.mesh import ParallelDims
 from .distributed.parallelize import sequence_parallel_enabled
 from .efficiency.accumulation import resolve_batch
 from .errors import TitanliteError
-from .models.llama import ModelArgs
+from .models.llama import ModelArgs, Transformer
 from .resilience.faults import check_fault
 
 # Presets sized for training here take their vocabulary from the tokenizer; the large ones
@@ -161,3 +163,35 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
             stages_per_rank=p.pp_stages_per_rank,
             tie_embeddings=args.tie_embeddings,
         )
+
+
+def check_memory_fits(plan: Plan, cfg: Config, limit: int | None, where: str) -> None:
+    """Refuse sizes that cannot fit in `limit` bytes (memory.memory_limit_bytes) before anything
+    is allocated: a lower bound of what one process holds at once, so it never refuses a run that
+    fits. The logits of one micro-batch and their gradient (in at least 16 bits each), its tokens,
+    and the weights, gradients and AdamW moments of this process's shard."""
+    if limit is None:
+        return
+    args, dims, t = plan.model_args, plan.dims, cfg.training
+    with torch.device("meta"):  # counted, not allocated
+        params = Transformer(args).num_params()
+    param_bytes = 2 if t.dtype in ("bfloat16", "float16", "bf16", "fp16") else 4
+    # per process: its shard of weights and gradients (2 × param_bytes) and AdamW's two fp32 moments
+    state = params * (2 * param_bytes + 8) / (dims.dp_shard * dims.tp * dims.pp)
+    per_sequence = t.seq_len * (args.vocab_size / dims.tp * 2 * param_bytes + 16)
+    need = state + plan.micro_batch * per_sequence
+    if need <= limit:
+        return
+    fits = int((limit - state) // per_sequence)
+    fix = (
+        f"lower --training.batch_size (at most {fits:,} sequences of {t.seq_len} fit) or "
+        f"--training.seq_len"
+        if fits >= 1
+        else "choose a smaller model, or shard it over more processes"
+    )
+    raise TitanliteError(
+        f"micro-batch {plan.micro_batch:,} × seq_len {t.seq_len:,} of a {params / 1e6:,.1f}M-"
+        f"parameter model needs at least {need / 2**30:,.1f} GiB in one process (logits "
+        f"{args.vocab_size:,} wide and their gradient, tokens, weights, gradients and AdamW), but "
+        f"{where} has {limit / 2**30:,.1f} GiB: {fix}"
+    )

@@ -36,13 +36,20 @@ from .distributed.env import (
 from .distributed.parallelize import loss_context_for, parallelize
 from .efficiency.accumulation import count_targets, global_tokens_per_rank, loss_sum
 from .efficiency.mixed_precision import Precision
-from .errors import TitanliteError
+from .errors import TitanliteError, writing
 from .evaluate import generate, validation_loss
+from .memory import memory_limit_bytes
 from .metrics import History
 from .models.llama import Transformer, build_model
 from .optimizer import build_optimizer, lr_lambda
 from .paths import claim_run_dir
-from .preflight import VOCAB_FROM_TOKENIZER, preflight, tokenizer_for, tokenizer_size
+from .preflight import (
+    VOCAB_FROM_TOKENIZER,
+    check_memory_fits,
+    preflight,
+    tokenizer_for,
+    tokenizer_size,
+)
 from .resilience.resume import open_checkpoint, run_name_for
 from .watchers import Run, StepEnd, build_watchers
 
@@ -66,10 +73,15 @@ class Trainer:
         )
         if cfg.training.threads:
             torch.set_num_threads(cfg.training.threads)
+        device = hardware.detect_device(cfg.training.device)
         # CUDA's allocator reads its settings at its first allocation: before anything allocates.
-        hardware.use_allocator_settings(
-            allocator_settings(hardware.detect_device(cfg.training.device).type)
-        )
+        hardware.use_allocator_settings(allocator_settings(device.type))
+        # Sizes no memory here could hold, refused before anything is allocated. Ranks on one CPU
+        # share its RAM; each GPU rank has its own device.
+        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+        limit = memory_limit_bytes(device)
+        where = f"{hardware.device_name(device)}" + (f" (÷ {sharing} ranks)" if sharing > 1 else "")
+        check_memory_fits(plan, cfg, limit and limit // sharing, where)
         # Under torchrun each process joins the job and takes its own device; alone, a world of one.
         self.dist = init_distributed(
             cfg.training.device, cfg.parallel.backend, cfg.parallel.timeout_s
@@ -150,9 +162,8 @@ class Trainer:
         """Summed cross-entropy over one batch's real target tokens / `num_tokens` (default: their count)."""
         with self.precision.autocast():
             loss = loss_sum(self.model(x), y)
-            loss = (
-                loss.to_local() if hasattr(loss, "to_local") else loss
-            )  # TP: a replicated DTensor
+            # TP: a replicated DTensor
+            loss = loss.to_local() if hasattr(loss, "to_local") else loss
             return loss / (num_tokens if num_tokens is not None else max(1, count_targets(y)))
 
     def forward_backward(self, micro_batches: list, num_tokens) -> torch.Tensor:
@@ -371,7 +382,8 @@ class Trainer:
             train_state=self.train_state,
         )
         if self.dist.is_main:
-            (run_dir / "run.json").write_text(json.dumps(self._run_info(), indent=2))
+            with writing(run_dir / "run.json", "the run's record"):
+                (run_dir / "run.json").write_text(json.dumps(self._run_info(), indent=2))
         try:
             chain.on_train_start()
             while self.step < cfg.training.steps:
@@ -397,9 +409,8 @@ class Trainer:
         destroy_distributed(barrier)
 
     def _run_info(self) -> dict:
-        job = os.environ.get(
-            "TORCHELASTIC_RUN_ID"
-        )  # a torchrun job's attempts share it and their agent
+        # a torchrun job's attempts share it and their agent
+        job = os.environ.get("TORCHELASTIC_RUN_ID")
         return {
             "job": job and f"{job}:{os.getppid()}",
             "config": self.cfg.to_dict(),

@@ -177,9 +177,8 @@ class TrainLog(Watcher):
     def train_record(self, end: StepEnd) -> dict:
         run = self.run
         step_time = self.interval_s / self.interval_steps
-        achieved = (
-            run.flops_per_token * run.tokens_per_step / step_time / run.world_size
-        )  # per device
+        # per device
+        achieved = run.flops_per_token * run.tokens_per_step / step_time / run.world_size
         if not run.distributed:  # ranks sharing a machine would disturb a re-measurement
             self.peak = peaks.recheck_peak(
                 achieved, self.peak, run.device, run.compute_dtype, self.say, run.datasheet

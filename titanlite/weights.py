@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from .distributed.ddp import unwrap
-from .errors import TitanliteError
+from .errors import TitanliteError, writing
 from .models.llama import ModelArgs, build_model
 
 
@@ -61,8 +61,9 @@ def save_weights(
     if is_main:
         plain = build_model(args, "cpu").to(dtype)
         plain.load_state_dict(state)
-        save_model(plain, str(run_dir / "model.safetensors"))  # dedupes tied weights
-        tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+        with writing(run_dir, "the final weights into"):
+            save_model(plain, str(run_dir / "model.safetensors"))  # dedupes tied weights
+            tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     return run_dir
 
 

@@ -41,15 +41,59 @@ class DistEnv:
         return self.world_size > 1
 
 
-def torchrun_env() -> tuple[int, int, int] | None:
-    """(rank, local_rank, world_size) when started by torchrun, else None."""
-    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+LAUNCH_HINT = (
+    "launch with torchrun (torchrun --nproc-per-node N -m titanlite train ...) or, under SLURM, "
+    "with configs/multinode/train.sbatch"
+)
+
+
+def torchrun_env(env=os.environ) -> tuple[int, int, int] | None:
+    """(rank, local_rank, world_size) when started by torchrun, else None. The variables are read
+    once and checked as a whole, before any process group starts: a hand-written job script that
+    sets some of them, or sets one wrong, gets one line saying which and how to launch instead."""
+    present = sorted({"RANK", "WORLD_SIZE", "LOCAL_RANK"} & env.keys())
+    if not present:
+        tasks = env.get("SLURM_NTASKS", "1")
+        if "SLURM_PROCID" in env and tasks.isdigit() and int(tasks) > 1:  # srun without torchrun
+            raise TitanliteError(
+                f"SLURM started {tasks} tasks but set no RANK/WORLD_SIZE, so each would train "
+                f"alone: {LAUNCH_HINT}"
+            )
         return None
-    return (
-        int(os.environ["RANK"]),
-        int(os.environ.get("LOCAL_RANK", 0)),
-        int(os.environ["WORLD_SIZE"]),
-    )
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in env]
+    if missing:
+        raise TitanliteError(
+            f"{' and '.join(missing)} not set while {', '.join(present)} is: a half-set "
+            f"distributed environment; {LAUNCH_HINT}"
+        )
+    world, rank = _count(env, "WORLD_SIZE"), _count(env, "RANK")
+    local, local_world = _count(env, "LOCAL_RANK", 0), _count(env, "LOCAL_WORLD_SIZE", world)
+    if world < 1 or not 0 <= rank < world or not 0 <= local < max(local_world, 1):
+        raise TitanliteError(
+            f"RANK={rank}, LOCAL_RANK={local} do not fit WORLD_SIZE={world} (LOCAL_WORLD_SIZE="
+            f"{local_world}): ranks count from 0 to WORLD_SIZE-1; {LAUNCH_HINT}"
+        )
+    unset = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+    if world > 1 and unset:
+        raise TitanliteError(
+            f"WORLD_SIZE={world} but {' and '.join(unset)} not set: the ranks find each other "
+            f"at rank 0's address and port; {LAUNCH_HINT}"
+        )
+    if world > 1 and not 0 < _count(env, "MASTER_PORT") < 65536:
+        raise TitanliteError(
+            f"MASTER_PORT={env['MASTER_PORT']} is not a port (1-65535); {LAUNCH_HINT}"
+        )
+    return rank, local, world
+
+
+def _count(env, name: str, default: int | None = None) -> int:
+    """An environment variable that must be a whole number, or one line naming it."""
+    text = env.get(name, "").strip()
+    if not text and default is not None:
+        return default
+    if not text.lstrip("-").isdigit():
+        raise TitanliteError(f"{name}={env.get(name)!r} is not a whole number; {LAUNCH_HINT}")
+    return int(text)
 
 
 def pick_backend(requested: str, device_type: str) -> str:

@@ -87,9 +87,8 @@ def apply_ac(model: Transformer, mode: str, every: int = 2) -> Transformer:
             preserve_rng_state=True,
             **(sac if mode == "op" else {}),
         )
-        model.layers.register_module(
-            name, wrapped
-        )  # on an existing key: keeps the block's position, name
+        # on an existing key: keeps the block's position, name
+        model.layers.register_module(name, wrapped)
     return model
 
 

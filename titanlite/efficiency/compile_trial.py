@@ -143,9 +143,8 @@ def _trial_compile(
             batch, seq_len = shape
             # fork_rng: the trial's random numbers must not shift the run's random streams.
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                trial = copy.deepcopy(
-                    block
-                )  # the real block stays uncompiled, its gradients untouched
+                # the real block stays uncompiled, its gradients untouched
+                trial = copy.deepcopy(block)
                 if any(p.device.type == "meta" for p in trial.parameters()):
                     trial = trial.to_empty(device=device)
                     for p in trial.parameters():

@@ -24,9 +24,8 @@ from ..errors import TitanliteError, closest
 
 RECIPES = ("tensorwise", "rowwise")  # torchao recipe names (Float8LinearRecipeName)
 FP8_GEMM_MULTIPLE = 16  # torch._scaled_mm needs both matrix sides divisible by 16
-SKIP_NAMES = (
-    "output",
-)  # as torchtitan; with tied embeddings its weight is the embedding table too
+# as torchtitan; with tied embeddings its weight is the embedding table too
+SKIP_NAMES = ("output",)
 
 
 @dataclasses.dataclass

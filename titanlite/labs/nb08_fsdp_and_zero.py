@@ -114,9 +114,8 @@ def expected_bytes(
     psi_bytes = sum(p.numel() * p.element_size() for p in params)
     padded = sum(fsdp_shard_numel(p.shape, n) * p.element_size() for p in params)
     if strategy in ("ddp", "zero1"):
-        optim = (
-            2 * psi_bytes if strategy == "ddp" else 2 * params[0].element_size() * zero1_owned
-        )  # AdamW: exp_avg + exp_avg_sq
+        # AdamW: exp_avg + exp_avg_sq
+        optim = 2 * psi_bytes if strategy == "ddp" else 2 * params[0].element_size() * zero1_owned
         grad_bytes = psi_bytes
         state = {"params": psi_bytes, "grads": grad_bytes, "optimizer": optim}
         comm = {"all_reduce": grad_bytes}

@@ -80,9 +80,8 @@ def train_pipeline(
         if dist.get_backend() == "nccl"
         else torch.device("cpu")
     )
-    model = seeded_model(
-        args, seed, device
-    )  # every rank builds the same weights, then keeps its part
+    # every rank builds the same weights, then keeps its part
+    model = seeded_model(args, seed, device)
     stages, parts = pipeline_split(
         model, dist.group.WORLD, schedule=schedule, stages_per_rank=stages_per_rank
     )

@@ -153,7 +153,13 @@ def _stderr_to(path: Path):
 
 
 def _time_dcp(
-    mode: str, state: dict, folder: Path, repeats: int, overlap_with=None, disk_beside: bool = False
+    mode: str,
+    state: dict,
+    folder: Path,
+    repeats: int,
+    overlap_with=None,
+    disk_beside: bool = False,
+    file_format: str = "dcp",
 ) -> dict:
     """`repeats` saves through a Checkpointer. blocked: the save() call plus wait_for_staging()
     right after it (the most an async save can stall training); done: until committed.
@@ -164,7 +170,7 @@ def _time_dcp(
     in flight (alone_steps_s): the machine's speed a moment later, to compare them with. cpu_beside_s /
     cpu_alone_s: the CPU seconds of the trainer and of the writer process over those two stretches.
     disk_beside (sync): after each save, the disk's bandwidth for as many bytes (disk_bytes_per_s)."""
-    ckpt = Checkpointer(folder, mode=mode, keep_latest_k=1)
+    ckpt = Checkpointer(folder, mode=mode, keep_latest_k=1, file_format=file_format)
     out = {
         k: []
         for k in (
@@ -238,8 +244,10 @@ def blocking_times(
     overlap: bool = True,
     keep: bool = False,
     disk_beside: bool = False,
+    file_format: str = "dcp",
 ) -> dict:
-    """How long each way of saving stops training, on a `preset` model with its AdamW state.
+    """How long each way of saving stops training, on a `preset` model with its AdamW state, the
+    DCP modes in `file_format` (dcp: torch's own; raw: each tensor's bare bytes).
 
     Returns {"preset", "params", "state_bytes", "compute_alone_s", "modes": {mode: {"bytes",
     "blocked_s", "done_s" (one per repeat), "first_s", "steady_s", "done_steady_s" (medians
@@ -289,9 +297,9 @@ def blocking_times(
                 }
             elif mode == "async_process":
                 with _stderr_to(folder / "checkpoint-process.log"):
-                    r = _time_dcp(mode, state, folder / mode, repeats, step)
+                    r = _time_dcp(mode, state, folder / mode, repeats, step, False, file_format)
             else:
-                r = _time_dcp(mode, state, folder / mode, repeats, step, disk_beside)
+                r = _time_dcp(mode, state, folder / mode, repeats, step, disk_beside, file_format)
             r["first_s"] = r["blocked_s"][0]
             r["steady_s"] = statistics.median(r["blocked_s"][1:] or r["blocked_s"])
             r["done_steady_s"] = statistics.median(r["done_s"][1:] or r["done_s"])
@@ -305,6 +313,62 @@ def blocking_times(
         if own_group:
             dist.destroy_process_group()
     return result
+
+
+def formats_side_by_side(state: dict, folder: str | Path, repeats: int = 3) -> dict:
+    """The same state saved (sync, in this process) in each checkpoint format: {format: {"cpu_s",
+    "wall_s" (medians per save), "bytes", "step_dir", "loads_back" (titanlite's reader, exact),
+    "torch_alone" (None if torch's own dcp.load reads it, else the first line of its refusal)}}."""
+    import torch.distributed.checkpoint as dcp
+
+    from ..resilience.checkpoint import FORMATS
+
+    out = {}
+    for file_format in FORMATS:
+        ckpt = Checkpointer(Path(folder) / file_format, keep_latest_k=1, file_format=file_format)
+        cpu, wall = [], []
+        for step in range(1, repeats + 1):
+            start_cpu, start = time.process_time(), time.perf_counter()
+            ckpt.save(state, step)
+            cpu.append(time.process_time() - start_cpu)
+            wall.append(time.perf_counter() - start)
+        ckpt.wait()
+        step_dir = committed(ckpt.folder)[-1]
+        fresh = _zeros_like(state)
+        ckpt.load(fresh, step_dir)
+        ckpt.close()
+        refusal = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                dcp.load(_zeros_like(state), checkpoint_id=step_dir, no_dist=True)
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                refusal = next((ln for ln in str(e).splitlines() if "titanlite.raw" in ln), str(e))
+        out[file_format] = {
+            "cpu_s": statistics.median(cpu),
+            "wall_s": statistics.median(wall),
+            "bytes": _bytes_in(step_dir),
+            "step_dir": str(step_dir),
+            "loads_back": _equal(fresh, state),
+            "torch_alone": refusal and refusal.strip()[:200],
+        }
+    return out
+
+
+def _zeros_like(tree):
+    if torch.is_tensor(tree):
+        return torch.zeros_like(tree)
+    if isinstance(tree, dict):
+        return {k: _zeros_like(v) for k, v in tree.items()}
+    return tree
+
+
+def _equal(a, b) -> bool:
+    if torch.is_tensor(b):
+        return torch.is_tensor(a) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(b, dict):
+        return isinstance(a, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in b)
+    return a == b
 
 
 def anatomy(checkpoint: str | Path) -> dict:

@@ -101,9 +101,8 @@ class RunCosts:
     step_s: float  # mean time of a kept step
     ckpt_cost_s: float  # mean stall of a checkpoint taken before the last step
     startup_s: float  # first attempt: process start -> its first step
-    restarts_s: list[float] = field(
-        default_factory=list
-    )  # per failure: last event -> next first step
+    # per failure: last event -> next first step
+    restarts_s: list[float] = field(default_factory=list)
     tail_s: float = 0.0  # last step -> end (the final save, the final sample)
     failures_at_step: list[float] = field(default_factory=list)  # work done when each failure hit
     restored_from: list[int] = field(default_factory=list)  # the step each restart resumed at

@@ -63,9 +63,8 @@ def _notes(r: dict) -> str:
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
         r["compute_dtype"], r["compute_dtype"]
     )
-    return ", ".join(
-        x for x in (dtype, r["fp8"].replace(", ", " ")) if x
-    )  # "bf16, FP8 tensorwise emulated"
+    # "bf16, FP8 tensorwise emulated"
+    return ", ".join(x for x in (dtype, r["fp8"].replace(", ", " ")) if x)
 
 
 def table(rows: list[dict]) -> str:

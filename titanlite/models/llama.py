@@ -139,9 +139,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = (
-            x.float()
-        )  # x / rms(x) · weight in fp32, so bf16 activations do not lose the mean square
+        # x / rms(x) · weight in fp32, so bf16 activations do not lose the mean square
+        xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(
             x
         ) * self.weight
@@ -215,9 +214,8 @@ def causal_attention(
         expand_kv = expand_kv_for_sdpa("cuda", q.dtype, q.shape[-1], (props.major, props.minor))
     if expand_kv and groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    priority = sdpa_priority(
-        q.device.type
-    )  # torch's own order tries math before cuDNN: never reached
+    # torch's own order tries math before cuDNN: never reached
+    priority = sdpa_priority(q.device.type)
     with sdpa_kernel(priority, set_priority=True) if priority else contextlib.nullcontext():
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]

@@ -66,9 +66,8 @@ def leaves(sd: dict, prefix: str = "") -> dict[str, tuple[dict, str]]:
 def _signature(value):  # what must match on every rank for a value to be one replicated entry
     if type(value) in (torch.Tensor, torch.nn.Parameter):
         return tuple(value.shape), str(value.dtype)
-    return (
-        None if isinstance(value, torch.Tensor) else "object"
-    )  # a DTensor is a shard: never shared
+    # a DTensor is a shard: never shared
+    return None if isinstance(value, torch.Tensor) else "object"
 
 
 def read_owners(sd: dict) -> dict[str, int]:

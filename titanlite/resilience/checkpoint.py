@@ -19,6 +19,7 @@ import time
 import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,11 +29,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from .._compat.torch_internals import stop_dcp_writer_process
-from ..errors import TitanliteError
+from ..errors import TitanliteError, writing
 from ..paths import check_output_dir
 from .balanced_io import BalancedSavePlanner, ReadOncePlanner, read_owners, share_read_entries
 from .checkpoint_files import (
     COMMIT_FILE,
+    DcpWriter,
     RawWriter,
     committed,
     dcp_load,
@@ -44,12 +46,26 @@ from .checkpoint_files import (
 from .staging import make_stager, staging_options, tensor_device_types
 
 MODES = ("sync", "async", "async_process")
+# dcp: torch's own file format, which `torch.distributed.checkpoint.load` (and torchtitan) read
+# without titanlite; raw: each tensor as its bare bytes (ByteCheckpoint's choice: no pickle
+# container per tensor, CRC as written), which only titanlite's reader reads (bench/checkpoint.py).
+FORMATS = ("dcp", "raw")
 
 
 class SaveTiming(NamedTuple):
     step: int
     blocked_s: float  # training stood still this long (for async: staging + the call)
     mode: str
+
+
+@dataclass
+class SaveInFlight:
+    """An async save not yet committed: its staging copy, DCP's write of it, the commit after it."""
+
+    step: int
+    stager: object  # the buffers the copy went to, busy until the write is done
+    write: Future  # every rank's bytes are on disk (DCP's upload_completion)
+    commit: Future | None = None  # rank 0 recorded and renamed it; None if before_commit raised
 
 
 class Checkpointer:
@@ -63,9 +79,12 @@ class Checkpointer:
         keep_latest_k: int = 2,
         describe: dict | None = None,
         read_once: bool = True,
+        file_format: str = "dcp",
     ):
         if mode not in MODES:
             raise TitanliteError(f"checkpoint mode '{mode}' is not one of {MODES}")
+        if file_format not in FORMATS:
+            raise TitanliteError(f"checkpoint format '{file_format}' is not one of {FORMATS}")
         if (
             isinstance(keep_latest_k, bool)
             or not isinstance(keep_latest_k, int)
@@ -74,25 +93,24 @@ class Checkpointer:
             raise TitanliteError(
                 f"keep_latest_k must be 0 (keep all) or a positive integer, got {keep_latest_k!r}"
             )
-        self.folder, self.mode, self.keep = (
-            check_output_dir(folder, "checkpoint folder"),
-            mode,
-            keep_latest_k,
-        )
+        self.folder = check_output_dir(folder, "checkpoint folder")
+        self.mode, self.keep, self.file_format = mode, keep_latest_k, file_format
         self.describe = self._described = describe or {}  # what was trained: checked on load
         self.read_once = read_once
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank, self.world = (
-            (dist.get_rank(), dist.get_world_size()) if self.distributed else (0, 1)
-        )
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
         self._staging = None  # the newest async save's copy of the state (a future)
-        # Async saves not yet committed, oldest first: [stager, write, commit, step]. At most two: a save stages
-        # into one stager while the previous save still writes from the other (ByteCheckpoint's ping-pong).
-        self._writes, self._overlap, self._pruning = deque(), False, None
+        # Async saves not yet committed, oldest first. Two at most once a write has finished: a
+        # save stages into one stager while the previous one still writes from the other
+        # (ByteCheckpoint's ping-pong). One before that: DCP starts its writer process in the first.
+        self._in_flight: deque[SaveInFlight] = deque()
+        self._one_write_done = False
+        self._pruning = None  # what a sync save left to the commit thread
         self._stagers = []  # made when first needed, then reused: their (pinned) copies are kept
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="titanlite-commit")
-        # torch's writer (thread or process) saves through the default group, and warns on every save
-        # of a lone process that has none: give a lone process a group of one.
+        # torch's writer (thread or process) saves through the default group, and warns on every
+        # save of a lone process that has none: give a lone process a group of one.
         self._own_world = mode != "sync" and not self.distributed
         if self._own_world:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -102,13 +120,18 @@ class Checkpointer:
     def save(self, state, step: int, before_commit=None) -> SaveTiming:
         """Save `state` (dict or Stateful) as `step`; a rank runs `before_commit()` once its data is out."""
         start = time.perf_counter()
-        self.wait_for_staging()
-        # Two saves in flight at most, the oldest committing first; one until a write has finished (DCP
-        # starts its writer process in the first) or when the one in flight is of this step or a later one.
-        while self._writes and (len(self._writes) > self._overlap or self._writes[-1][3] >= step):
-            self._wait_oldest()
         final = step_dir(self.folder, step)
         tmp = final.with_name(final.name + ".partial")
+        with writing(tmp, "a checkpoint"):  # a full disk: one line; the last commit stays whole
+            self._save(state, step, before_commit, tmp, final)
+        return SaveTiming(step, time.perf_counter() - start, self.mode)
+
+    def _save(self, state, step: int, before_commit, tmp: Path, final: Path) -> None:
+        self.wait_for_staging()
+        while self._in_flight and (
+            len(self._in_flight) >= self._max_in_flight() or self._in_flight[-1].step >= step
+        ):  # a save of this step (or a later one) in flight: let it finish, never write over it
+            self._wait_oldest()
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
@@ -116,9 +139,7 @@ class Checkpointer:
             dist.barrier()
         sd = state.state_dict() if hasattr(state, "state_dict") else state
         self._described = state.describe() if hasattr(state, "describe") else self.describe
-        writer = RawWriter(
-            tmp, sync_files=True
-        )  # tensors as bytes, CRC as written: nothing read back
+        writer = (RawWriter if self.file_format == "raw" else DcpWriter)(tmp, sync_files=True)
         writer.background = self.mode != "sync"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's notes on planners and deprecated names
@@ -130,29 +151,7 @@ class Checkpointer:
                     no_dist=self.world == 1,
                 )
             else:
-                process = self.mode == "async_process"
-                kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
-                options = staging_options(tensor_device_types(sd))
-                if options["use_staging_stream"]:
-                    # The stager copies on its own stream, which does not wait for training's: without
-                    # this, a save off a logged step could copy weights the optimizer is still writing.
-                    torch.cuda.current_stream().synchronize()
-                stager = self._free_stager(options, process)
-                gated = _WriteAfter(stager, self._writes[-1][1] if self._writes else None)
-                response = dcp.async_save(
-                    sd,
-                    storage_writer=writer,
-                    planner=BalancedSavePlanner(),
-                    process_group=self._pg,
-                    async_checkpointer_type=kind,
-                    async_stager=gated,
-                )
-                self._staging = (
-                    gated.copy
-                )  # training waits for its copy, not for the previous write
-                self._writes.append(
-                    [stager, response.upload_completion, None, step]
-                )  # its commit: below
+                response = self._async_save(sd, writer, step)
         if before_commit is not None:
             before_commit()
         if self.mode == "sync":
@@ -160,8 +159,34 @@ class Checkpointer:
             if self.distributed:
                 dist.barrier()  # everyone returns with the checkpoint committed
         else:
-            self._writes[-1][2] = self._pool.submit(self._finish, response, tmp, final, step)
-        return SaveTiming(step, time.perf_counter() - start, self.mode)
+            self._in_flight[-1].commit = self._pool.submit(self._finish, response, tmp, final, step)
+
+    def _async_save(self, sd: dict, writer, step: int):
+        """Start DCP's async save of `sd`: the copy in the background, the write after it."""
+        process = self.mode == "async_process"
+        kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+        options = staging_options(tensor_device_types(sd))
+        if options["use_staging_stream"]:
+            # The stager copies on its own stream, which does not wait for training's: without
+            # this, a save off a logged step could copy weights the optimizer is still writing.
+            torch.cuda.current_stream().synchronize()
+        stager = self._free_stager(options, process)
+        previous = self._in_flight[-1].write if self._in_flight else None
+        gated = WriteAfter(stager, previous)
+        response = dcp.async_save(
+            sd,
+            storage_writer=writer,
+            planner=BalancedSavePlanner(),
+            process_group=self._pg,
+            async_checkpointer_type=kind,
+            async_stager=gated,
+        )
+        self._staging = gated.copy  # training waits for its copy, not for the previous write
+        self._in_flight.append(SaveInFlight(step, stager, response.upload_completion))
+        return response
+
+    def _max_in_flight(self) -> int:
+        return 2 if self._one_write_done else 1
 
     def wait_for_staging(self) -> float:
         """Async: block until the state has been copied out (call before weights change)."""
@@ -176,29 +201,31 @@ class Checkpointer:
         """Block until the save in flight (if any) is written and committed, and older ones pruned."""
         start = time.perf_counter()
         self.wait_for_staging()
-        while self._writes:
+        while self._in_flight:
             self._wait_oldest()
-        pruning, self._pruning = self._pruning, None  # what a sync save left to the commit thread
-        pruning and pruning.result()
+        if self._pruning is not None:
+            pruning, self._pruning = self._pruning, None
+            pruning.result()
         return time.perf_counter() - start
 
     def _wait_oldest(self) -> None:
-        _, write, commit, _ = self._writes.popleft()
-        (
-            commit or write
-        ).result()  # re-raises a failed background write (no commit: before_commit raised)
+        """Until the oldest save in flight is committed; its failure (a full disk) is raised here."""
+        oldest = self._in_flight.popleft()
+        with writing(step_dir(self.folder, oldest.step), "a checkpoint"):
+            (oldest.commit or oldest.write).result()  # no commit: before_commit raised
 
     def _free_stager(self, options: dict, shared_memory: bool):
-        """A stager no unfinished write reads from: a second is made only while the first writes (ping-pong)."""
-        busy = [stager for stager, write, *_ in self._writes if not write.done()]
+        """A stager no unfinished write reads from: a second is made only while the first writes."""
+        busy = [save.stager for save in self._in_flight if not save.write.done()]
         free = [stager for stager in self._stagers if stager not in busy]
-        if not free:
-            self._stagers.append(make_stager(options, shared_memory=shared_memory))
-        return (free or self._stagers[-1:])[0]
+        if free:
+            return free[0]
+        self._stagers.append(make_stager(options, shared_memory=shared_memory))
+        return self._stagers[-1]
 
     def _finish(self, response, tmp: Path, final: Path, step: int) -> None:
-        response.upload_completion.result()  # every rank's data is written and rank 0 wrote .metadata
-        self._overlap = True
+        response.upload_completion.result()  # every rank's data is written, rank 0's .metadata too
+        self._one_write_done = True
         self._commit(tmp, final, step)
 
     def _commit(self, tmp: Path, final: Path, step: int) -> None:
@@ -297,21 +324,27 @@ class Checkpointer:
                 self._own_world = False
 
 
-class _WriteAfter:
-    """`stager`'s copy, handed to DCP's writer once the previous save's write is done: DCP starts each write
-    on a new thread, so two saves' writes would otherwise interleave collectives on the one background group."""
+class WriteAfter:
+    """`stager`'s copy, handed to DCP's writer only once the previous save's write is done: DCP
+    starts each write on a new thread, so two saves' writes would otherwise interleave their
+    collectives on the one background group."""
 
     def __init__(self, stager, previous_write: Future | None):
         self.stager, self.previous, self.copy = stager, previous_write, None
 
-    def stage(self, state_dict) -> Future:  # all DCP calls when it gets a future back
-        self.copy, released = self.stager.stage(state_dict), Future()
+    def stage(self, state_dict) -> Future:
+        """What DCP calls: the copy starts now; the future it gets completes after both."""
+        self.copy = self.stager.stage(state_dict)
+        released = Future()
 
-        def release(_):
-            error = self.copy.exception()
-            released.set_exception(error) if error else released.set_result(self.copy.result())
+        def release(_):  # the copy and the previous write are done: DCP may write the copy
+            if error := self.copy.exception():
+                released.set_exception(error)
+            else:
+                released.set_result(self.copy.result())
 
-        self.copy.add_done_callback(
-            lambda _: (self.previous or self.copy).add_done_callback(release)
-        )
+        def after_copy(_):  # the copy is done: wait for the previous write, if any
+            (self.previous or self.copy).add_done_callback(release)
+
+        self.copy.add_done_callback(after_copy)
         return released

@@ -60,66 +60,86 @@ def _done(value) -> Future:
     return future
 
 
-class RawWriter(FileSystemWriter):
-    """DCP's file writer, each tensor as its own bytes in one file per rank (a torch.save per tensor cost
-    ~0.25 s of CPU at the small preset); size and CRC-32 summed on another thread as the bytes go out (in
-    "<file>.crc": the commit reads nothing back); the disk set to work on each 4 MiB as it comes. A
-    `background` (async) writer runs at the lowest CPU priority: on a CPU it competes with training."""
+def _lower_priority_if(background: bool) -> None:
+    """An async save's writer runs at the lowest CPU priority: on a CPU it competes with training.
+    Linux sets it per thread (this one, and those it starts)."""
+    if background and sys.platform.startswith("linux"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+class DcpWriter(FileSystemWriter):
+    """DCP's own file writer, in DCP's own format (`torch.distributed.checkpoint.load` reads it
+    without titanlite); a `background` (async) one at the lowest CPU priority."""
 
     background = False
 
     def write_data(self, plan, planner) -> Future:
-        if self.background and sys.platform.startswith("linux"):  # this thread, and those it starts
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        _lower_priority_if(self.background)
+        return super().write_data(plan, planner)
+
+
+class RawWriter(FileSystemWriter):
+    """DCP's file writer, each tensor as its own bytes in one file per rank (a torch.save per
+    tensor cost ~0.25 s of CPU at the small preset); size and CRC-32 summed on another thread as
+    the bytes go out (in "<file>.crc": the commit reads nothing back); the disk set to work on
+    each 4 MiB as it comes. Marked so that DCP's stock reader refuses it: only RawReader reads it."""
+
+    background = False
+
+    def write_data(self, plan, planner) -> Future:
+        _lower_priority_if(self.background)
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"  # DCP's name: "__<rank>_0.distcp"
-        path, results, size, flushed, flushing, crc, tasks = (
-            Path(self.path) / name,
-            [],
-            0,
-            0,
-            None,
-            [0],
-            [],
-        )
-        # CRC (in order) and disk syncs (fsync on macOS) on their own threads, done before the file closes:
-        with (
-            open(path, "wb") as f,
-            ThreadPoolExecutor(1) as summing,
-            ThreadPoolExecutor(1) as syncing,
-        ):
+        path = Path(self.path) / name
+        crc = RunningCrc()
+        results, size, synced_to, syncing = [], 0, 0, None
+        # CRC (in order) and disk syncs (fsync on macOS) on their own threads; both are done,
+        # and their errors raised, before the file counts as written.
+        with open(path, "wb") as f, ThreadPoolExecutor(1) as syncs:
             for item in plan.items:
-                data, raw = planner.resolve_data(item), item.type != WriteItemType.BYTE_IO
-                view = memoryview(
-                    data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-                    if raw
-                    else data.getbuffer()
-                )
+                raw = item.type != WriteItemType.BYTE_IO
+                data = planner.resolve_data(item)
+                view = memoryview(_tensor_bytes(data) if raw else data.getbuffer())
                 f.write(view)
-                tasks.append(
-                    summing.submit(lambda v: crc.__setitem__(0, zlib.crc32(v, crc[0])), view)
-                )
-                results.append(
-                    WriteResult(
-                        item.index,
-                        view.nbytes,
-                        dcp_storage_info(name, size, view.nbytes, [RAW] if raw else None),
-                    )
-                )
+                crc.add(view)
+                info = dcp_storage_info(name, size, view.nbytes, [RAW] if raw else None)
+                results.append(WriteResult(item.index, view.nbytes, info))
                 size += view.nbytes
-                if size - flushed >= 4 << 20 and (flushing is None or flushing.done()):
-                    f.flush()
-                    flushing, flushed = (
-                        syncing.submit(getattr(os, "fdatasync", os.fsync), f.fileno()),
-                        size,
-                    )
-                    tasks.append(flushing)
+                if size - synced_to >= 4 << 20 and (syncing is None or syncing.done()):
+                    if syncing is not None:
+                        syncing.result()  # done: raises if that sync failed
+                    f.flush()  # the disk starts on these 4 MiB while we go on
+                    syncing = syncs.submit(getattr(os, "fdatasync", os.fsync), f.fileno())
+                    synced_to = size
             f.flush()
             os.fsync(f.fileno())
-        [
-            task.result() for task in tasks
-        ]  # a failed CRC or sync fails the save (the final fsync may not see it)
-        Path(f"{path}.crc").write_text(json.dumps([size, crc[0]]))
+            if syncing is not None:
+                syncing.result()  # a failed background sync fails the save (fsync may not see it)
+        Path(f"{path}.crc").write_text(json.dumps([size, crc.result()]))
         return _done(results)
+
+
+class RunningCrc:
+    """CRC-32 of a stream of buffers, summed in order on a thread of its own."""
+
+    def __init__(self):
+        self._pool, self._folds, self._value = ThreadPoolExecutor(1), [], 0
+
+    def add(self, view: memoryview) -> None:
+        self._folds.append(self._pool.submit(self._fold, view))
+
+    def _fold(self, view: memoryview) -> None:
+        self._value = zlib.crc32(view, self._value)
+
+    def result(self) -> int:
+        for fold in self._folds:
+            fold.result()  # an error while summing fails the save
+        self._pool.shutdown()
+        return self._value
+
+
+def _tensor_bytes(tensor: torch.Tensor):
+    """A tensor's bytes as a NumPy uint8 array (on the CPU, contiguous)."""
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 class RawReader(FileSystemReader):

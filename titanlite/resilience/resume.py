@@ -51,6 +51,7 @@ def open_checkpoint(
             mode=checkpoint.mode,
             keep_latest_k=checkpoint.keep_latest_k,
             read_once=checkpoint.read_once,
+            file_format=checkpoint.format,
         )
         source = (ckpt.latest() if checkpoint.enable and checkpoint.resume else None) or (
             Path(checkpoint.load) if checkpoint.load else None

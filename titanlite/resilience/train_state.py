@@ -40,9 +40,8 @@ class TrainState(Stateful):
             sampler,
         )
         self.step = step
-        self._describe = json.loads(
-            json.dumps(describe or {})
-        )  # plain JSON, as the record holds it
+        # plain JSON, as the record holds it
+        self._describe = json.loads(json.dumps(describe or {}))
 
     def describe(self) -> dict:
         return self._describe

@@ -29,7 +29,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from ..errors import TitanliteError
+from ..errors import DISK_FIX, TitanliteError, WriteFailed, disk_error
 from .config_help import overrides_help, without_effect
 
 
@@ -137,8 +137,9 @@ def _peaks(args, _overrides) -> None:
 
 def _export_hf(args, _overrides) -> None:
     from ..weights import load_weights
-    from .export import to_hf
+    from .export import check_not_into_work, to_hf
 
+    check_not_into_work(args.out_dir, "export folder", source=args.run_dir)  # before the load
     model, tokenizer = load_weights(args.run_dir)
     out = to_hf(model, args.out_dir, tokenizer=tokenizer)
     print(f"wrote a Hugging Face LlamaForCausalLM to {out}")
@@ -285,10 +286,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         args.func(args, rest)
+    except WriteFailed as e:  # a full disk while running (1), a path never writable (2): one line
+        return _report(str(e), e.exit_code)
     except TitanliteError as e:
         return _report(str(e), 2)
-    except OSError as e:
-        if e.filename is None:
+    except KeyboardInterrupt:
+        return _report("interrupted", 130)
+    except Exception as e:
+        err = disk_error(e)
+        if err is not None and err.errno in (errno.ENOSPC, errno.EDQUOT):  # a write no `writing`
+            where = f" '{err.filename}'" if err.filename else ""  # block named: still one line
+            return _report(f"{(err.strerror or '').lower()}{where}: {DISK_FIX[err.errno]}", 1)
+        if not isinstance(e, OSError) or e.filename is None:
             raise
         # A path the user gave (or one derived from it) that cannot be used: name it.
         bad_path = e.errno in (
@@ -307,8 +316,6 @@ def main(argv: list[str] | None = None) -> int:
             else "free space or fix the disk, then run again (checkpoints resume the run)"
         )
         return _report(f"{e.strerror or e}: '{e.filename}': {fix}", 2 if bad_path else 1)
-    except KeyboardInterrupt:
-        return _report("interrupted", 130)
     return 0
 
 

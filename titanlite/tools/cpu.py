@@ -34,9 +34,8 @@ from .precision_support import FAST_CPU_FLAGS, cpu_flags
 @dataclass(frozen=True)
 class CpuFeatures:
     capability: str  # the SIMD level torch dispatches its kernels to: DEFAULT, AVX2, AVX512, ...
-    flags: frozenset[str] | None = field(
-        repr=False
-    )  # x86 flags (/proc/cpuinfo); None on ARM (Apple Silicon)
+    # x86 flags (/proc/cpuinfo); None on ARM (Apple Silicon)
+    flags: frozenset[str] | None = field(repr=False)
     cores: int  # cores this process may run on (the affinity mask, not the whole machine)
     threads: int  # torch's intra-op threads now
 

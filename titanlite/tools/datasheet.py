@@ -28,9 +28,8 @@ _HOPPER_SXM = dict(fp32=67, tf32=494.5, bf16=989.5, fp16=989.5, fp8=1979)  # H10
 _HOPPER_NVL = dict(fp32=60, tf32=417.5, bf16=835.5, fp16=835.5, fp8=1670.5)  # H100 NVL datasheet
 _HOPPER_PCIE = dict(fp32=51, tf32=378, bf16=756, fp16=756, fp8=1513)  # H100 PCIe datasheet
 _AMPERE_A100 = dict(fp32=19.5, tf32=156, bf16=312, fp16=312)  # A100 datasheet
-_CDNA3 = dict(
-    fp32=163.4, tf32=653.7, bf16=1307.4, fp16=1307.4, fp8=2614.9
-)  # MI300X/MI325X datasheets
+# MI300X/MI325X datasheets
+_CDNA3 = dict(fp32=163.4, tf32=653.7, bf16=1307.4, fp16=1307.4, fp8=2614.9)
 _DATASHEET = [
     (r"GH200", "NVIDIA GH200", _HOPPER_SXM, ""),  # GH200 datasheet (= H100 SXM)
     (r"H200.*NVL", "NVIDIA H200 NVL", _HOPPER_NVL, ""),  # H200 datasheet, NVL column

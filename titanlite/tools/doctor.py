@@ -168,9 +168,8 @@ def _attention(device, facts, smoke, out) -> list[Check]:
             works.append(backend.name)
         except RuntimeError:
             pass
-    order = sdpa_priority(
-        device.type
-    )  # what titanlite's attention asks for (None: torch's own order)
+    # what titanlite's attention asks for (None: torch's own order)
+    order = sdpa_priority(device.type)
     try:  # what SDPA chooses with every backend allowed, in that order
         with sdpa_kernel(order, set_priority=True) if order else contextlib.nullcontext():
             picked = SDPBackend(

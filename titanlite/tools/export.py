@@ -17,14 +17,17 @@ names and config translation are shared with starting a run from a published mod
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
-from ..errors import TitanliteError
+from ..errors import TitanliteError, writing
 from ..models.llama import ModelArgs, Transformer, build_model, rope_cache
 from ..paths import check_output_dir
 from ..resilience.checkpoint_files import RawReader, dcp_load, verify
@@ -35,8 +38,9 @@ _LAYER_NAMES_BACK = {v: k for k, v in _LAYER_NAMES.items()}
 _TOP_NAMES_BACK = {v: k for k, v in _TOP_NAMES.items()}
 
 
-def check_new_output(path: str | Path, what: str) -> Path:
-    """`path` can be written as a file (an existing file is replaced, a folder never is)."""
+def check_new_output(path: str | Path, what: str, source: str | Path | None = None) -> Path:
+    """`path` can be written as a file (an existing file is replaced, a folder never is), and is
+    not inside `source` (what the export reads) or a run or checkpoint folder."""
     path = Path(path)
     if path.is_dir():
         raise TitanliteError(
@@ -44,7 +48,81 @@ def check_new_output(path: str | Path, what: str) -> Path:
             f"inside it, e.g. '{path / 'model.pt'}'"
         )
     check_output_dir(path.parent, f"the folder of {what}")
+    check_not_into_work(path.parent, what, source)
     return path
+
+
+# What a run folder or a checkpoint holds: an export never writes beside these.
+_WORK_MARKERS = ("run.json", "metrics.jsonl", "titanlite.json", ".metadata")
+# What an export folder holds: a folder of only these may be replaced by a new export.
+_EXPORT_FILES = re.compile(
+    r"config\.json|generation_config\.json|model.*\.safetensors(\.index\.json)?|tokenizer.*|"
+    r"special_tokens_map\.json|chat_template\.j(inja|son)"
+)
+
+
+def check_not_into_work(out: str | Path, what: str, source: str | Path | None = None) -> None:
+    """Refuse, before anything is written, an output folder that is the export's own input (or
+    inside it), or that holds a run or a checkpoint: an export never writes over work. (A folder
+    that holds the input further down is refused by `new_folder`: it holds other files.)"""
+    out = Path(out).resolve()
+    if source is not None:
+        src = Path(source).resolve()
+        if out == src or src in out.parents:
+            raise TitanliteError(
+                f"{what} '{out}' would write into what it exports from ('{src}'): "
+                f"choose a folder outside it, e.g. '{src.parent / (src.name + '-hf')}'"
+            )
+    for folder in (out, *out.parents):
+        held = [m for m in _WORK_MARKERS if (folder / m).exists()] + [
+            p.name for p in folder.glob("step-????????*")
+        ]
+        if held:
+            kind = "a checkpoint" if set(held) - {"run.json", "metrics.jsonl"} else "a run"
+            raise TitanliteError(
+                f"{what} '{out}' is inside '{folder}', which holds {kind} ({', '.join(held[:3])}): "
+                f"choose a folder outside any run or checkpoint"
+            )
+
+
+@contextlib.contextmanager
+def new_folder(out: str | Path, what: str):
+    """Yield a temporary folder beside `out`; when the block succeeds it becomes `out` (a previous
+    export there is replaced), and when it fails it is removed: `out` is whole or as it was."""
+    out = Path(out)
+    if out.is_dir() and (
+        others := [p.name for p in out.iterdir() if not _EXPORT_FILES.fullmatch(p.name)]
+    ):
+        raise TitanliteError(
+            f"{what} '{out}' holds other files ({', '.join(sorted(others)[:3])}): choose a new or "
+            f"empty folder (an earlier export there would be replaced)"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with writing(out, what):
+            tmp.mkdir()
+            yield tmp
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            if out.exists():
+                os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def new_file(out: Path, what: str):
+    """Yield a temporary path beside `out`; it becomes `out` only when the block succeeds."""
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        with writing(out, what):
+            yield tmp
+            os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def titanlite_name(name: str) -> str:
@@ -71,7 +149,7 @@ def load_model(path: str | Path, crc: bool = True) -> Transformer:
 
 
 def export_torch(path: str | Path, out_file: str | Path, full: bool = False) -> Path:
-    out_file = check_new_output(out_file, "export target")
+    out_file = check_new_output(out_file, "export target", source=path)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     if full:
         from .._compat.torch_tools import load_whole_dcp_state
@@ -79,15 +157,21 @@ def export_torch(path: str | Path, out_file: str | Path, full: bool = False) -> 
         verify(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.save(load_whole_dcp_state(RawReader(path)), out_file)
+            state = load_whole_dcp_state(RawReader(path))
     else:
-        torch.save(load_model(path).state_dict(), out_file)
+        state = load_model(path).state_dict()
+    # through a Python file: torch.save's own C++ stream turns a full disk into "iostream error"
+    with new_file(out_file, "the export") as tmp, open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
     return out_file
 
 
 def export_hf(path: str | Path, out_dir: str | Path, tokenizer=None) -> Path:
     """A Hugging Face directory (config, safetensors, tokenizer when one is known)."""
     check_output_dir(out_dir, "export folder")  # before the (long) load, not after
+    check_not_into_work(out_dir, "export folder", source=path)
     if tokenizer is None and (Path(path).parent / TOKENIZER_DIR).is_dir():
         from transformers import PreTrainedTokenizerFast
 
@@ -161,9 +245,10 @@ def to_hf_model(model: Transformer, dtype: torch.dtype | None = None):
 
 
 def to_hf(model: Transformer, out_dir, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
-    """Write a `LlamaForCausalLM` directory (config.json + model.safetensors [+ tokenizer])."""
+    """Write a `LlamaForCausalLM` directory (config.json + model.safetensors [+ tokenizer]): all of
+    it or, if anything fails (a full disk), nothing (tools: `new_folder`)."""
     out = check_output_dir(out_dir, "Hugging Face output folder")
-    out.mkdir(parents=True, exist_ok=True)
+    check_not_into_work(out, "Hugging Face output folder")
     hf = to_hf_model(model, dtype=dtype)
     if tokenizer is not None:
         tokenizer = _as_hf_tokenizer(tokenizer)
@@ -174,10 +259,26 @@ def to_hf(model: Transformer, out_dir, tokenizer=None, dtype: torch.dtype | None
             )
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             setattr(hf.config, key, getattr(tokenizer, key, None))
-        tokenizer.save_pretrained(out)
-    hf.save_pretrained(out, safe_serialization=True)
-    _add_legacy_rope_keys(out / "config.json")
+    with new_folder(out, "the Hugging Face export") as tmp, _no_progress_bars():
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        hf.save_pretrained(tmp, safe_serialization=True)
+        _add_legacy_rope_keys(tmp / "config.json")
     return out
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers 5 draws a "Writing model shards" bar for one small file: noise on stderr."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _add_legacy_rope_keys(config_json: Path) -> None:

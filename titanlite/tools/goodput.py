@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from ..errors import TitanliteError
+from ..errors import TitanliteError, writing
 from ..resilience.faults import attempt
 from ..watchers import Run, StepEnd, Watcher
 
@@ -46,7 +46,7 @@ class GoodputLog:
 
     def _write(self, **event) -> None:
         if self.enabled:
-            with open(self.path, "a") as f:
+            with writing(self.path, "the goodput log"), open(self.path, "a") as f:
                 f.write(json.dumps({"t": time.time(), "attempt": self.attempt, **event}) + "\n")
 
     def restore(self, step: int, seconds: float) -> None:

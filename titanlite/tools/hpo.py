@@ -69,9 +69,8 @@ def suggest(trial: optuna.Trial, base, token_budget: int):
     cfg.scheduler.warmup_steps = round(t.steps * trial.suggest_float("warmup_fraction", 0.0, 0.3))
     study = getattr(trial, "study", None)  # a FixedTrial (replaying chosen values) has none
     cfg.metrics.run_name = f"{study.study_name if study else 'fixed'}-trial{trial.number}"
-    cfg.metrics.overwrite = (
-        True  # a trial's folder is scratch: a study started afresh reuses its names
-    )
+    # a trial's folder is scratch: a study started afresh reuses its names
+    cfg.metrics.overwrite = True
     return cfg
 
 

@@ -284,9 +284,8 @@ class LivePlot:
         FigureCanvasAgg(self._fig)  # attaches itself to the figure
         cells = list(self._fig.subplots(self._rows, self._cols, squeeze=False).flat)
         self._axes = cells[:n]
-        self._spare = (
-            cells[n] if len(cells) > n else None
-        )  # an empty grid cell: the legend goes there
+        # an empty grid cell: the legend goes there
+        self._spare = cells[n] if len(cells) > n else None
         if self._spare is not None:
             self._spare.axis("off")
         self._legend, self._legend_key, self._legend_rows, self._notes = None, None, 0, []

@@ -284,9 +284,8 @@ def plan(
 
     # The rules of thumb, in order: no PP, no TP, DDP when it fits, HSDP over FSDP across nodes.
     fitting.sort(key=lambda c: (c.pp, c.tp, c.dp_shard > 1, crosses_nodes(c), -c.dp_shard))
-    num_params = sum(
-        math.prod(shape) for _, shape in shapes
-    )  # named_parameters: a tied weight once
+    # named_parameters: a tied weight once
+    num_params = sum(math.prod(shape) for _, shape in shapes)
     return Plan(args, n_gpus, gpu_mem_bytes, gpus_per_node, usable, num_params, fitting, rejected)
 
 
@@ -354,9 +353,8 @@ def _heaviest_stage(
         z = zero_bytes_per_rank(
             n_params, c.dp_shard, 3 if c.dp_shard > 1 else 0, precision=precision
         )
-        acts = (
-            len(layers[s]) * (pp - s) * per_layer + recompute
-        )  # 1F1B: pp - s micro-batches in flight
+        # 1F1B: pp - s micro-batches in flight
+        acts = len(layers[s]) * (pp - s) * per_layer + recompute
         logits = 6 * micro_batch * seq_len * args.vocab_size / vocab_split if s == pp - 1 else 0
         stages.append(Memory(z["params"], z["grads"], z["optimizer"], round(acts), round(logits)))
     return max(stages, key=lambda mem: mem.total)

@@ -136,9 +136,8 @@ def plot_roofline(points, peak: Peak, bandwidth: float, ax=None, title: str | No
             color=color,
         )
     ax.text(0.02, 0.98, "each label: op, MFU", transform=ax.transAxes, fontsize=7, va="top")
-    ax.set_ylim(
-        min(p.achieved for p in points) / 5, peak.flops * 1.6
-    )  # room for the slanted labels
+    # room for the slanted labels
+    ax.set_ylim(min(p.achieved for p in points) / 5, peak.flops * 1.6)
     ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
     ax.set_ylabel("FLOP/s")
     ax.set_title(title or f"roofline - {peak.label}", fontsize=9)

@@ -17,9 +17,8 @@ def _logits_and_targets(g: torch.Generator, batch: int, seq: int, vocab: int):
     logits = torch.randn(batch, seq, vocab, generator=g) * 3
     targets = torch.randint(0, vocab, (batch, seq), generator=g)
     targets[torch.rand(batch, seq, generator=g) < 0.2] = IGNORE  # padding the loss must skip
-    targets.view(-1)[int(torch.randint(targets.numel(), (1,), generator=g))] = (
-        IGNORE  # at least one
-    )
+    # at least one
+    targets.view(-1)[int(torch.randint(targets.numel(), (1,), generator=g))] = IGNORE
     return logits, targets
 
 
@@ -260,9 +259,8 @@ def selective_blocks(c, fn):
         (rng.randint(1, 7), rng.choice(["none", "full", "selective"]), rng.randint(1, 4))
         for _ in range(2)
     ]
-    every = rng.randint(
-        2, 4
-    )  # and always one of each mode, with a selective stride that skips blocks
+    # and always one of each mode, with a selective stride that skips blocks
+    every = rng.randint(2, 4)
     cases += [
         (rng.randint(1, 7), "none", rng.randint(1, 4)),
         (rng.randint(1, 7), "full", rng.randint(1, 4)),

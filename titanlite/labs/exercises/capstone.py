@@ -111,9 +111,8 @@ def _draw_rows(rng: random.Random):
         first = rng.uniform(50, 50_000)
         last = first * (1 + rng.choice((-1, 1)) * rng.uniform(0.02, 0.2))
         band = drift([{"tokens_per_sec": first}, {"tokens_per_sec": last}])
-        ratio = (
-            1 + rng.uniform(*spans[i % 3]) * band
-        )  # never within 2% of the edge: no rounding decides
+        # never within 2% of the edge: no rounding decides
+        ratio = 1 + rng.uniform(*spans[i % 3]) * band
         cases.append((first, last, first * ratio))
     return cases
 

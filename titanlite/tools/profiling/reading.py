@@ -156,9 +156,8 @@ def memory_timeline(
         return data["t_s"], data["bytes_allocated"]
     events = [ev for ev in data.get("traceEvents", []) if ev.get("name") == "[memory]"]
     types = {ev["args"].get("Device Type") for ev in events}
-    wanted = (
-        {"cpu": 0, "cuda": 1}[device] if device else (1 if 1 in types else 0)
-    )  # c10::DeviceType
+    # c10::DeviceType
+    wanted = {"cpu": 0, "cuda": 1}[device] if device else (1 if 1 in types else 0)
     events = sorted(
         (ev for ev in events if ev["args"].get("Device Type") == wanted), key=lambda ev: ev["ts"]
     )
