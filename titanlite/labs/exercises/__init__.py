@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 
 from ...errors import closest
-from ...tools.notebook import install_notebook_handler
+from ...tools.notebook import install_notebook_handler, quiet_third_party
 from .grading import Check, ExerciseError
 
 EXERCISES: dict[str, tuple[str, object]] = {}  # name → (title, check function)
@@ -34,11 +34,13 @@ def exercise(name: str, title: str):
 def check(name: str, student_fn, *, seed: int | None = None) -> None:
     """Check the student's function for exercise `name`: prints one line when it passes, raises
     one ExerciseError line when it does not. `seed`: repeat the inputs of a failure's [seed N].
-    In IPython it first installs titanlite's one-line error display (what notebook_setup()
-    does; idempotent), so a failed check reads as one line even in a notebook without it.
-    Warnings raised while checking are not shown: the check's own output is its one line (and
-    nbgrader counts anything on stderr in a check cell as a failure)."""
+    In IPython it first installs titanlite's one-line error display and quiets third-party
+    import noise (what notebook_setup() does; idempotent), so a failed check reads as one line
+    even in a notebook without it, and a check that first imports torchao prints nothing on
+    stderr. Warnings raised while checking are not shown: the check's own output is its one line
+    (and nbgrader counts anything on stderr in a check cell as a failure)."""
     install_notebook_handler()
+    quiet_third_party()
     if name not in EXERCISES:
         raise ExerciseError(
             f"no exercise named '{name}'{closest(name, EXERCISES)}; "
