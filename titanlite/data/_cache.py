@@ -1,6 +1,7 @@
 """Where generated data lives, and how to write it safely while other processes race us.
 
 Files are written under a temporary name, then `os.replace`d (never seen half-written); builds take a lock."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,20 +21,28 @@ def default_data_dir() -> Path:
     if env := os.environ.get("TITANLITE_DATA_DIR", "").strip():
         return Path(env).expanduser()
     checkout_data = Path(__file__).resolve().parents[2] / "data"
-    return checkout_data if checkout_data.is_dir() else Path.home() / ".cache" / "titanlite" / "data"
+    return (
+        checkout_data if checkout_data.is_dir() else Path.home() / ".cache" / "titanlite" / "data"
+    )
 
 
 def cache_subdir(data_dir: str | os.PathLike | None, name: str) -> Path:
     """<data_dir>/cache/<name>, created if needed; an unwritable place is a clear error."""
-    folder = (Path(data_dir).expanduser() if data_dir is not None else default_data_dir()) / "cache" / name
+    folder = (
+        (Path(data_dir).expanduser() if data_dir is not None else default_data_dir())
+        / "cache"
+        / name
+    )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         probe.touch()
         probe.unlink()
     except OSError as err:
-        raise TitanliteError(f"cannot write the data cache at {folder} ({err.strerror or err}); "
-                             "set TITANLITE_DATA_DIR (or pass data_dir=) to a writable folder") from None
+        raise TitanliteError(
+            f"cannot write the data cache at {folder} ({err.strerror or err}); "
+            "set TITANLITE_DATA_DIR (or pass data_dir=) to a writable folder"
+        ) from None
     return folder
 
 
@@ -42,7 +51,8 @@ def fingerprint(*parts: str | bytes, length: int = 12) -> str:
     digest = hashlib.sha256()
     for part in parts:
         data = part.encode("utf-8") if isinstance(part, str) else part
-        digest.update(len(data).to_bytes(8, "little") + data)  # length first, so ("ab","c") != ("a","bc")
+        # length first, so ("ab","c") != ("a","bc")
+        digest.update(len(data).to_bytes(8, "little") + data)
     return digest.hexdigest()[:length]
 
 
@@ -78,9 +88,12 @@ def atomic_dir(path: Path):
 def build_lock(target: Path):
     """Hold <target>.lock while building `target`, so parallel ranks build it once."""
     from filelock import FileLock, Timeout  # ships with transformers/huggingface_hub
+
     try:
         with FileLock(str(target) + ".lock", timeout=LOCK_TIMEOUT_S):
             yield
     except Timeout:
-        raise TitanliteError(f"waited {LOCK_TIMEOUT_S}s for another process building {target.name}; if no "
-                             f"other titanlite process is running, delete {target}.lock and retry") from None
+        raise TitanliteError(
+            f"waited {LOCK_TIMEOUT_S}s for another process building {target.name}; if no "
+            f"other titanlite process is running, delete {target}.lock and retry"
+        ) from None

@@ -4,6 +4,7 @@
 (the text behind ``help("for")``), then the public stdlib modules' docstrings as ``pydoc`` pages, the same
 on every run with the same Python. ``"file:<path>"`` (or a path): a .txt file, or a folder of .txt/.md
 files. ``"tinyshakespeare"``, ``"hf:<name>[:<config>]"``: fetched before (tools/corpora.py): no network."""
+
 from __future__ import annotations
 
 import ast
@@ -24,14 +25,23 @@ TEXT_SUFFIXES = (".txt", ".md")
 _SKIP_STDLIB = {"test", "tests", "idlelib", "turtledemo", "encodings", "lib2to3", "pydoc_data"}
 
 
-def load_corpus(dataset: str = "pydoc", path: str | None = None, *, data_dir=None,
-                max_chars: int | None = None, max_docs: int | None = None,
-                hf_split: str = "train", text_column: str | None = None) -> list[str]:
+def load_corpus(
+    dataset: str = "pydoc",
+    path: str | None = None,
+    *,
+    data_dir=None,
+    max_chars: int | None = None,
+    max_docs: int | None = None,
+    hf_split: str = "train",
+    text_column: str | None = None,
+) -> list[str]:
     """The documents of a corpus, in a fixed order, truncated to max_docs / max_chars."""
     for label, value in (("max_chars", max_chars), ("max_docs", max_docs)):
         if value is not None and (not isinstance(value, int) or value <= 0):
-            raise TitanliteError(f"{label} must be a positive integer, got {value!r}; "
-                                 "pass e.g. 100_000, or None for no limit")
+            raise TitanliteError(
+                f"{label} must be a positive integer, got {value!r}; "
+                "pass e.g. 100_000, or None for no limit"
+            )
     kind, target = parse_dataset(dataset, path)
     if kind == "pydoc":
         docs = pydoc_corpus(data_dir=data_dir)
@@ -40,9 +50,11 @@ def load_corpus(dataset: str = "pydoc", path: str | None = None, *, data_dir=Non
     else:  # fetched before (tools/corpora.py)
         file = fetched_path(kind, target, data_dir, hf_split, text_column, max_docs, max_chars)
         if not file.is_file():
-            raise TitanliteError(f"dataset {dataset!r} is fetched once before training and has not been: "
-                                 f"run titanlite.tools.corpora.fetch({dataset!r}) (`titanlite train` "
-                                 f"fetches it itself), or train on a local file:<path>")
+            raise TitanliteError(
+                f"dataset {dataset!r} is fetched once before training and has not been: "
+                f"run titanlite.tools.corpora.fetch({dataset!r}) (`titanlite train` "
+                f"fetches it itself), or train on a local file:<path>"
+            )
         docs = json.loads(file.read_text(encoding="utf-8"))
     return limit_documents(docs, max_chars=max_chars, max_docs=max_docs)
 
@@ -50,31 +62,46 @@ def load_corpus(dataset: str = "pydoc", path: str | None = None, *, data_dir=Non
 def parse_dataset(dataset: str, path: str | None = None) -> tuple[str, str | None]:
     """('pydoc'|'tinyshakespeare'|'file'|'hf', target) for a dataset name, or a clear error."""
     if not isinstance(dataset, str) or not dataset.strip():
-        raise TitanliteError(f"dataset must be a name such as 'pydoc', got {dataset!r}; "
-                             f"choose one of: {', '.join(DATASETS)}")
+        raise TitanliteError(
+            f"dataset must be a name such as 'pydoc', got {dataset!r}; "
+            f"choose one of: {', '.join(DATASETS)}"
+        )
     name = dataset.strip()
     if name in ("pydoc", "tinyshakespeare"):
         if path is not None:
-            raise TitanliteError(f"--data.path is not used by --data.dataset {name}: drop it, or add "
-                                 "--data.dataset file (a local text file or folder) or hf "
-                                 "(data.dataset = 'file' in Python)")
+            raise TitanliteError(
+                f"--data.path is not used by --data.dataset {name}: drop it, or add "
+                "--data.dataset file (a local text file or folder) or hf "
+                "(data.dataset = 'file' in Python)"
+            )
         return name, None
     if name in ("file", "hf"):
         if path is None:
-            raise TitanliteError(f"--data.dataset {name} needs --data.path <local file or folder>, or write "
-                                 f"it as --data.dataset {name}:<path> (data.path = ... in Python)")
+            raise TitanliteError(
+                f"--data.dataset {name} needs --data.path <local file or folder>, or write "
+                f"it as --data.dataset {name}:<path> (data.path = ... in Python)"
+            )
         return name, str(path)
     if name.startswith("file:") or (name.startswith("hf:") and len(name) > 3):
         return name.partition(":")[::2]  # (kind, target)
     looks_like_path = "/" in name or "\\" in name or name.lower().endswith(TEXT_SUFFIXES)
     if looks_like_path or Path(name).expanduser().exists():
         return "file", name
-    raise TitanliteError(f"unknown dataset {name!r}{closest(name, DATASETS[:2])}; "
-                         f"choose one of: {', '.join(DATASETS)}")
+    raise TitanliteError(
+        f"unknown dataset {name!r}{closest(name, DATASETS[:2])}; "
+        f"choose one of: {', '.join(DATASETS)}"
+    )
 
 
-def fetched_path(kind: str, target: str | None, data_dir=None, hf_split: str = "train",
-                 text_column: str | None = None, max_docs: int | None = None, max_chars: int | None = None) -> Path:
+def fetched_path(
+    kind: str,
+    target: str | None,
+    data_dir=None,
+    hf_split: str = "train",
+    text_column: str | None = None,
+    max_docs: int | None = None,
+    max_chars: int | None = None,
+) -> Path:
     """Where a fetched corpus's documents are kept (a JSON list), keyed by what changes them."""
     key = fingerprint(kind, str(target), hf_split, str(text_column), str(max_docs), str(max_chars))
     return cache_subdir(data_dir, "corpora") / f"{kind}-{key if kind == 'hf' else 'v1'}.json"
@@ -86,7 +113,9 @@ def corpus_id(dataset: str, documents: list[str]) -> str:
     return f"{slug}-{fingerprint(*documents)}"
 
 
-def limit_documents(docs: list[str], *, max_chars: int | None = None, max_docs: int | None = None) -> list[str]:
+def limit_documents(
+    docs: list[str], *, max_chars: int | None = None, max_docs: int | None = None
+) -> list[str]:
     """The first max_docs documents, and at most max_chars characters (the last one cut)."""
     docs = [d for d in docs if d.strip()][:max_docs]
     if max_chars is None:
@@ -101,14 +130,20 @@ def file_corpus(path: str | Path) -> list[str]:
     if root.is_file():
         files = [root]
     elif root.is_dir():
-        files = sorted((p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES),
-                       key=lambda p: p.relative_to(root).as_posix())
+        files = sorted(
+            (p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES),
+            key=lambda p: p.relative_to(root).as_posix(),
+        )
         if not files:
-            raise TitanliteError(f"no .txt or .md files in folder {root}; "
-                                 "add some text files or point to a different folder")
+            raise TitanliteError(
+                f"no .txt or .md files in folder {root}; "
+                "add some text files or point to a different folder"
+            )
     else:
-        raise TitanliteError(f"data file {root} does not exist; "
-                             "check the path (relative paths start from the current folder)")
+        raise TitanliteError(
+            f"data file {root} does not exist; "
+            "check the path (relative paths start from the current folder)"
+        )
     return [read_text_file(f) for f in files]
 
 
@@ -116,16 +151,21 @@ def read_text_file(path: Path) -> str:
     try:  # utf-8-sig drops a Windows BOM; universal newlines make \r\n files hash the same
         return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as err:
-        raise TitanliteError(f"data file {path} is not UTF-8 text (byte {err.start}); "
-                             "convert it, e.g. `iconv -t utf-8 in.txt > out.txt`") from None
+        raise TitanliteError(
+            f"data file {path} is not UTF-8 text (byte {err.start}); "
+            "convert it, e.g. `iconv -t utf-8 in.txt > out.txt`"
+        ) from None
     except OSError as err:
-        raise TitanliteError(f"cannot read data file {path} ({err.strerror or err}); "
-                             "check that it exists and that you may read it") from None
+        raise TitanliteError(
+            f"cannot read data file {path} ({err.strerror or err}); "
+            "check that it exists and that you may read it"
+        ) from None
 
 
 def pydoc_corpus(data_dir=None, include_stdlib: bool = True) -> list[str]:
     """CPython's help() topics, then stdlib module docstrings, each sorted: offline, fixed on a machine."""
     from pydoc_data.topics import topics
+
     docs = [f"{key}\n\n{topics[key].strip()}\n" for key in sorted(topics)]
     return docs + _stdlib_docstrings(data_dir) if include_stdlib else docs
 
@@ -181,8 +221,9 @@ def _render_module(module: str, file: Path) -> str | None:
 
 
 def _render_definition(node: ast.AST, indent: str, out: list[str]) -> None:
-    if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
-            or (node.name.startswith("_") and node.name != "__init__"):
+    if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) or (
+        node.name.startswith("_") and node.name != "__init__"
+    ):
         return
     body: list[str] = []  # a class's documented methods
     if isinstance(node, ast.ClassDef):
@@ -194,4 +235,9 @@ def _render_definition(node: ast.AST, indent: str, out: list[str]) -> None:
         header = f"{indent}def {node.name}({ast.unparse(node.args)})"
     if not (doc := ast.get_docstring(node)) and not body:
         return
-    out += [header] + [f"{indent}    {line}".rstrip() for line in (doc or "").splitlines()] + [""] + body
+    out += (
+        [header]
+        + [f"{indent}    {line}".rstrip() for line in (doc or "").splitlines()]
+        + [""]
+        + body
+    )

@@ -3,6 +3,7 @@
 Windows of seq_len+1 tokens are visited once per epoch e, in a `torch.randperm` order seeded from (seed, e)
 alone; each global micro-step takes the next batch_size * world_size windows (rank r: the r-th slice), and
 a step that no longer fits starts the next epoch. Any rank's (epoch, position) resumes every rank exactly."""
+
 from __future__ import annotations
 
 import hashlib
@@ -17,16 +18,19 @@ EVAL_ORDER_SEED = 1234  # val batches must not depend on the training seed, to c
 
 def _positive_int(label: str, value, example: int = 8) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise TitanliteError(f"{label} must be a positive integer, got {value!r}; "
-                             f"pass e.g. {label}={example}")
+        raise TitanliteError(
+            f"{label} must be a positive integer, got {value!r}; pass e.g. {label}={example}"
+        )
     return value
 
 
 def check_rank(rank, world_size) -> None:
     _positive_int("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise TitanliteError(f"rank must be an integer in [0, world_size={world_size}), got "
-                             f"{rank!r}; ranks are numbered 0..{world_size - 1}")
+        raise TitanliteError(
+            f"rank must be an integer in [0, world_size={world_size}), got "
+            f"{rank!r}; ranks are numbered 0..{world_size - 1}"
+        )
 
 
 def _seeded_permutation(num: int, seed: int, epoch: int, purpose: str = "train") -> torch.Tensor:
@@ -38,9 +42,18 @@ def _seeded_permutation(num: int, seed: int, epoch: int, purpose: str = "train")
 
 class StatefulBatchSampler(torch.utils.data.Sampler):
     """Yields this rank's window indices for one micro-step at a time, forever."""
+
     _STATE_KEYS = ("seed", "epoch", "position", "steps", "num_windows", "batch_size", "world_size")
 
-    def __init__(self, num_windows: int, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0):
+    def __init__(
+        self,
+        num_windows: int,
+        batch_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+    ):
         self.num_windows = _positive_int("num_windows", num_windows)
         self.batch_size = _positive_int("batch_size", batch_size)
         check_rank(rank, world_size)
@@ -68,14 +81,14 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
         """Advance one global micro-step; return this rank's batch_size window indices."""
         order = self.order(self.epoch)
         if self.num_windows >= self.global_batch:
-            step = order[self.position:self.position + self.global_batch]
+            step = order[self.position : self.position + self.global_batch]
         else:  # a corpus smaller than one step: every window, repeated to fill it
-            step = order.repeat(-(-self.global_batch // self.num_windows))[:self.global_batch]
+            step = order.repeat(-(-self.global_batch // self.num_windows))[: self.global_batch]
         self.position += self.global_batch
         if self.position + self.global_batch > self.num_windows:  # no full step left
             self.epoch, self.position = self.epoch + 1, 0
         self.steps += 1
-        return step[self.rank * self.batch_size:(self.rank + 1) * self.batch_size].tolist()
+        return step[self.rank * self.batch_size : (self.rank + 1) * self.batch_size].tolist()
 
     def __iter__(self):
         return iter(self.next_indices, None)  # forever: next_indices never returns None
@@ -87,40 +100,70 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
         """Resume from any rank's `state_dict()`; seed, num_windows and the global batch must match."""
         missing = [k for k in self._STATE_KEYS if k not in (state or {})]
         if not isinstance(state, dict) or missing:
-            raise TitanliteError(f"not a batch-sampler state (missing {missing}); pass "
-                                 "what StatefulBatchSampler.state_dict() returned")
+            raise TitanliteError(
+                f"not a batch-sampler state (missing {missing}); pass "
+                "what StatefulBatchSampler.state_dict() returned"
+            )
         if state["seed"] != self.seed:
-            raise TitanliteError(f"the checkpoint's data order used seed={state['seed']} but "
-                                 f"this run has seed={self.seed}; rerun with seed={state['seed']}")
+            raise TitanliteError(
+                f"the checkpoint's data order used seed={state['seed']} but "
+                f"this run has seed={self.seed}; rerun with seed={state['seed']}"
+            )
         if state["num_windows"] != self.num_windows:
-            raise TitanliteError(f"the checkpoint's data had {state['num_windows']} windows, this run has "
-                                 f"{self.num_windows}: the corpus, tokenizer, seq_len or val_fraction "
-                                 "changed; resume with the settings the checkpoint was trained with")
+            raise TitanliteError(
+                f"the checkpoint's data had {state['num_windows']} windows, this run has "
+                f"{self.num_windows}: the corpus, tokenizer, seq_len or val_fraction "
+                "changed; resume with the settings the checkpoint was trained with"
+            )
         if (saved_global := state["batch_size"] * state["world_size"]) != self.global_batch:
-            raise TitanliteError(f"the checkpoint used batch_size*world_size = {state['batch_size']}*"
-                                 f"{state['world_size']} = {saved_global}, this run {self.batch_size}*"
-                                 f"{self.world_size} = {self.global_batch}; keep the global batch the same "
-                                 "to resume exactly")
+            raise TitanliteError(
+                f"the checkpoint used batch_size*world_size = {state['batch_size']}*"
+                f"{state['world_size']} = {saved_global}, this run {self.batch_size}*"
+                f"{self.world_size} = {self.global_batch}; keep the global batch the same "
+                "to resume exactly"
+            )
         position = state["position"]
-        if position % self.global_batch or position >= self.steps_per_epoch * self.global_batch \
-                or state["epoch"] < 0:
-            raise TitanliteError(f"corrupt sampler state (epoch={state['epoch']}, position="
-                                 f"{state['position']}); load an intact checkpoint")
-        self.epoch, self.position, self.steps = int(state["epoch"]), int(position), int(state["steps"])
+        if (
+            position % self.global_batch
+            or position >= self.steps_per_epoch * self.global_batch
+            or state["epoch"] < 0
+        ):
+            raise TitanliteError(
+                f"corrupt sampler state (epoch={state['epoch']}, position="
+                f"{state['position']}); load an intact checkpoint"
+            )
+        self.epoch, self.position, self.steps = (
+            int(state["epoch"]),
+            int(position),
+            int(state["steps"]),
+        )
 
 
 class TokenBatches:
     """(x, y) batches of one split: random windows for training, fixed ones for evaluation."""
-    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, *,
-                 rank: int = 0, world_size: int = 1, seed: int = 0):
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        seq_len: int,
+        batch_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+    ):
         self.seq_len = _positive_int("seq_len", seq_len, 128)
         self.batch_size = _positive_int("batch_size", batch_size)
         if (num_windows := len(tokens) // (seq_len + 1)) == 0:
-            raise TitanliteError(f"{len(tokens)} tokens do not fill one window of seq_len+1 = "
-                                 f"{seq_len + 1}; use seq_len <= {max(len(tokens) - 1, 1)}")
+            raise TitanliteError(
+                f"{len(tokens)} tokens do not fill one window of seq_len+1 = "
+                f"{seq_len + 1}; use seq_len <= {max(len(tokens) - 1, 1)}"
+            )
         flat = torch.as_tensor(tokens).to(torch.int32)  # half the memory; batch_of widens to int64
         self.windows = flat[: num_windows * (seq_len + 1)].view(num_windows, seq_len + 1)
-        self.sampler = StatefulBatchSampler(num_windows, batch_size, rank=rank, world_size=world_size, seed=seed)
+        self.sampler = StatefulBatchSampler(
+            num_windows, batch_size, rank=rank, world_size=world_size, seed=seed
+        )
 
     @property
     def num_windows(self) -> int:
@@ -155,6 +198,8 @@ class TokenBatches:
 
     def load_state_dict(self, state: dict) -> None:
         if isinstance(state, dict) and state.get("seq_len", self.seq_len) != self.seq_len:
-            raise TitanliteError(f"the checkpoint used seq_len={state['seq_len']}, this run "
-                                 f"seq_len={self.seq_len}; resume with seq_len={state['seq_len']}")
+            raise TitanliteError(
+                f"the checkpoint used seq_len={state['seq_len']}, this run "
+                f"seq_len={self.seq_len}; resume with seq_len={state['seq_len']}"
+            )
         self.sampler.load_state_dict(state)

@@ -4,6 +4,7 @@ On CUDA a non-blocking copy from pinned (page-locked) host memory overlaps the c
 and torch's pinned-memory allocator keeps the source alive until the copy is done. On MPS a non-blocking
 copy whose source is freed before the copy runs reads freed memory: silently wrong batches, no error
 (pytorch#189690). Fresh batches are freed at once, so everywhere but CUDA the copy blocks."""
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,9 @@ def should_pin(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def to_device(batch: tuple[torch.Tensor, ...], device: torch.device | str) -> tuple[torch.Tensor, ...]:
+def to_device(
+    batch: tuple[torch.Tensor, ...], device: torch.device | str
+) -> tuple[torch.Tensor, ...]:
     """`batch`'s tensors on `device`: pinned and non-blocking on CUDA, a plain (blocking) copy elsewhere."""
     if should_pin(device):
         return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
@@ -24,11 +27,13 @@ def to_device(batch: tuple[torch.Tensor, ...], device: torch.device | str) -> tu
 class MicroBatches(list):
     """One optimizer step's (x, y) micro-batches on the device, and their target tokens,
     counted on the host before the copy (counting on the device would wait for it)."""
+
     num_targets: int | None = None
 
 
-def micro_batches_to(batches: list[tuple[torch.Tensor, torch.Tensor]], device,
-                     ignore_index: int = -100) -> MicroBatches:
+def micro_batches_to(
+    batches: list[tuple[torch.Tensor, torch.Tensor]], device, ignore_index: int = -100
+) -> MicroBatches:
     """`batches` on `device` (see `to_device`), with their real target tokens counted first."""
     on_device = MicroBatches(to_device(batch, device) for batch in batches)
     on_device.num_targets = sum(int((y != ignore_index).sum()) for _, y in batches)
