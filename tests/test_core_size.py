@@ -1,18 +1,28 @@
-"""The core stays small enough to read in an afternoon: what `import titanlite.train` loads, and
-everything titanlite/train.py can reach through any import (a lazy one inside a function
-counts: hiding an import saves nothing), both within a line budget; no core module over 300
-lines; each technique's module opens with the technique. Sizes, not timings: no noise."""
+"""The core stays small enough to read in an afternoon, counted in statements: what
+`import titanlite.train` loads, everything titanlite/train.py can reach through any import (a lazy
+one inside a function counts: hiding an import saves nothing), and the part a student reads for
+notebook 01, each within a budget; no core module over 300 lines as the formatter leaves it; each
+technique's module opens with the technique. Sizes, not timings: no noise.
+
+Statements are tokenize's NEWLINE tokens (logical lines), as ../shared/tools/training_path.py
+counts them: the same however the code is wrapped, and comments cost nothing, so a budget never
+rewards packing lines or dropping a comment that says why. The budgets are today's counts: a
+ratchet that fails on growth. (The goal set for them - loaded <= 2,400, reachable <= 3,700 with
+context parallel and mixture of experts in, notebook 01's part <= 1,250 - is not reached yet.)"""
 
 import ast
+import io
 import json
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import titanlite
 
 PACKAGE = Path(titanlite.__file__).parent
-LOADED_BUDGET, REACHABLE_BUDGET, MODULE_BUDGET = 4_000, 5_500, 300
+LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 2_850, 4_010, 1_690  # statements
+MODULE_BUDGET = 300  # lines, as `ruff format` leaves them
 
 # A technique's module opens with the technique: its first public function or class is this.
 OPENS_WITH = {
@@ -42,6 +52,12 @@ FILES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 def lines(path: Path) -> int:
     return len(path.read_text().splitlines())
+
+
+def statements(path: Path) -> int:
+    """Logical lines: tokenize's NEWLINE tokens (a wrapped call is one; a comment is none)."""
+    tokens = tokenize.generate_tokens(io.StringIO(Path(path).read_text()).readline)
+    return sum(1 for t in tokens if t.type == tokenize.NEWLINE)
 
 
 def imports_of(name: str) -> set[str]:
@@ -86,9 +102,8 @@ def loaded() -> dict[str, int]:
         "if n.split('.')[0] == 'titanlite' and getattr(m, '__file__', None)}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return {
-        name: lines(Path(file)) for name, file in json.loads(out.stdout.splitlines()[-1]).items()
-    }
+    files = json.loads(out.stdout.splitlines()[-1])
+    return {name: statements(Path(file)) for name, file in files.items()}
 
 
 def core_modules() -> list[Path]:
@@ -99,24 +114,50 @@ def core_modules() -> list[Path]:
     ]
 
 
+def over_budget(counts: dict[str, int], budget: int, what: str) -> str | None:
+    """None within `budget`, else one line naming the total and the largest files."""
+    total = sum(counts.values())
+    if total <= budget:
+        return None
+    largest = sorted(counts.items(), key=lambda kv: -kv[1])[:8]
+    return f"{what} is {total} statements (budget {budget}): " + ", ".join(
+        f"{m} {n}" for m, n in largest
+    )
+
+
 def test_the_training_path_fits_the_budget():
     reach = reachable()
-    total = sum(lines(FILES[m]) for m in reach)
     assert not any(m.startswith(("titanlite.tools", "titanlite.labs")) for m in reach), sorted(
         reach
     )
-    assert total <= REACHABLE_BUDGET, (
-        f"titanlite/train.py reaches {total} lines (budget {REACHABLE_BUDGET}): "
-        + ", ".join(
-            f"{m} {lines(FILES[m])}" for m in sorted(reach, key=lambda m: -lines(FILES[m]))[:8]
-        )
-    )
+    reach_counts = {m: statements(FILES[m]) for m in reach}
+    message = over_budget(reach_counts, REACHABLE_BUDGET, "what titanlite/train.py reaches")
+    assert message is None, message
     imported = loaded()
-    assert sum(imported.values()) <= LOADED_BUDGET, (
-        f"import titanlite.train loads {sum(imported.values())} lines (budget {LOADED_BUDGET}): "
-        + ", ".join(f"{m} {n}" for m, n in sorted(imported.items(), key=lambda kv: -kv[1])[:8])
-    )
+    message = over_budget(imported, LOADED_BUDGET, "what import titanlite.train loads")
+    assert message is None, message
     assert set(imported) <= reach  # what is loaded is reachable: the walk misses no import
+
+
+def test_notebook_01s_part_of_the_reading_order_fits_its_budget():
+    from titanlite.tools.reading_order import READING_ORDER
+
+    (files,) = [files for notebook, _, files in READING_ORDER if notebook == "01"]
+    counts = {f: statements(PACKAGE / f) for f in files}
+    message = over_budget(counts, NOTEBOOK_01_BUDGET, "notebook 01's part of the core")
+    assert message is None, message
+
+
+def test_the_budgets_fail_on_a_planted_file(tmp_path):
+    """The checks can fail: a planted module over 300 lines, or one statement over a budget."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("x = 1  # a comment is free\n" * 301)
+    assert lines(planted) > MODULE_BUDGET and statements(planted) == 301
+    wrapped = tmp_path / "wrapped.py"
+    wrapped.write_text("y = (\n    1,\n    2,\n)\n# only a comment\n")
+    assert statements(wrapped) == 1  # wrapping and comments are not statements
+    assert over_budget({"a": 2, "b": 2}, 3, "planted") is not None
+    assert over_budget({"a": 1, "b": 2}, 3, "planted") is None
 
 
 def test_no_core_module_is_over_300_lines():

@@ -880,7 +880,7 @@ def test_numbers_are_printed_with_the_digits_that_differ():
             total,
             floor,
         )
-        return lr_lambda(cfg)(step) * (1 + 1e-7)
+        return lr_lambda(cfg.scheduler, cfg.training.steps)(step) * (1 + 1e-7)
 
     with pytest.raises(ExerciseError) as e:
         check("01_lr_schedule", close, seed=5)

@@ -67,7 +67,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     cfg = load_config(
         None, {"training.steps": 100, "scheduler.warmup_steps": 10, "scheduler.min_lr_ratio": 0.1}
     )
-    f = lr_lambda(cfg)
+    f = lr_lambda(cfg.scheduler, cfg.training.steps)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0) and f(55) == pytest.approx(0.55)
     assert f(100) == pytest.approx(0.1)

@@ -10,18 +10,19 @@ work starts. Sections mirror torchtitan's job config, trimmed to what titanlite 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config_fields import check_field, matching, one_of, parse_overrides, ranged, set_value
-from .errors import TitanliteError
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser, before it joined the standard library
-    import tomli as tomllib
-
+from .config_fields import (
+    check_all,
+    matching,
+    one_of,
+    parse_overrides,
+    parse_steps,
+    ranged,
+    read_toml,
+    set_value,
+)
 
 # Sizes are bounded by what is meaningful, not only by what a number can hold: a batch of a
 # million sequences or a 16M-token vocabulary is a typo, refused in one line before anything runs
@@ -269,31 +270,9 @@ class Config:
 
     def validate(self) -> Config:
         """Every key against its declaration (`ranged`, `one_of`, `matching`), then rules spanning keys."""
-        for section in dataclasses.fields(self):
-            for f in dataclasses.fields(getattr(self, section.name)):
-                check_field(
-                    self,
-                    f"{section.name}.{f.name}",
-                    getattr(getattr(self, section.name), f.name),
-                    f,
-                )
+        check_all(self)
         parse_steps(self.profile.steps, self.training.steps)  # inside the run, first <= last
         return self
-
-
-def parse_steps(text: str, total_steps: int) -> tuple[int, int] | None:
-    """'5-8' → (5, 8); '6' → (6, 6); '' → None (off). One line naming the fix otherwise."""
-    text = (text or "").strip()
-    if not text:
-        return None
-    m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", text)
-    first, last = (int(m[1]), int(m[2] or m[1])) if m else (0, 0)
-    if not m or not 1 <= first <= last <= total_steps:
-        raise TitanliteError(
-            f"profile.steps must look like 5-8 within training.steps (1-{total_steps}), "
-            f"got {text!r}: e.g. --profile.steps {min(2, total_steps)}-{min(3, total_steps)}"
-        )
-    return first, last
 
 
 def load_config(
@@ -302,23 +281,8 @@ def load_config(
     """A Config from defaults ← TOML file ← overrides (['--a.b', 'v', ...] or {'a.b': v})."""
     cfg = Config()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise TitanliteError(
-                f"config file '{p}' does not exist: pass a TOML file, "
-                f"e.g. --config configs/debug.toml"
-            )
-        try:
-            doc = tomllib.loads(p.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise TitanliteError(
-                f"config file '{p}' is not valid TOML ({e}): fix the syntax"
-            ) from None
-        for section, values in doc.items():
-            if not isinstance(values, dict):
-                raise TitanliteError(f"'{section}' in {p} must be a [section] table, not a value")
-            for key, value in values.items():
-                set_value(cfg, f"{section}.{key}", value, source=str(p))
+        for key, value in read_toml(path).items():
+            set_value(cfg, key, value, source=str(path))
     for key, value in parse_overrides(cfg, overrides):
         set_value(cfg, key, value, source="command line")
     return cfg.validate()

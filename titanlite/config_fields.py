@@ -18,6 +18,12 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, before it joined the standard library
+    import tomli as tomllib
 
 from .errors import TitanliteError, closest
 
@@ -213,3 +219,45 @@ def _convert(value, tp_optional: tuple[type | None, bool], dotted: str):
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def parse_steps(text: str, total_steps: int) -> tuple[int, int] | None:
+    """'5-8' → (5, 8); '6' → (6, 6); '' → None (off). One line naming the fix otherwise."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", text)
+    first, last = (int(m[1]), int(m[2] or m[1])) if m else (0, 0)
+    if not m or not 1 <= first <= last <= total_steps:
+        raise TitanliteError(
+            f"profile.steps must look like 5-8 within training.steps (1-{total_steps}), "
+            f"got {text!r}: e.g. --profile.steps {min(2, total_steps)}-{min(3, total_steps)}"
+        )
+    return first, last
+
+
+def check_all(cfg) -> None:
+    """Every key of every section against its declaration (`check_field`)."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            check_field(cfg, f"{section.name}.{f.name}", getattr(values, f.name), f)
+
+
+def read_toml(path) -> dict:
+    """{"section.key": value} from a TOML file of [section] tables; one line for what is wrong."""
+    p = Path(path)
+    if not p.is_file():
+        raise TitanliteError(
+            f"config file '{p}' does not exist: pass a TOML file, e.g. --config configs/debug.toml"
+        )
+    try:
+        doc = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise TitanliteError(f"config file '{p}' is not valid TOML ({e}): fix the syntax") from None
+    out = {}
+    for section, values in doc.items():
+        if not isinstance(values, dict):
+            raise TitanliteError(f"'{section}' in {p} must be a [section] table, not a value")
+        out.update({f"{section}.{key}": value for key, value in values.items()})
+    return out

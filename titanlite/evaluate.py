@@ -31,6 +31,19 @@ def validation_loss(loss_on, batches, device, distributed: bool = False) -> floa
 
 
 @torch.no_grad()
+def evaluate_parts(parts, loss_on, batches, device, distributed: bool = False) -> float:
+    """`validation_loss` with the model's `parts` in eval mode (no dropout-like behaviour, no
+    autograd), and back in training mode afterwards."""
+    for part in parts:
+        part.eval()
+    try:
+        return validation_loss(loss_on, batches, device, distributed)
+    finally:
+        for part in parts:
+            part.train()
+
+
+@torch.no_grad()
 def generate(
     model: torch.nn.Module,
     tokenizer,
@@ -61,3 +74,15 @@ def generate(
         )
     model.train(was_training)
     return tokenizer.decode(x[0].tolist())
+
+
+def sample_text(
+    model, tokenizer, eval_section, context: int, prompt=None, max_new_tokens=None, **kwargs
+) -> str:
+    """`generate` as [eval] says (its prompt and length unless given); "" without a model (a
+    pipeline rank other than 0)."""
+    if model is None:
+        return ""
+    prompt = eval_section.prompt if prompt is None else prompt
+    tokens = max_new_tokens or eval_section.sample_tokens
+    return generate(model, tokenizer, prompt, tokens, context, **kwargs)

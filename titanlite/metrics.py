@@ -2,18 +2,26 @@
 
 JSONL because it is append-only (a crash loses at most the line being written), streams (a live
 plot can tail it while another process trains) and needs no library to read. Record kinds:
-"train" (one per logged step), "val" (one per evaluation), "checkpoint" (one per save)."""
+"train" (one per logged step), "val" (one per evaluation), "checkpoint" (one per save).
+`TrainLog` is the watcher that writes them (and draws the progress bar)."""
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import peaks
+from ._ui import progress_bar, say
 from .errors import TitanliteError, writing
-from .memory import allocator_readings, peak_memory_bytes
+from .memory import allocator_readings, peak_memory_bytes, reset_peak_memory
 from .paths import check_output_dir
+from .resilience.faults import attempt
+
+if TYPE_CHECKING:  # the watchers' types, named here only for the annotations
+    from .watchers import Run, StepEnd
 
 
 @dataclass
@@ -126,3 +134,108 @@ class MetricsLogger:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class TrainLog:
+    # A watcher (watchers.py) like the others, defined here beside what it writes.
+    """Where records go: metrics.jsonl (metrics.rank<r>.jsonl off rank 0: step times and memory
+    differ per rank; a restarted attempt appends), the History, the callbacks, the progress bar.
+    `lr()`: the learning rate of the step about to run; `precision`: the run's Precision (loss scale)."""
+
+    def __init__(self, run: Run, history: History, callbacks, lr, precision):
+        self.run, self.history, self.callbacks = run, history, callbacks
+        self.lr_now, self.precision, self.lr = lr, precision, 0.0
+        self.logger = MetricsLogger(
+            run.run_dir,
+            run.cfg.metrics.tensorboard and run.is_main,
+            "metrics.jsonl" if run.is_main else f"metrics.rank{run.rank}.jsonl",
+        )
+        self.bar = progress_bar(
+            run.cfg.training.steps,
+            enabled=run.cfg.metrics.progress and run.is_main,
+            initial=run.start_step,
+        )
+        self.peak = run.peak  # re-measured if a step beats it (peaks.recheck_peak)
+        self.start = None  # when the first step began
+        self.interval_s, self.interval_steps = 0.0, 0  # since the last train record
+
+    def on_train_start(self) -> None: ...
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def say(self, text: str) -> None:
+        if self.run.is_main:
+            say(text, self.bar)
+
+    def emit(self, record: dict) -> None:
+        if self.run.distributed:
+            record["rank"] = self.run.rank
+        if attempt():
+            record["attempt"] = attempt()
+        self.logger.log(record)
+        history = self.history
+        {"train": history.train, "val": history.val}.get(
+            record["kind"], history.checkpoints
+        ).append(record)
+        for callback in self.callbacks:
+            callback(record)
+
+    def on_step_start(self, step: int) -> None:
+        if self.start is None:
+            self.start = time.perf_counter()
+        reset_peak_memory(self.run.device)  # the peak of this step alone
+        self.lr = self.lr_now()
+
+    def on_step_end(self, end: StepEnd) -> None:
+        # Steps between records do not wait for the device, so one step's time means little on
+        # a GPU; the interval's average, ended by the logged step's wait, is honest.
+        self.interval_s, self.interval_steps = (
+            self.interval_s + end.seconds,
+            self.interval_steps + 1,
+        )
+        if end.logged:
+            self.emit(self.train_record(end))
+            self.interval_s, self.interval_steps = 0.0, 0
+        if self.bar is not None:
+            self.bar.update(1)
+            if end.logged:
+                self.bar.set_postfix(
+                    loss=f"{end.out['loss']:.3f}",
+                    tok_s=f"{self.history.train[-1]['tokens_per_sec']:,.0f}",
+                )
+
+    def train_record(self, end: StepEnd) -> dict:
+        run = self.run
+        step_time = self.interval_s / self.interval_steps
+        # per device
+        achieved = run.flops_per_token * run.tokens_per_step / step_time / run.world_size
+        if not run.distributed:  # ranks sharing a machine would disturb a re-measurement
+            self.peak = peaks.recheck_peak(
+                achieved, self.peak, run.device, run.compute_dtype, self.say, run.datasheet
+            )
+        return train_record(
+            end.step,
+            end.out,
+            lr=self.lr,
+            step_time=step_time,
+            elapsed=self.elapsed(),
+            tokens_per_step=run.tokens_per_step,
+            achieved_flops=achieved,
+            peak=self.peak,
+            datasheet=run.datasheet,
+            device=run.device,
+            world_size=run.world_size,
+            precision=self.precision,
+            extra=end.extra,
+        )
+
+    def on_train_end(self) -> None:
+        for callback in self.callbacks:
+            if hasattr(callback, "on_train_end"):
+                callback.on_train_end()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.logger.close()

@@ -1,7 +1,7 @@
 """AdamW and its learning-rate schedule: linear warm-up, then cosine (or linear) decay.
 
-optimizer = build_optimizer(model_parts, cfg)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+optimizer = build_optimizer(model_parts, cfg.optimizer)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.scheduler, cfg.training.steps))
 """
 
 from __future__ import annotations
@@ -11,15 +11,13 @@ import math
 import torch
 
 
-def build_optimizer(
-    parts: list[torch.nn.Module], cfg, fused: bool = False
-) -> torch.optim.Optimizer:
-    """AdamW over this rank's model parts. Matrices decay; norm gains and other vectors do not (shrinking
-    a gain towards zero regularises nothing and hurts). `fused`: one kernel for the whole step (CUDA)."""
+def build_optimizer(parts: list[torch.nn.Module], o, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW over this rank's model parts, as [optimizer] `o` says. Matrices decay; norm gains and
+    other vectors do not (shrinking a gain towards zero regularises nothing and hurts). `fused`: one
+    kernel for the whole step (CUDA)."""
     params = [p for part in parts for p in part.parameters()]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    o = cfg.optimizer
     return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": o.weight_decay},
@@ -32,11 +30,10 @@ def build_optimizer(
     )
 
 
-def lr_lambda(cfg):
-    """The factor on the peak lr after `step` optimizer steps: linear warm-up over
-    `scheduler.warmup_steps`, then cosine/linear decay to min_lr_ratio·peak (or constant)."""
-    warmup, total = cfg.scheduler.warmup_steps, cfg.training.steps
-    floor, decay = cfg.scheduler.min_lr_ratio, cfg.scheduler.decay
+def lr_lambda(scheduler, total: int):
+    """The factor on the peak lr after `step` optimizer steps, as [scheduler] says: linear warm-up
+    over `warmup_steps`, then cosine/linear decay to min_lr_ratio·peak at step `total` (or constant)."""
+    warmup, floor, decay = scheduler.warmup_steps, scheduler.min_lr_ratio, scheduler.decay
 
     def factor(step: int) -> float:  # step counts completed optimizer steps (0-based)
         if step < warmup:

@@ -10,6 +10,7 @@ start-up. Each refusal is one line naming the key and the fix. No device or proc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -144,7 +145,7 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
         from .distributed.tensor_parallel import check_tp  # loads TP's part of torch: tp > 1 only
 
         check_tp(
-            args, dims.tp, seq_len=t.seq_len, sequence_parallel=sequence_parallel_enabled(cfg, dims)
+            args, dims.tp, seq_len=t.seq_len, sequence_parallel=sequence_parallel_enabled(p, dims)
         )
     if dims.pp > 1 and p.pp_schedule == "zbv" and cfg.eval.every:
         raise TitanliteError(
@@ -158,7 +159,7 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
             pp=dims.pp,
             schedule=p.pp_schedule,
             n_layers=args.n_layers,
-            n_microbatches=microbatches(cfg, dims),
+            n_microbatches=microbatches(p, t.batch_size, dims.pp),
             batch_size=t.batch_size,
             stages_per_rank=p.pp_stages_per_rank,
             tie_embeddings=args.tie_embeddings,
@@ -195,3 +196,21 @@ def check_memory_fits(plan: Plan, cfg: Config, limit: int | None, where: str) ->
         f"{args.vocab_size:,} wide and their gradient, tokens, weights, gradients and AdamW), but "
         f"{where} has {limit / 2**30:,.1f} GiB: {fix}"
     )
+
+
+def prepare_process(plan: Plan, cfg: Config) -> None:
+    """This process, made ready before anything allocates: its CPU threads, the CUDA allocator's
+    settings (read once, at its first allocation), and `check_memory_fits` against this machine's
+    memory (the device's, or for the CPU the host's RAM shared by the ranks on it)."""
+    from . import hardware
+    from .device_policy import allocator_settings
+    from .memory import memory_limit_bytes
+
+    if cfg.training.threads:
+        torch.set_num_threads(cfg.training.threads)
+    device = hardware.detect_device(cfg.training.device)
+    hardware.use_allocator_settings(allocator_settings(device.type))
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    limit = memory_limit_bytes(device)
+    where = hardware.device_name(device) + (f" (÷ {sharing} ranks)" if sharing > 1 else "")
+    check_memory_fits(plan, cfg, limit and limit // sharing, where)

@@ -3,54 +3,49 @@
     history = Trainer(load_config("configs/debug.toml")).fit()
 
 `fit` is the whole algorithm: micro-batches, forward, cross-entropy, backward, clip, AdamW step,
-learning-rate schedule. `forward_backward` is one step's forward and backward (through pipeline
-stages: `pipeline_forward_backward`, as in torchtitan). Timing, MFU, goodput, checkpoints,
+learning-rate schedule. `forward_backward` is one step's forward and backward (through the
+pipeline's stages when there is one, as in torchtitan). Timing, MFU, goodput, checkpoints,
 validation, samples and logging watch from the side (watchers.py); tools are handed to `fit`."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 from torch.profiler import record_function
 
-from . import hardware, peaks
+from . import hardware
 from .config import Config
-from .data import build_data
+from .data import data_for
 from .data.transfer import MicroBatches, micro_batches_to
-from .device_policy import allocator_settings, matmul_dtype, resolve_for_device, use_fused_adamw
+from .device_policy import matmul_dtype, resolve_for_device, use_fused_adamw
+from .distributed import env
 from .distributed.ddp import grad_sync, unwrap
-from .distributed.env import (
-    all_reduce_sum,
-    broadcast_from_rank0,
-    destroy_distributed,
-    init_distributed,
-    torchrun_env,
-)
-from .distributed.parallelize import loss_context_for, parallelize
+from .distributed.parallelize import Techniques, loss_context_for, parallelize
 from .efficiency.accumulation import count_targets, global_tokens_per_rank, loss_sum
 from .efficiency.mixed_precision import Precision
 from .errors import TitanliteError, writing
-from .evaluate import generate, validation_loss
-from .memory import memory_limit_bytes
+from .evaluate import evaluate_parts, sample_text
 from .metrics import History
-from .models.llama import Transformer, build_model
+from .models.llama import count
 from .optimizer import build_optimizer, lr_lambda
 from .paths import claim_run_dir
+from .peaks import peak_for
 from .preflight import (
     VOCAB_FROM_TOKENIZER,
-    check_memory_fits,
     preflight,
+    prepare_process,
     tokenizer_for,
     tokenizer_size,
 )
 from .resilience.resume import open_checkpoint, run_name_for
+from .run_record import built, run_record
 from .watchers import Run, StepEnd, build_watchers
 
 
@@ -60,104 +55,74 @@ class Trainer:
         peaks for MFU against the datasheet (tools.datasheet.datasheet_peak); `start_from`, a
         published model to start from (tools.hf_start.HuggingFaceStart)."""
         self.cfg = cfg = cfg or Config()
-        # Every check the config can fail, once, before a process group, data or model exists.
         self.start_from = start_from
-        plan = preflight(
-            cfg, (torchrun_env() or (0, 0, 1))[2], tokenizer_size(cfg, start_from), start_from
-        )
-        self.dims, self.model_args = plan.dims, plan.model_args
-        self.micro_batch, self.grad_accum_steps, self.global_batch = (
-            plan.micro_batch,
-            plan.grad_accum_steps,
-            plan.global_batch,
-        )
-        if cfg.training.threads:
-            torch.set_num_threads(cfg.training.threads)
-        device = hardware.detect_device(cfg.training.device)
-        # CUDA's allocator reads its settings at its first allocation: before anything allocates.
-        hardware.use_allocator_settings(allocator_settings(device.type))
-        # Sizes no memory here could hold, refused before anything is allocated. Ranks on one CPU
-        # share its RAM; each GPU rank has its own device.
-        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
-        limit = memory_limit_bytes(device)
-        where = f"{hardware.device_name(device)}" + (f" (÷ {sharing} ranks)" if sharing > 1 else "")
-        check_memory_fits(plan, cfg, limit and limit // sharing, where)
+        # Every check the config can fail, once, before a process group, data or model exists:
+        # the batch (micro-batch, accumulation, global), the rank grid and the model's shape.
+        world = (env.torchrun_env() or env.ONE_PROCESS).world_size
+        plan = preflight(cfg, world, tokenizer_size(cfg, start_from), start_from)
+        self.dims, self.model_args, self.micro_batch = plan.dims, plan.model_args, plan.micro_batch
+        self.grad_accum_steps, self.global_batch = plan.grad_accum_steps, plan.global_batch
+        prepare_process(plan, cfg)  # threads, allocator settings, memory: before any allocation
         # Under torchrun each process joins the job and takes its own device; alone, a world of one.
-        self.dist = init_distributed(
-            cfg.training.device, cfg.parallel.backend, cfg.parallel.timeout_s
-        )
+        p = cfg.parallel  # until the "auto"s below are decided: backend and timeout only
+        self.dist = env.init_distributed(cfg.training.device, p.backend, p.timeout_s)
         self.device = self.dist.device
         # The config's "auto"s, decided by this device's facts (CUDA gets torchtitan's defaults).
-        self.cfg = cfg = resolve_for_device(
-            cfg, self.device, self.dims.strategy in ("fsdp", "hsdp")
-        )
+        fsdp = self.dims.strategy in ("fsdp", "hsdp")
+        self.cfg = cfg = resolve_for_device(cfg, self.device, fsdp)
+        p = cfg.parallel
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dtype = hardware.resolve_dtype(cfg.training.dtype, self.device)
         hardware.seed_everything(cfg.training.seed, cfg.training.deterministic)
         # FSDP/TP/PP ranks each see only their shard's overflow: "auto" never picks fp16 there.
-        sharded = self.dims.strategy in ("fsdp", "hsdp") or self.dims.tp > 1 or self.dims.pp > 1
+        sharded = fsdp or self.dims.tp > 1 or self.dims.pp > 1
         self.precision = Precision(
             cfg.training.mixed_precision, self.device, scaler_ok=not sharded, param_dtype=self.dtype
         )
         # Each data-parallel rank reads its own slice of every global batch.
-        d, t = cfg.data, cfg.training
-        self.data = build_data(
-            d.dataset,
-            path=d.path,
-            tokenizer=tokenizer_for(cfg, start_from),
-            seed=t.seed,
-            vocab_size=d.vocab_size,
-            seq_len=t.seq_len,
-            batch_size=t.batch_size,
-            val_fraction=d.val_fraction,
-            data_dir=d.data_dir,
-            max_chars=d.max_chars,
+        self.data = data_for(
+            cfg.data,
+            cfg.training,
+            tokenizer_for(cfg, start_from),
+            micro_batch=self.micro_batch,
             rank=self.dims.dp_rank(self.dist.rank),
             world_size=self.dims.dp,
         )
         self.tokenizer = self.data.tokenizer
-        if (
-            cfg.model.preset in VOCAB_FROM_TOKENIZER
-            and cfg.model.vocab_size is None
-            and not start_from
-        ):
-            self.model_args = replace(self.model_args, vocab_size=self.data.vocab_size)
-        with torch.device("meta"):  # a weightless copy, just to count
-            counting = Transformer(self.model_args)
-        self.flops_per_token, self.num_params = (
-            counting.flops_per_token(t.seq_len),
-            counting.num_params(),
-        )
+        if cfg.model.preset in VOCAB_FROM_TOKENIZER and cfg.model.vocab_size is None:
+            if not start_from:  # the small presets take the tokenizer's vocabulary, exactly
+                self.model_args = replace(self.model_args, vocab_size=self.data.vocab_size)
+        self.flops_per_token, self.num_params = count(self.model_args, cfg.training.seq_len)
         # The techniques modify the model in place (swap Linears, wrap or compile blocks): state-dict
         # names stay the plain model's; DDP/FSDP come last. One part, or one per pipeline stage (self.pipe).
         self.model_parts, self.pipe = parallelize(
-            self.model_args, cfg, self.dist, self.dims, self.mesh, self.dtype, self.precision.dtype
+            self.model_args,
+            self.dims,
+            self.mesh,
+            self.device,
+            self.dtype,
+            p,
+            Techniques.of(cfg),
+            example_shape=(self.micro_batch, cfg.training.seq_len),
+            autocast_dtype=self.precision.dtype,
         )
         self.model = self.model_parts[0]
-        self.loss_context = loss_context_for(cfg, self.dims)  # TP's sharded softmax, or nothing
-        self.optimizer = build_optimizer(
-            self.model_parts, cfg, fused=use_fused_adamw(self.device.type)
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.loss_context = loss_context_for(p, self.dims)  # TP's sharded softmax, or nothing
+        fused = use_fused_adamw(self.device.type)
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, fused=fused)
+        self.scheduler = LambdaLR(self.optimizer, lr_lambda(cfg.scheduler, cfg.training.steps))
         # MFU against the peak of the dtype the matmuls actually run in.
-        fsdp_param_dtype = (
-            cfg.parallel.param_dtype if self.dims.strategy in ("fsdp", "hsdp") else None
-        )
-        self.compute_dtype = matmul_dtype(
-            self.dtype,
-            self.precision.dtype,
-            fsdp_param_dtype,
-            getattr(unwrap(self.model), "fp8_info", None),
-        )
+        fp8 = getattr(unwrap(self.model), "fp8_info", None)
+        fsdp_dtype = p.param_dtype if fsdp else None
+        self.compute_dtype = matmul_dtype(self.dtype, self.precision.dtype, fsdp_dtype, fp8)
         self.datasheet_peak = datasheet(self.device, self.compute_dtype) if datasheet else None
-        self.peak = peaks.peak_for(
+        self.peak = peak_for(
             self.device, self.compute_dtype, cfg.metrics.peak, self.dist, datasheet
         )
         self.step = 0
         self.checkpointer = None  # fit() opens one when [checkpoint] asks
         self._step_start = time.perf_counter()  # fit() resets it as each step begins
 
-    # ----- the pieces the loop calls --------------------------------------------------------
     def loss_on(self, x: torch.Tensor, y: torch.Tensor, num_tokens=None) -> torch.Tensor:
         """Summed cross-entropy over one batch's real target tokens / `num_tokens` (default: their count)."""
         with self.precision.autocast():
@@ -168,40 +133,26 @@ class Trainer:
 
     def forward_backward(self, micro_batches: list, num_tokens) -> torch.Tensor:
         """Forward and backward of each micro-batch; the gradients add up in `.grad`. Returns
-        the summed loss, on the device and unread (reading it would wait for the device)."""
+        the summed loss, on the device and unread (reading it would wait for the device). Under
+        pipeline parallelism the schedule cuts each batch again and interleaves the stages'
+        forwards and backwards (distributed/pipeline.py); the loss is on every stage."""
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro_batches):
             # DDP all-reduces only after the last micro-batch (no_sync; the others add into .grad);
             # FSDP reduce-scatters each one, to keep gradients sharded (memory is what FSDP is for).
-            with (
-                grad_sync(
-                    self.model, sync=i == len(micro_batches) - 1 or self.dims.strategy != "ddp"
-                ),
-                self.loss_context(),
-            ):  # TP: the sharded softmax, and its backward
-                with record_function(
-                    "forward"
-                ):  # labels a profiler trace shows; nearly free when off
+            last = i == len(micro_batches) - 1
+            sync = grad_sync(self.model, sync=last or self.dims.strategy != "ddp")
+            with sync, self.loss_context():  # TP: the sharded softmax, and its backward
+                if self.pipe is not None:
+                    with self.precision.autocast(), record_function("forward_backward"):
+                        total += self.pipe.step(x, y, num_tokens=num_tokens)
+                    continue
+                # record_function: labels a profiler trace shows; nearly free when off
+                with record_function("forward"):
                     loss = self.loss_on(x, y, num_tokens=num_tokens)
                 with record_function("backward"):
                     self.precision.backward(loss)
-            total += loss.detach()
-        return total
-
-    def pipeline_forward_backward(self, micro_batches: list, num_tokens) -> torch.Tensor:
-        """The same through the pipeline: the schedule cuts each batch into its own micro-batches
-        and runs them through every stage (distributed/pipeline.py). The loss is on every stage."""
-        total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
-            with (
-                grad_sync(
-                    self.model, sync=i == len(micro_batches) - 1 or self.dims.strategy != "ddp"
-                ),
-                self.loss_context(),
-                self.precision.autocast(),
-                record_function("forward_backward"),
-            ):  # the schedule interleaves the two
-                total += self.pipe.step(x, y, num_tokens=num_tokens)
+                total += loss.detach()
         return total
 
     def train_step(self, micro_batches: list, read: bool = True) -> dict:
@@ -214,26 +165,18 @@ class Trainer:
         num_tokens = global_tokens_per_rank(
             micro_batches, self.dims, self.device, self.dist.distributed
         )
-        if self.pipe is not None:
-            total = self.pipeline_forward_backward(micro_batches, num_tokens)
-        else:
-            total = self.forward_backward(micro_batches, num_tokens)
+        total = self.forward_backward(micro_batches, num_tokens)
         params = [q for part in self.model_parts for q in part.parameters()]
         # An async save's copy of the weights must be done before the weights change.
         staging_wait_s = (
             self.checkpointer.wait_for_staging() if self.checkpointer is not None else 0.0
         )
         with record_function("optimizer"):  # clip, step, schedule, zero_grad
-            if self.pipe is not None:  # the norm of all stages' gradients, summed over the pipeline
-                grad_norm = self.pipe.clip_grad_norm_(
-                    params, self.cfg.training.grad_clip or float("inf")
-                )
-                self.optimizer.step()
-                skipped = False
-            else:
-                grad_norm, skipped = self.precision.step(
-                    self.optimizer, params, self.cfg.training.grad_clip
-                )
+            # A pipeline clips by the norm of all stages' gradients, summed over its ranks.
+            clip = self.pipe.clip_grad_norm_ if self.pipe is not None else None
+            grad_norm, skipped = self.precision.step(
+                self.optimizer, params, self.cfg.training.grad_clip, clip=clip
+            )
             if self.cfg.float8.fsdp_all_gather:  # FP8 weights are gathered: their scales, once
                 from .efficiency.fp8 import precompute_fp8_scales  # torchao: FP8 runs only
 
@@ -245,16 +188,11 @@ class Trainer:
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        out = {
-            "loss": None,
-            "grad_norm": None,
-            "skipped": skipped,
-            "ready_s": ready_s,
-            "staging_wait_s": staging_wait_s,
-        }
+        out = {"loss": None, "grad_norm": None, "skipped": skipped}
+        out.update(ready_s=ready_s, staging_wait_s=staging_wait_s)
         if read:
             # Each rank holds its slice's loss (TP ranks and PP stages alike): average the slices.
-            loss = all_reduce_sum(total).item() / (self.dims.dp * self.dims.tp * self.dims.pp)
+            loss = env.all_reduce_sum(total).item() / (self.dims.dp * self.dims.tp * self.dims.pp)
             out.update(loss=loss, grad_norm=float(grad_norm))
             # A non-finite loss poisons the weights, so every later loss is non-finite too and
             # the next logged step (the last one always is) catches it.
@@ -271,104 +209,51 @@ class Trainer:
             [self.data.train.next_batch() for _ in range(self.grad_accum_steps)], self.device
         )
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss per target token over every data-parallel rank's batches."""
-        for part in self.model_parts:
-            part.eval()
-        loss_on = (
+        one = (
             self.pipe.eval_loss if self.pipe is not None else lambda x, y: self.loss_on(x, y).item()
         )
+        batches = self.data.val.eval_batches(self.cfg.eval.batches)
         with self.loss_context():
-            loss = validation_loss(
-                loss_on,
-                self.data.val.eval_batches(self.cfg.eval.batches),
-                self.device,
-                self.dist.distributed,
+            return evaluate_parts(
+                self.model_parts, one, batches, self.device, self.dist.distributed
             )
-        for part in self.model_parts:
-            part.train()
-        return loss
 
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, **kwargs) -> str:
-        """Continue `prompt` (default: eval.prompt) with the model (generate.py)."""
+        """Continue `prompt` (default: eval.prompt) with the model (evaluate.py). A pipeline's
+        stages are gathered into one model on rank 0, which samples alone ("" elsewhere)."""
         model = self.model
         if self.pipe is not None:
-            # A token at a time through every stage would be slow: gather the stages' weights
-            # (all ranks take part) and let rank 0 sample from the whole model on its own.
-            state = self.pipe.whole_state_dict(self.model_parts)
-            if not self.dist.is_main:
-                return ""
-            model = build_model(self.model_args, "cpu").to(self.dtype)
-            model.load_state_dict(state)
-        return generate(
-            model,
-            self.tokenizer,
-            self.cfg.eval.prompt if prompt is None else prompt,
-            max_new_tokens or self.cfg.eval.sample_tokens,
-            self.model_args.max_seq_len,
-            **kwargs,
-        )
+            args, is_main = self.model_args, self.dist.is_main
+            model = self.pipe.whole_model(self.model_parts, args, self.dtype, is_main)
+        e, context = self.cfg.eval, self.model_args.max_seq_len
+        return sample_text(model, self.tokenizer, e, context, prompt, max_new_tokens, **kwargs)
 
     def train_state(self):
         """Everything a checkpoint holds, as of now (resilience/train_state.py)."""
         from .resilience.train_state import TrainState  # DCP: runs that checkpoint only
 
-        describe = {
-            "model_args": self.model_args.to_dict(),
-            "layout": self.dims.describe(),
-            "world_size": self.dist.world_size,
-            "global_batch": self.global_batch,
-        }
-        return TrainState(
-            self.model_parts,
-            self.optimizer,
-            self.scheduler,
-            self.data.train.sampler,
-            step=self.step,
-            describe=describe,
-        )
+        return TrainState.of(self)
 
-    # ----- the loop -------------------------------------------------------------------------
     def fit(self, callbacks=(), watchers=()) -> History:
         """Until `training.steps`. `callbacks`: functions called with every record (e.g. a LivePlot);
         `watchers`: more watchers, each made by `make(run)` (e.g. tools.profiling.StepProfiler)."""
         cfg = self.cfg
-        run_dir = Path(cfg.metrics.log_dir) / broadcast_from_rank0(run_name_for(cfg))
+        run_dir = Path(cfg.metrics.log_dir) / env.broadcast_from_rank0(run_name_for(cfg))
         history = History(run_dir=run_dir)
         # Everything that can refuse this start has run (config, data and layout in __init__,
         # another run in the folder and the checkpoint here) before anything in the run folder changes.
-        if refusal := broadcast_from_rank0(
-            self.dist.is_main
-            and claim_run_dir(  # every rank refuses, or none
-                run_dir, self._run_info(), cfg.checkpoint, cfg.metrics.overwrite
-            )
-        ):
+        record = run_record(self, env.gather_from_ranks(built(self)))
+        mine = self.dist.is_main and claim_run_dir(
+            run_dir, record, cfg.checkpoint, cfg.metrics.overwrite
+        )
+        if refusal := env.broadcast_from_rank0(mine):  # every rank refuses, or none
             raise TitanliteError(refusal)
-        self.checkpointer, history.resumed_from, restore_s, self.step = open_checkpoint(
-            cfg.checkpoint,
-            run_dir,
-            self.train_state,
-            self.model_parts,
-            self.tokenizer,
-            self.dist.is_main,
-            self.start_from,
-            self.model_args.tie_embeddings,
-        )
-        run = Run(
-            cfg,
-            run_dir,
-            self.dist.rank,
-            self.dist.world_size,
-            self.device,
-            self.global_batch * cfg.training.seq_len,
-            self.flops_per_token,
-            self.compute_dtype,
-            self.peak,
-            self.datasheet_peak,
-            self.step,
-            restore_s,
-        )
+        opened = open_checkpoint(cfg.checkpoint, run_dir, self)
+        self.checkpointer, self.step = opened.checkpointer, opened.step
+        history.resumed_from = opened.source
+        run = Run.of(self, run_dir, restore_s=opened.seconds)
         chain = build_watchers(
             run,
             history,
@@ -383,20 +268,18 @@ class Trainer:
         )
         if self.dist.is_main:
             with writing(run_dir / "run.json", "the run's record"):
-                (run_dir / "run.json").write_text(json.dumps(self._run_info(), indent=2))
+                (run_dir / "run.json").write_text(json.dumps(record, indent=2))
         try:
             chain.on_train_start()
             while self.step < cfg.training.steps:
                 self._step_start = time.perf_counter()
                 chain.on_step_start(self.step + 1)
-                logged = (
-                    self.step + 1
-                ) % cfg.metrics.log_every == 0 or self.step + 1 == cfg.training.steps
+                last = self.step + 1 == cfg.training.steps
+                logged = (self.step + 1) % cfg.metrics.log_every == 0 or last
                 out = self.train_step(self.next_micro_batches(), read=logged)
                 self.step += 1
-                chain.on_step_end(
-                    StepEnd(self.step, time.perf_counter() - self._step_start, out, logged)
-                )
+                seconds = time.perf_counter() - self._step_start
+                chain.on_step_end(StepEnd(self.step, seconds, out, logged))
         finally:
             chain.close()
         chain.on_train_end()
@@ -406,35 +289,7 @@ class Trainer:
     def close(self, barrier: bool = False) -> None:
         """Leave the process group (a no-op for a single process); barrier=True after a
         successful run, so no rank tears down while another still talks to it."""
-        destroy_distributed(barrier)
-
-    def _run_info(self) -> dict:
-        # a torchrun job's attempts share it and their agent
-        job = os.environ.get("TORCHELASTIC_RUN_ID")
-        return {
-            "job": job and f"{job}:{os.getppid()}",
-            "config": self.cfg.to_dict(),
-            "model_args": self.model_args.to_dict(),
-            "num_params": self.num_params,
-            "micro_batch": self.micro_batch,
-            "grad_accum_steps": self.grad_accum_steps,
-            "global_batch": self.global_batch,
-            "flops_per_token": self.flops_per_token,
-            "device": hardware.device_name(self.device),
-            "dtype": str(self.dtype),
-            "compute_dtype": str(self.compute_dtype),
-            "peak_flops": self.peak.flops,
-            "peak_label": self.peak.label,
-            "world_size": self.dist.world_size,
-            "parallel": self.dims.strategy,
-            "tp": self.dims.tp,
-            "pp": self.dims.pp,
-            "layout": self.dims.describe(),
-            "dp_replicate": self.dims.dp_replicate,
-            "dp_shard": self.dims.dp_shard,
-            "float8": getattr(unwrap(self.model), "fp8_info", None),
-            "torch": torch.__version__,
-        }
+        env.destroy_distributed(barrier)
 
 
 if __name__ == "__main__":  # `python -m titanlite.train` (torchtitan's spelling) is not the entry

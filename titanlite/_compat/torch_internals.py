@@ -107,3 +107,18 @@ def set_cuda_allocator_settings(settings: str) -> None:
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is not None:
         setter(settings)
+
+
+def fsdp_mixed_precision(model: nn.Module) -> dict | None:
+    """What FSDP2 gathers parameters in and reduces gradients in, read from the root module's FSDP
+    state (`_get_fsdp_state()._mp_policy`, 2.11-2.13: fully_shard keeps its MixedPrecisionPolicy
+    only there); None where `model` is not an FSDP module, or where the state moved (run.json then
+    records none: the record degrades, training does not)."""
+    get_state = getattr(model, "_get_fsdp_state", None)
+    policy = getattr(get_state(), "_mp_policy", None) if get_state is not None else None
+    if policy is None:
+        return None
+    return {
+        "param_dtype": str(policy.param_dtype) if policy.param_dtype else None,
+        "reduce_dtype": str(policy.reduce_dtype) if policy.reduce_dtype else None,
+    }

@@ -5,12 +5,13 @@ x, y = data.train.next_batch()  # int64 [8, 128], y = x shifted by 1; resume via
 
 from ._cache import default_data_dir
 from .corpus import corpus_id, load_corpus, pydoc_corpus
-from .pipeline import DataBundle, build_data, split_train_val
+from .pipeline import DataBundle, build_data, data_for, split_train_val
 from .sampler import StatefulBatchSampler, TokenBatches
 from .tokenizer import get_tokenizer
 
 __all__ = [
     "build_data",
+    "data_for",
     "DataBundle",
     "TokenBatches",
     "StatefulBatchSampler",

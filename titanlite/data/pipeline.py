@@ -131,6 +131,27 @@ def build_data(
     )
 
 
+def data_for(
+    data, training, tokenizer: str | None, *, micro_batch: int, rank: int, world_size: int
+):
+    """`build_data` as a run's [data] and [training] sections ask, with the micro-batch preflight
+    resolved and this rank's place among the data-parallel ranks."""
+    return build_data(
+        data.dataset,
+        path=data.path,
+        tokenizer=tokenizer,
+        seed=training.seed,
+        vocab_size=data.vocab_size,
+        seq_len=training.seq_len,
+        batch_size=micro_batch,
+        val_fraction=data.val_fraction,
+        data_dir=data.data_dir,
+        max_chars=data.max_chars,
+        rank=rank,
+        world_size=world_size,
+    )
+
+
 def cached_token_stream(
     tok: PreTrainedTokenizerFast, docs: list[str], cid: str, data_dir=None
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,7 @@ import signal
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,14 +42,25 @@ class DistEnv:
         return self.world_size > 1
 
 
+class Launch(NamedTuple):
+    """Who this process is in the job torchrun started (a world of one when alone)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+ONE_PROCESS = Launch(rank=0, local_rank=0, world_size=1)
+
+
 LAUNCH_HINT = (
     "launch with torchrun (torchrun --nproc-per-node N -m titanlite train ...) or, under SLURM, "
     "with configs/multinode/train.sbatch"
 )
 
 
-def torchrun_env(env=os.environ) -> tuple[int, int, int] | None:
-    """(rank, local_rank, world_size) when started by torchrun, else None. The variables are read
+def torchrun_env(env=os.environ) -> Launch | None:
+    """Who this process is (`Launch`) when started by torchrun, else None. The variables are read
     once and checked as a whole, before any process group starts: a hand-written job script that
     sets some of them, or sets one wrong, gets one line saying which and how to launch instead."""
     present = sorted({"RANK", "WORLD_SIZE", "LOCAL_RANK"} & env.keys())
@@ -83,7 +95,7 @@ def torchrun_env(env=os.environ) -> tuple[int, int, int] | None:
         raise TitanliteError(
             f"MASTER_PORT={env['MASTER_PORT']} is not a port (1-65535); {LAUNCH_HINT}"
         )
-    return rank, local, world
+    return Launch(rank, local, world)
 
 
 def _count(env, name: str, default: int | None = None) -> int:
@@ -183,3 +195,12 @@ def all_reduce_sum(value: torch.Tensor, group=None) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return value
+
+
+def gather_from_ranks(value) -> list:
+    """Every rank's `value` (a picklable object), in rank order; [value] alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone

@@ -1,6 +1,7 @@
 """Putting the model on many processes: torchtitan's ordered chain of small `apply_*` steps.
 
-    parts, pipe = parallelize(model_args, cfg, dist_env, dims, mesh, dtype)
+    parts, pipe = parallelize(model_args, dims, mesh, device, dtype, cfg.parallel,
+                              Techniques.of(cfg), example_shape=(micro_batch, seq_len))
 
 1. build    - pure FSDP: on the meta device, sharded before the weights exist; TP/PP: the whole model.
 2. PP split - first: everything below applies per stage.
@@ -15,42 +16,70 @@ Each technique's part of torch (or torchao) is imported only where a run asks fo
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..config import (
+    ActivationCheckpointSection,
+    CompileSection,
+    Float8Section,
+    ParallelSection,
+)
 from ..models.llama import ModelArgs, Transformer, build_model
 from .ddp import apply_ddp
-from .env import DistEnv
 from .mesh import ParallelDims
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """The config sections the chain of apply_* reads, and nothing else of the config."""
+
+    float8: Float8Section
+    activation_checkpoint: ActivationCheckpointSection
+    compile: CompileSection
+
+    @classmethod
+    def of(cls, cfg) -> Techniques:
+        return cls(cfg.float8, cfg.activation_checkpoint, cfg.compile)
 
 
 def parallelize(
     args: ModelArgs,
-    cfg,
-    env: DistEnv,
     dims: ParallelDims,
     mesh,
+    device: torch.device,
     dtype: torch.dtype,
+    parallel: ParallelSection,
+    techniques: Techniques,
+    *,
+    example_shape: tuple[int, int],
     autocast_dtype: torch.dtype | None = None,
 ) -> tuple[list[nn.Module], object]:
     """This rank's model parts (one, or one per pipeline stage it holds) and the pipeline.
-    `autocast_dtype`: the run's mixed precision, which the trial compile runs under."""
-    p = cfg.parallel
+    `example_shape`: (micro-batch, sequence length), and `autocast_dtype`: the run's mixed
+    precision, which the trial compile runs under."""
+    p = parallel
     fsdp = dims.strategy in ("fsdp", "hsdp")
     fsdp_kwargs = dict(
-        param_dtype=getattr(torch, p.param_dtype) if p.param_dtype != str(dtype)[6:] else None,
+        # None: the weights already are in the dtype FSDP would gather them in
+        param_dtype=getattr(torch, p.param_dtype)
+        if getattr(torch, p.param_dtype) != dtype
+        else None,
         reduce_dtype=getattr(torch, p.reduce_dtype),
         cpu_offload=p.cpu_offload,
         pp=dims.pp,
         reshard_after_forward=p.reshard_after_forward,
     )
     # HSDP shards within a replica group and all-reduces across groups: a 2-D mesh.
-    dp_mesh = (
-        None
-        if mesh is None
-        else (mesh["dp_replicate", "dp_shard"] if dims.strategy == "hsdp" else mesh["dp_shard"])
-    )
+    dp_mesh = None
+    if mesh is not None:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.strategy == "hsdp" else mesh["dp_shard"]
+
+    def efficiency(part):
+        return apply_efficiency(part, device, techniques, example_shape, autocast_dtype)
+
     if fsdp:
         from .fsdp import apply_fsdp, shard_and_init  # torch.distributed.fsdp: sharded runs only
     if fsdp and dims.tp == 1 and dims.pp == 1:
@@ -58,18 +87,14 @@ def parallelize(
             model = Transformer(args).to(dtype)
         # The FP8 and compile checks' trial runs must not move the RNG before rank 0 draws the weights.
         with torch.random.fork_rng(devices=[]):
-            model = apply_efficiency(model, cfg, env.device, autocast_dtype)
-        return [
-            shard_and_init(
-                model,
-                lambda: build_model(args, "cpu").to(dtype),
-                dp_mesh,
-                env.device,
-                **fsdp_kwargs,
-            )
-        ], None
+            model = efficiency(model)
+
+        def weights():  # drawn once, by rank 0, then sharded out
+            return build_model(args, "cpu").to(dtype)
+
+        return [shard_and_init(model, weights, dp_mesh, device, **fsdp_kwargs)], None
     # Initialised on the CPU: the same seed gives the same weights on every device and layout.
-    model = build_model(args, "cpu").to(device=env.device, dtype=dtype)
+    model = build_model(args, "cpu").to(device=device, dtype=dtype)
     stages, parts, pipe = [], [model], None
     if dims.pp > 1:
         from .pipeline import Pipeline, pipeline_split  # torch.distributed.pipelining: pp > 1 only
@@ -79,9 +104,9 @@ def parallelize(
             mesh["pp"],
             schedule=p.pp_schedule,
             stages_per_rank=p.pp_stages_per_rank,
-            device=env.device,
+            device=device,
         )
-        pipe = Pipeline(stages, cfg, mesh["pp"])
+        pipe = Pipeline(stages, mesh["pp"], p, micro_batch=example_shape[0])
     for i, part in enumerate(parts):
         if dims.tp > 1:
             from .tensor_parallel import apply_tp  # torch.distributed.tensor.parallel: tp > 1 only
@@ -89,10 +114,10 @@ def parallelize(
             apply_tp(
                 part,
                 mesh["tp"],
-                sequence_parallel=sequence_parallel_enabled(cfg, dims),
-                loss_parallel=loss_parallel_enabled(cfg, dims),
+                sequence_parallel=sequence_parallel_enabled(p, dims),
+                loss_parallel=loss_parallel_enabled(p, dims),
             )
-        part = apply_efficiency(part, cfg, env.device, autocast_dtype)
+        part = efficiency(part)
         if fsdp:
             part = apply_fsdp(part, dp_mesh, **fsdp_kwargs)
         elif dims.strategy == "ddp":
@@ -105,19 +130,19 @@ def parallelize(
     return parts, pipe
 
 
-def sequence_parallel_enabled(cfg, dims: ParallelDims) -> bool:
+def sequence_parallel_enabled(parallel: ParallelSection, dims: ParallelDims) -> bool:
     # Under PP the hidden states travel whole: a stage cannot see a sequence slice's full length (RoPE).
-    return cfg.parallel.sequence_parallel and dims.pp == 1
+    return parallel.sequence_parallel and dims.pp == 1
 
 
-def loss_parallel_enabled(cfg, dims: ParallelDims) -> bool:
+def loss_parallel_enabled(parallel: ParallelSection, dims: ParallelDims) -> bool:
     # Under PP torch's schedule expects a plain loss tensor: the last stage gathers the logits instead.
-    return cfg.parallel.loss_parallel and dims.tp > 1 and dims.pp == 1
+    return parallel.loss_parallel and dims.tp > 1 and dims.pp == 1
 
 
-def loss_context_for(cfg, dims: ParallelDims):
+def loss_context_for(parallel: ParallelSection, dims: ParallelDims):
     """What the loss and its backward run under: TP's loss parallel (on vocab-sharded logits), or nothing."""
-    if not loss_parallel_enabled(cfg, dims):
+    if not loss_parallel_enabled(parallel, dims):
         return contextlib.nullcontext
     from .tensor_parallel import loss_context  # tp > 1 only
 
@@ -125,42 +150,43 @@ def loss_context_for(cfg, dims: ParallelDims):
 
 
 def apply_efficiency(
-    model: nn.Module, cfg, device: torch.device, autocast_dtype: torch.dtype | None = None
+    model: nn.Module,
+    device: torch.device,
+    techniques: Techniques,
+    example_shape: tuple[int, int],
+    autocast_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """FP8, then AC, then compile (the order: above); `autocast_dtype`: the run's, for the trial compile."""
-    if cfg.float8.enable:
+    """FP8, then AC, then compile (the order: above). The trial compile runs a real block on a
+    batch of `example_shape` under `autocast_dtype`, so a failure falls back here, not at step 1."""
+    f, ac, c = techniques.float8, techniques.activation_checkpoint, techniques.compile
+    if f.enable:
         from ..efficiency.fp8 import apply_fp8, set_precision_casts_for  # torchao: FP8 runs only
 
-        f = cfg.float8
+        emulate = None if f.emulate == "auto" else f.emulate == "true"
         model = apply_fp8(
             model,
             recipe=f.recipe,
             device=device,
             min_dim=f.min_dim,
-            emulate=None if f.emulate == "auto" else f.emulate == "true",
+            emulate=emulate,
             fsdp_all_gather=f.fsdp_all_gather,
         )
-        if cfg.compile.enable:
+        if c.enable:
             set_precision_casts_for(f.recipe, compiled=True)
-    if cfg.activation_checkpoint.mode != "none":
-        from ..efficiency.activation_checkpoint import (
-            apply_ac,  # torch.utils.checkpoint: AC runs only
-        )
+    if ac.mode != "none":
+        from ..efficiency.activation_checkpoint import apply_ac  # torch.utils.checkpoint: AC only
 
-        model = apply_ac(
-            model, cfg.activation_checkpoint.mode, every=cfg.activation_checkpoint.every
-        )
-    if cfg.compile.enable:
+        model = apply_ac(model, ac.mode, every=ac.every)
+    if c.enable:
         from ..efficiency.compile import apply_compile  # Dynamo and Inductor: compiled runs only
 
-        backend = {} if cfg.compile.backend == "inductor" else {"backend": cfg.compile.backend}
-        # The trial compile runs a real block on a batch of the run's shape: fall back here, not at step 1.
+        backend = {} if c.backend == "inductor" else {"backend": c.backend}
         model = apply_compile(
             model,
-            scope=cfg.compile.scope,
-            fallback=cfg.compile.fallback,
+            scope=c.scope,
+            fallback=c.fallback,
             device=device,
-            example_shape=(cfg.training.batch_size, cfg.training.seq_len),
+            example_shape=example_shape,
             autocast_dtype=autocast_dtype,
             **backend,
         )

@@ -82,18 +82,21 @@ class Precision:
     def scale(self) -> float:
         return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
 
-    def step(self, optimizer, params, grad_clip: float) -> tuple[torch.Tensor, bool]:
-        """Unscale, clip, step (unless the gradients overflowed); returns (grad_norm, skipped)."""
+    def step(self, optimizer, params, grad_clip: float, clip=None) -> tuple[torch.Tensor, bool]:
+        """Unscale, clip, step (unless the gradients overflowed); returns (grad_norm, skipped).
+        `clip(params, max_norm)`: clips by a norm computed elsewhere (a pipeline's, over all its
+        stages); default torch's clip_grad_norm_ (0: measure the norm, clip nothing)."""
         params = [p for p in params if p.grad is not None]
         if self.scaler.is_enabled():  # before unscale_, whose own error names no fix
             for dtype in {p.dtype for p in params}:
                 check_param_dtype(self.mode, dtype)
         self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        norm = (
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            if grad_clip > 0
-            else torch.nn.utils.get_total_norm([p.grad for p in params])
-        )
+        if clip is not None:
+            norm = clip(params, grad_clip or float("inf"))
+        elif grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         scale_before = self.scale
         self.scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/nan
         self.scaler.update()  # ... and then halves the scale: that is how we see a skip

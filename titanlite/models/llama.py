@@ -20,6 +20,8 @@ from torch.nn.attention import sdpa_kernel
 from ..device_policy import expand_kv_for_sdpa, sdpa_priority
 from ..errors import TitanliteError, closest
 
+CONTEXT_KEY = "original_max_position_embeddings"  # Llama 3.1's scaling: the context it extends
+
 
 @dataclass
 class ModelArgs:
@@ -43,9 +45,8 @@ class ModelArgs:
 
     @property
     def hidden_dim(self) -> int:
-        return self.ffn_hidden_dim or self.multiple_of * math.ceil(
-            int(8 * self.dim / 3) / self.multiple_of
-        )
+        multiple = self.multiple_of
+        return self.ffn_hidden_dim or multiple * math.ceil(int(8 * self.dim / 3) / multiple)
 
     def validate(self) -> ModelArgs:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
@@ -65,12 +66,7 @@ class ModelArgs:
         if self.head_dim % 2:
             raise TitanliteError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.rope_scaling is not None:
-            keys = {
-                "factor",
-                "low_freq_factor",
-                "high_freq_factor",
-                "original_max_position_embeddings",
-            }
+            keys = {"factor", "low_freq_factor", "high_freq_factor"} | {CONTEXT_KEY}
             if self.rope_scaling.get("rope_type") != "llama3" or not keys <= set(self.rope_scaling):
                 raise TitanliteError(
                     f"model.rope_scaling={self.rope_scaling} is not supported: use None or "
@@ -85,51 +81,27 @@ class ModelArgs:
                 f"unknown model preset '{name}'{closest(name, PRESETS)}; "
                 f"choose one of {', '.join(PRESETS)}"
             )
-        return replace(
-            PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}
-        ).validate()
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return replace(PRESETS[name], **given).validate()
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 # debug and small train on a laptop CPU; 1B and 8B are Llama 3.2 1B and Llama 3 8B, for formulas and GPUs.
+# One preset a line: a table is read across (the formatter would give each field a line of its own).
+# fmt: off
 PRESETS: dict[str, ModelArgs] = {
-    "debug": ModelArgs(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, max_seq_len=256
-    ),
-    "small": ModelArgs(
-        dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=8192, max_seq_len=512
-    ),
-    "125M": ModelArgs(
-        dim=768,
-        n_layers=12,
-        n_heads=12,
-        n_kv_heads=4,
-        vocab_size=32_000,
-        max_seq_len=2048,
-        tie_embeddings=False,
-    ),
-    "1B": ModelArgs(
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab_size=128_256,
-        ffn_hidden_dim=8192,
-        max_seq_len=8192,
-    ),
-    "8B": ModelArgs(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab_size=128_256,
-        ffn_hidden_dim=14336,
-        max_seq_len=8192,
-        tie_embeddings=False,
-    ),
+    "debug": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, max_seq_len=256),
+    "small": ModelArgs(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=8192, max_seq_len=512),
+    "125M": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=32_000,
+                      max_seq_len=2048, tie_embeddings=False),
+    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128_256,
+                    ffn_hidden_dim=8192, max_seq_len=8192),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128_256,
+                    ffn_hidden_dim=14336, max_seq_len=8192, tie_embeddings=False),
 }
+# fmt: on
 
 
 class RMSNorm(nn.Module):
@@ -141,9 +113,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x / rms(x) · weight in fp32, so bf16 activations do not lose the mean square
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(
-            x
-        ) * self.weight
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -152,7 +123,7 @@ class RMSNorm(nn.Module):
 def llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     """Llama 3.1's context extension: slow waves longer than the old context by `factor`, blend the middle."""
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_ctx = s["original_max_position_embeddings"]
+    old_ctx = s[CONTEXT_KEY]
     wavelen = 2 * math.pi / inv_freq
     smooth = ((old_ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)  # 0: long waves, 1: short
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
@@ -160,15 +131,12 @@ def llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 def rope_cache(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape [max_seq_len, head_dim] in the rotate-half layout HF uses."""
-    inv_freq = 1.0 / (
-        args.rope_theta
-        ** (torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32) / args.head_dim)
-    )
+    pairs = torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32)
+    inv_freq = 1.0 / (args.rope_theta ** (pairs / args.head_dim))
     if args.rope_scaling:
         inv_freq = llama3_scaled(inv_freq, args.rope_scaling)
-    freqs = torch.outer(
-        torch.arange(args.max_seq_len, device=device, dtype=torch.float32), inv_freq
-    )
+    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -216,10 +184,9 @@ def causal_attention(
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     # torch's own order tries math before cuDNN: never reached
     priority = sdpa_priority(q.device.type)
+    gqa = q.shape[1] != k.shape[1]
     with sdpa_kernel(priority, set_priority=True) if priority else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):
@@ -257,37 +224,28 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        for name in (
-            "rope_cos",
-            "rope_sin",
-        ):  # rotary tables: derived data, not saved in checkpoints
-            self.register_buffer(
-                name, torch.empty(args.max_seq_len, args.head_dim), persistent=False
-            )
+        # rotary tables: derived data, not saved in checkpoints
+        table = (args.max_seq_len, args.head_dim)
+        self.register_buffer("rope_cos", torch.empty(table), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(table), persistent=False)
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Initialise in place on whatever device the parameters live on (after `to_empty`)."""
         if self.args.tie_embeddings:  # `to_empty()` gave each module a fresh tensor: tie them again
             self.output.weight = self.tok_embeddings.weight
-        for buf, table in zip(
-            (self.rope_cos, self.rope_sin), rope_cache(self.args, self.rope_cos.device)
-        ):
-            buf.copy_(table)
+        cos, sin = rope_cache(self.args, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
         # GPT-2/nanoGPT: projections into the residual stream get 1/sqrt(2·n_layers), so it does not grow.
         std, out_std = self.args.init_std, self.args.init_std / math.sqrt(2 * self.args.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for block in self.layers.values():
-            for lin in (
-                block.attention.q_proj,
-                block.attention.k_proj,
-                block.attention.v_proj,
-                block.feed_forward.gate_proj,
-                block.feed_forward.up_proj,
-            ):
+            a, f = block.attention, block.feed_forward
+            for lin in (a.q_proj, a.k_proj, a.v_proj, f.gate_proj, f.up_proj):
                 nn.init.normal_(lin.weight, std=std)
-            nn.init.normal_(block.attention.o_proj.weight, std=out_std)
-            nn.init.normal_(block.feed_forward.down_proj.weight, std=out_std)
+            nn.init.normal_(a.o_proj.weight, std=out_std)
+            nn.init.normal_(f.down_proj.weight, std=out_std)
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
@@ -331,3 +289,11 @@ def build_model(args: ModelArgs, device: torch.device | str = "cpu") -> Transfor
     model.to_empty(device=device)
     model.init_weights()
     return model
+
+
+def count(args: ModelArgs, seq_len: int) -> tuple[float, int]:
+    """(training FLOPs per token at `seq_len`, parameters) of a model of this shape, counted on a
+    weightless (meta-device) copy: nothing is allocated."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return model.flops_per_token(seq_len), model.num_params()

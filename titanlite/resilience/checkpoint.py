@@ -11,7 +11,6 @@ whole write; "async" (a thread) and "async_process" (a process) copy the state t
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import threading
@@ -32,18 +31,8 @@ from .._compat.torch_internals import stop_dcp_writer_process
 from ..errors import TitanliteError, writing
 from ..paths import check_output_dir
 from .balanced_io import BalancedSavePlanner, ReadOncePlanner, read_owners, share_read_entries
-from .checkpoint_files import (
-    COMMIT_FILE,
-    DcpWriter,
-    RawWriter,
-    committed,
-    dcp_load,
-    fsync_dir,
-    size_and_crc,
-    step_dir,
-    verify,
-)
-from .staging import make_stager, staging_options, tensor_device_types
+from .checkpoint_files import DcpWriter, RawWriter, commit, committed, dcp_load, step_dir, verify
+from .staging import WriteAfter, make_stager, staging_options, tensor_device_types
 
 MODES = ("sync", "async", "async_process")
 # dcp: torch's own file format, which `torch.distributed.checkpoint.load` (and torchtitan) read
@@ -232,23 +221,8 @@ class Checkpointer:
         """Rank 0: record every file's size and CRC, then rename: the checkpoint exists."""
         if self.rank != 0:
             return
-        files = {
-            f.name: size_and_crc(f)
-            for f in sorted(tmp.iterdir())
-            if f.is_file() and f.suffix != ".crc"
-        }
-        info = {"format": 1, "step": step, "time": time.time(), "files": files, **self._described}
-        record = tmp / COMMIT_FILE
-        record.write_text(json.dumps(info, indent=1))
-        with open(record, "rb+") as f:
-            os.fsync(f.fileno())
-        if final.exists():  # the same step saved again (a resumed run): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(self.folder)
-        if (
-            threading.current_thread() is threading.main_thread()
-        ):  # a sync save: prune behind training
+        commit(tmp, final, {"step": step, **self._described})
+        if threading.current_thread() is threading.main_thread():  # sync: prune behind training
             self._pruning = self._pool.submit(self._prune, step)
         else:
             self._prune(step)
@@ -284,20 +258,15 @@ class Checkpointer:
         saved = info.get("model_args")
         here = (state.describe() if hasattr(state, "describe") else self.describe).get("model_args")
         if saved and here and saved != here:
-            diff = ", ".join(
-                f"{k}: {saved.get(k)} there vs {here.get(k)} here"
-                for k in sorted(set(saved) | set(here))
-                if saved.get(k) != here.get(k)
-            )
+            differ = sorted(k for k in set(saved) | set(here) if saved.get(k) != here.get(k))
+            diff = ", ".join(f"{k}: {saved.get(k)} there vs {here.get(k)} here" for k in differ)
             raise TitanliteError(
                 f"checkpoint '{path}' holds a different model ({diff}): load it with the "
                 f"model settings it was trained with, or start a new checkpoint folder"
             )
         sd = state.state_dict() if hasattr(state, "state_dict") else state
         planner = None
-        if (
-            self.read_once and self.distributed
-        ):  # each replicated entry: one reader, then a broadcast
+        if self.read_once and self.distributed:  # each replicated entry: one reader, a broadcast
             planner = ReadOncePlanner(read_owners(sd), self.rank)
         dcp_load(sd, path, crc_checked=crc, reader=reader, planner=planner, no_dist=self.world == 1)
         if planner is not None:
@@ -322,29 +291,3 @@ class Checkpointer:
             if self._own_world:
                 dist.destroy_process_group()
                 self._own_world = False
-
-
-class WriteAfter:
-    """`stager`'s copy, handed to DCP's writer only once the previous save's write is done: DCP
-    starts each write on a new thread, so two saves' writes would otherwise interleave their
-    collectives on the one background group."""
-
-    def __init__(self, stager, previous_write: Future | None):
-        self.stager, self.previous, self.copy = stager, previous_write, None
-
-    def stage(self, state_dict) -> Future:
-        """What DCP calls: the copy starts now; the future it gets completes after both."""
-        self.copy = self.stager.stage(state_dict)
-        released = Future()
-
-        def release(_):  # the copy and the previous write are done: DCP may write the copy
-            if error := self.copy.exception():
-                released.set_exception(error)
-            else:
-                released.set_result(self.copy.result())
-
-        def after_copy(_):  # the copy is done: wait for the previous write, if any
-            (self.previous or self.copy).add_done_callback(release)
-
-        self.copy.add_done_callback(after_copy)
-        return released

@@ -11,8 +11,10 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
+import time
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -191,6 +193,25 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def commit(tmp: Path, final: Path, info: dict) -> None:
+    """Make `tmp` (a whole save) the checkpoint `final`: record every file's size and CRC-32 with
+    `info` (the step, what was trained) in the commit record, sync it, then rename (atomic in
+    POSIX): before the rename there is no checkpoint, after it a whole one."""
+    files = {
+        f.name: size_and_crc(f) for f in sorted(tmp.iterdir()) if f.is_file() and f.suffix != ".crc"
+    }
+    record = tmp / COMMIT_FILE
+    record.write_text(
+        json.dumps({"format": 1, "time": time.time(), "files": files, **info}, indent=1)
+    )
+    with open(record, "rb+") as f:
+        os.fsync(f.fileno())
+    if final.exists():  # the same step saved again (a resumed run): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
 
 
 def _damaged(path: Path, what: str) -> TitanliteError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .._ui import say
@@ -24,26 +25,26 @@ def run_name_for(cfg) -> str:
     return f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def open_checkpoint(
-    checkpoint,
-    run_dir: Path,
-    train_state,
-    parts,
-    tokenizer,
-    is_main: bool,
-    start_from=None,
-    tie_embeddings: bool = False,
-):
-    """(checkpointer `[checkpoint]` asks for or None, what was loaded or None, its seconds or None,
-    the step to go on from). Loaded: the newest committed checkpoint, else `checkpoint.load`
-    (into `train_state()`, a TrainState), else - a fresh start - `start_from`'s weights into
-    `parts` (tools.hf_start). One it cannot take is refused before `run_dir` changes. Collective."""
-    source = seconds = ckpt = None
-    step = 0
+@dataclass
+class Opened:
+    """Where a run starts: `checkpointer` (None unless [checkpoint] enable), the checkpoint it loaded
+    (`source`, None for a fresh start) and how long that took, and the step to go on from."""
+
+    checkpointer: object | None = None
+    source: Path | None = None
+    seconds: float | None = None
+    step: int = 0
+
+
+def open_checkpoint(checkpoint, run_dir: Path, trainer) -> Opened:
+    """Where `trainer` starts, as [checkpoint] says: the newest committed checkpoint loaded, else
+    `checkpoint.load` (into `trainer.train_state()`, a TrainState), else - a fresh start - the
+    published model `trainer.start_from`'s weights into its model parts (tools.hf_start). One it
+    cannot take is refused before `run_dir` changes. Collective: every rank calls it."""
+    is_main, tokenizer = trainer.dist.is_main, trainer.tokenizer
+    opened, ckpt = Opened(), None
     if checkpoint.enable or checkpoint.load:
-        from .checkpoint import (
-            Checkpointer,  # DCP (torch.distributed.checkpoint): runs that checkpoint
-        )
+        from .checkpoint import Checkpointer  # DCP (torch.distributed.checkpoint): runs that save
 
         folder = Path(checkpoint.folder) if checkpoint.folder else run_dir / "checkpoints"
         ckpt = Checkpointer(
@@ -53,19 +54,23 @@ def open_checkpoint(
             read_once=checkpoint.read_once,
             file_format=checkpoint.format,
         )
-        source = (ckpt.latest() if checkpoint.enable and checkpoint.resume else None) or (
-            Path(checkpoint.load) if checkpoint.load else None
-        )
-    if source is not None:
+        newest = ckpt.latest() if checkpoint.enable and checkpoint.resume else None
+        opened.source = newest or (Path(checkpoint.load) if checkpoint.load else None)
+    if opened.source is not None:
         start = time.perf_counter()
-        step = ckpt.load(train_state(), source, crc=checkpoint.verify == "crc")
-        seconds = time.perf_counter() - start
+        opened.step = ckpt.load(
+            trainer.train_state(), opened.source, crc=checkpoint.verify == "crc"
+        )
+        opened.seconds = time.perf_counter() - start
         if is_main:
-            say(f"resumed from {source} at step {step}", None)
-    elif start_from is not None:  # no titanlite checkpoint took precedence: a fresh start
-        took = start_from.load(parts, tie_embeddings)
+            say(f"resumed from {opened.source} at step {opened.step}", None)
+    elif trainer.start_from is not None:  # no titanlite checkpoint came first: a fresh start
+        tied = trainer.model_args.tie_embeddings
+        took = trainer.start_from.load(trainer.model_parts, tied)
         if is_main:
-            say(f"started from {start_from.path} ({took:.1f}s to load)", None)
-    if checkpoint.enable and is_main and not (ckpt.folder / "tokenizer").is_dir():
-        tokenizer.save_pretrained(str(ckpt.folder / "tokenizer"))  # for export_hf
-    return (ckpt if checkpoint.enable else None), source, seconds, step
+            say(f"started from {trainer.start_from.path} ({took:.1f}s to load)", None)
+    if checkpoint.enable:
+        opened.checkpointer = ckpt
+        if is_main and not (ckpt.folder / "tokenizer").is_dir():
+            tokenizer.save_pretrained(str(ckpt.folder / "tokenizer"))  # for export_hf
+    return opened

@@ -4,7 +4,7 @@ copy runs in the background too: the trainer waits for it only before its next o
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -59,3 +59,29 @@ class HostStager(DefaultStager):
     def close(self) -> None:
         self._copier.shutdown(wait=True)
         super().close()
+
+
+class WriteAfter:
+    """`stager`'s copy, handed to DCP's writer only once the previous save's write is done: DCP
+    starts each write on a new thread, so two saves' writes would otherwise interleave their
+    collectives on the one background group."""
+
+    def __init__(self, stager, previous_write: Future | None):
+        self.stager, self.previous, self.copy = stager, previous_write, None
+
+    def stage(self, state_dict) -> Future:
+        """What DCP calls: the copy starts now; the future it gets completes after both."""
+        self.copy = self.stager.stage(state_dict)
+        released = Future()
+
+        def release(_):  # the copy and the previous write are done: DCP may write the copy
+            if error := self.copy.exception():
+                released.set_exception(error)
+            else:
+                released.set_result(self.copy.result())
+
+        def after_copy(_):  # the copy is done: wait for the previous write, if any
+            (self.previous or self.copy).add_done_callback(release)
+
+        self.copy.add_done_callback(after_copy)
+        return released

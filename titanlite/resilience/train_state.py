@@ -43,6 +43,26 @@ class TrainState(Stateful):
         # plain JSON, as the record holds it
         self._describe = json.loads(json.dumps(describe or {}))
 
+    @classmethod
+    def of(cls, trainer) -> TrainState:
+        """A trainer's state as of now, described by what a load must match: the model's shape,
+        and (informative) the layout, world size and global batch it was trained with."""
+        describe = {
+            "model_args": trainer.model_args.to_dict(),
+            "layout": trainer.dims.describe(),
+            "world_size": trainer.dist.world_size,
+            "global_batch": trainer.global_batch,
+        }
+        sampler = trainer.data.train.sampler
+        return cls(
+            trainer.model_parts,
+            trainer.optimizer,
+            trainer.scheduler,
+            sampler,
+            step=trainer.step,
+            describe=describe,
+        )
+
     def describe(self) -> dict:
         return self._describe
 

@@ -338,7 +338,7 @@ def _heaviest_stage(
 
     pp, tp = c.pp, c.tp
     layers = split_layers(args.n_layers, pp)
-    sp = sequence_parallel_enabled(cfg, c.dims) and tp > 1
+    sp = sequence_parallel_enabled(cfg.parallel, c.dims) and tp > 1
     per_layer = activation_bytes_per_layer(
         args, seq_len, micro_batch, tp, sequence_parallel=sp, checkpointing=checkpointing
     )
@@ -347,7 +347,7 @@ def _heaviest_stage(
         if checkpointing != "none"
         else 0
     )  # one block recomputed at a time
-    vocab_split = tp if loss_parallel_enabled(cfg, c.dims) else 1
+    vocab_split = tp if loss_parallel_enabled(cfg.parallel, c.dims) else 1
     stages = []
     for s, n_params in enumerate(params):
         z = zero_bytes_per_rank(

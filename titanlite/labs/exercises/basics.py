@@ -54,7 +54,7 @@ def lr_schedule(c, fn):
             total,
             floor,
         )
-        want = lr_lambda(cfg)
+        want = lr_lambda(cfg.scheduler, cfg.training.steps)
         for step in range(total + 3):
             c.same_value(
                 c.call(fn, step, warmup, total, floor),

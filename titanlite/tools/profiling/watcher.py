@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import profile, record_function
 
-from ...config import parse_steps
+from ...config_fields import parse_steps
 from ...watchers import Run, StepEnd, Watcher
 
 
