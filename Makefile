@@ -9,13 +9,17 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
+# setuptools prints a boxed "Editable installation" warning for every `pip install -e`: about
+# folders named like the package shadowing it, which this checkout's layout never has.
+QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
+
 # torch is pinned first so pip does not pick an arbitrary (possibly multi-GB) build;
 # the rest comes from pyproject.toml, with the test tools of the `dev` extra.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(QUIET_EDITABLE) $(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
 # Jupyter refuses to run as root unless told; containers and lab machines often are root.
@@ -36,7 +40,7 @@ train: setup  ## the quick training run, headless
 # nbgrader (the `course` extra) for the tests only: tests/test_nbgrader.py generates and autogrades
 # a lab with it. `make lab` stays without it: its menus and server warnings are for instructors.
 $(VENV)/.course: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e ".[dev,course]"
+	$(QUIET_EDITABLE) $(BIN)/python -m pip install -q -e ".[dev,course]"
 	touch $@
 
 test: setup $(VENV)/.course  ## the whole test suite (notebooks in smoke scale, the browser check included)

@@ -133,6 +133,9 @@ CONFIG_VALUES = [
     ("tp-2-alone", ["--parallel.tp", "2"], ""),
     ("pp-2-alone", ["--parallel.pp", "2"], ""),
     ("dp-shard-2-alone", ["--parallel.dp_shard", "2"], ""),
+    ("cp-2-alone", ["--parallel.cp", "2"], "cp"),
+    ("cp-layout-typo", ["--parallel.cp_layout", "zigzg"], "did you mean: zigzag"),
+    ("cp-method-typo", ["--parallel.cp_method", "rings"], "did you mean: ring"),
     ("seq-len-beyond-model", ["--training.seq_len", "4096"], "maximum"),
     ("heads-not-dividing", ["--model.n_heads", "5"], ""),
 ]
@@ -488,6 +491,8 @@ LAUNCH_CASES = [
     ("tp-3-of-2", 2, {"parallel.tp": 3, "parallel.dp_shard": 1}),
     ("pp-4-of-2-layers", 4, {"parallel.pp": 4, "parallel.dp_shard": 1}),
     ("replicate-2-shard-2-of-2", 2, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}),
+    ("cp-3-of-2", 2, {"parallel.cp": 3}),
+    ("cp-not-cutting-the-sequence", 2, {"parallel.cp": 2, "training.seq_len": 30}),
     ("fault-rank-beyond", 2, {"fault.kind": "exception", "fault.rank": 5}),
     ("bad-value", 2, {"optimizer.beta1": 1.5}),
     ("log-dir-under-file", 2, {"metrics.log_dir": "a-file/runs"}),

@@ -59,6 +59,11 @@ def test_checkpoint_bench_reports_every_mode_and_the_targets(tmp_path):
         "disk write bandwidth",
         "target <= 5%",
         "throughput / disk bandwidth",
+        "checkpoint formats, DCP sync saves",
+        "dcp  (torch's own: dcp.load reads it",
+        "raw  (ByteCheckpoint-style",
+        "beside a host-idle step",
+        "beside the CPU step (both cores busy)",
     ):
         assert row in r.stdout, (row, r.stdout)
     if sys.platform.startswith("linux"):  # the CPU a save adds, read from /proc

@@ -188,7 +188,7 @@ def test_live_plot_updates_in_jupyterlab(lab_and_browser, tmp_path):
             if not cell["empty"] and not re.fullmatch(r"\[\d+\]:", cell["prompt"].strip()):
                 problems.append(f"code cell {i} did not run (prompt {cell['prompt']!r})")
             for text in cell["stderr"]:
-                if "Traceback" in text or "Error" in text:
+                if "Traceback" in text or "Error" in text or "Failed to load" in text:
                     problems.append(f"code cell {i} wrote an error: {text[-600:]}")
             for bad in WIDGET_ERRORS:
                 if bad.lower() in cell["text"].lower():
@@ -294,7 +294,7 @@ def test_first_run_all_in_a_fresh_kernel_on_a_laptop_screen(name, tmp_path):
             if not cell["empty"] and not re.fullmatch(r"\[\d+\]:", cell["prompt"].strip()):
                 problems.append(f"code cell {i} did not run (prompt {cell['prompt']!r})")
             for text in cell["stderr"]:
-                if "Traceback" in text or "Error" in text:
+                if "Traceback" in text or "Error" in text or "Failed to load" in text:
                     problems.append(f"code cell {i} wrote an error: {text[-600:]}")
             if "<Figure size" in cell["text"]:
                 problems.append(f"code cell {i} shows a figure as text: {cell['text'][-200:]}")

@@ -63,7 +63,8 @@ def test_composed_layouts_train_like_one_process(nproc, layout, data_dir, tmp_pa
 def test_bad_layouts_are_one_clear_line(data_dir, tmp_path):
     cfg = load_config(None, _overrides(data_dir, tmp_path))
     with pytest.raises(
-        TitanliteError, match=r"pp × dp_replicate × dp_shard × tp = 2 × 1 × 3 × 2 = 12, but 8"
+        TitanliteError,
+        match=r"pp × dp_replicate × dp_shard × cp × tp = 2 × 1 × 3 × 1 × 2 = 12, but 8",
     ):
         launch(cfg, nproc=8, overrides={"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 3})
     with pytest.raises(TitanliteError, match=r"tensor-parallel degree 3 .*does not divide"):

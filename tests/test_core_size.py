@@ -21,12 +21,17 @@ from pathlib import Path
 import titanlite
 
 PACKAGE = Path(titanlite.__file__).parent
-LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 2_850, 4_010, 1_690  # statements
+# Raised once since they were set at 2,850 / 4,010 / 1,690: context parallel (its module, 193 statements,
+# a new technique counted as the issue asks), rotary embeddings in a module of their own, the GPU
+# checks (fp16 skips found on the device, cuDNN attention, two ranks on one GPU refused) and one
+# measured peak shared by the doctor, the trainer and notebook 00.
+LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 3_010, 4_370, 1_720  # statements
 MODULE_BUDGET = 300  # lines, as `ruff format` leaves them
 
 # A technique's module opens with the technique: its first public function or class is this.
 OPENS_WITH = {
     "efficiency/accumulation.py": "resolve_batch",
+    "distributed/context_parallel.py": "apply_cp",
     "efficiency/mixed_precision.py": "Precision",
     "efficiency/activation_checkpoint.py": "apply_ac",
     "efficiency/compile.py": "apply_compile",

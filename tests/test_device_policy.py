@@ -65,8 +65,8 @@ def test_flash_takes_16_bit_on_ampere_only():
 @pytest.mark.parametrize(
     "device_type, dtype, capability, expand, kernel",
     [
-        ("cuda", torch.bfloat16, H100, False, "cudnn"),  # first in titanlite's order, takes GQA
-        ("cuda", torch.float16, A100, False, "cudnn"),
+        ("cuda", torch.float16, A100, False, "flash"),  # torch does not put cuDNN first on SM 8.x
+        ("cuda", torch.bfloat16, H100, False, "flash"),  # nor with an unknown (older) cuDNN
         ("cuda", torch.float32, H100, True, "efficient"),  # fp32 GQA: repeat k/v to reach cutlass
         ("cuda", torch.float16, T4, True, "efficient"),  # pre-Ampere fp16: no flash either
         ("cuda", torch.bfloat16, T4, True, "math"),  # bf16 on SM 7.5: only math computes it
@@ -80,14 +80,63 @@ def test_sdpa_kernel_and_kv_expansion(device_type, dtype, capability, expand, ke
 
 
 def test_cudnn_steps_aside_where_it_cannot_run():
-    # flash takes what cuDNN does not: deterministic runs, head_dim 256 (flash's limit)
+    # where torch would put cuDNN first (a new cuDNN on Hopper), flash still takes what cuDNN does
+    # not: deterministic runs, head_dim 256 (flash's limit)
+    new = {"cudnn_version": 91501, "cuda_version": "12.8"}
+    assert sdpa_kernel_for("cuda", torch.bfloat16, 64, gqa=True, capability=H100, **new) == "cudnn"
     assert (
-        sdpa_kernel_for("cuda", torch.bfloat16, 64, gqa=True, capability=H100, deterministic=True)
+        sdpa_kernel_for(
+            "cuda", torch.bfloat16, 64, gqa=True, capability=H100, deterministic=True, **new
+        )
         == "flash"
     )
-    assert sdpa_kernel_for("cuda", torch.bfloat16, 256, gqa=True, capability=H100) == "flash"
-    assert sdpa_kernel_for("cuda", torch.bfloat16, 64, gqa=True, capability=(12, 1)) == "cudnn"
-    assert sdpa_kernel_for("cuda", torch.bfloat16, 64, gqa=True, capability=(13, 0)) == "flash"
+    assert sdpa_kernel_for("cuda", torch.bfloat16, 256, gqa=True, capability=H100, **new) == "flash"
+    assert (
+        sdpa_kernel_for("cuda", torch.bfloat16, 64, gqa=True, capability=(12, 1), **new) == "flash"
+    )
+    assert (
+        sdpa_kernel_for("cuda", torch.bfloat16, 64, gqa=True, capability=(10, 0), **new) == "cudnn"
+    )
+
+
+@pytest.mark.parametrize(
+    "gpu, capability, cudnn, cuda, first",
+    [
+        ("H100, CUDA 12.8 wheel, cuDNN 9.15.1", (9, 0), 91501, "12.8", True),
+        ("H100, CUDA 12 wheel, cuDNN 9.10", (9, 0), 91002, "12.6", False),
+        ("H100, cuDNN 9.15.0 exactly", (9, 0), 91500, "13.0", False),
+        ("B200, CUDA 13", (10, 0), 91600, "13.0", True),
+        ("GB300-class SM 10.3, CUDA 12", (10, 3), 91600, "12.9", True),
+        ("SM 10.1, CUDA 12", (10, 1), 91600, "12.9", False),
+        ("SM 10.1, CUDA 13", (10, 1), 91600, "13.0", True),
+        ("A100", (8, 0), 91600, "13.0", False),
+        ("RTX 4090", (8, 9), 91600, "13.0", False),
+        ("RTX 5090 (SM 12.0)", (12, 0), 91600, "13.0", False),
+        ("no cuDNN", (9, 0), None, "13.0", False),
+    ],
+)
+def test_cudnn_attention_comes_first_only_where_torchs_own_gate_puts_it(
+    gpu, capability, cudnn, cuda, first, monkeypatch
+):
+    """torch's check_prefer_cudnn_attention (sdp_utils.cpp, 2.13), as facts: cuDNN > 9.15.0 on
+    SM 9.x/10.x (x.0 and x.3 only with CUDA 12), never when TORCH_CUDNN_SDPA_DEPRIORITIZED is set.
+    Elsewhere titanlite leaves torch's own order in force instead of forcing cuDNN back on."""
+    from torch.nn.attention import SDPBackend
+
+    from titanlite import device_policy
+
+    assert device_policy.prefers_cudnn_attention(capability, cudnn, cuda) is first, gpu
+    assert not device_policy.prefers_cudnn_attention(capability, cudnn, cuda, deprioritized=True)
+    monkeypatch.setattr(device_policy, "_CUDNN", [cudnn])
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    order = device_policy.sdpa_priority("cuda", capability)
+    assert (order is not None and order[0] == SDPBackend.CUDNN_ATTENTION) is first, gpu
+    assert order is None or order[1:] == [
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    assert device_policy.sdpa_priority("cpu") is None
 
 
 def test_without_expansion_gqa_on_cuda_falls_to_math():

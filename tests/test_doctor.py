@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from titanlite import peaks
 from titanlite.tools.cli import main
 from titanlite.tools.doctor import DeviceFacts, plan
 
@@ -96,11 +98,30 @@ def test_doctor_runs_here_in_smoke_scale_passes_and_writes_a_report(tmp_path, ca
         ]
         > 0
     )
+    # The doctor's peak is the one a run's MFU reads: offered to the same cache, best one kept.
+    matmul = report["checks"][[c["name"] for c in report["checks"]].index("matmul float32")]
+    assert 0 <= matmul["data"]["spread"] < 1
+    assert matmul["data"]["measured_flops"] > 0 and matmul["data"]["measured_now_flops"] > 0
+    assert peaks.matmul_peak("cpu", torch.float32).flops == matmul["data"]["measured_flops"]
     md = (out / "report.md").read_text()
     assert md.startswith("# titanlite doctor") and md.count("| pass |") == list(
         statuses.values()
     ).count("pass")
     assert "nothing failed" in capsys.readouterr().out
+    # A second doctor into the same folder: its own earlier runs are not resumed into (the kill
+    # drill would find a finished run and train nothing), and it passes again.
+    assert main(["doctor", "--smoke", "--out", str(out)]) == 0
+    again = json.loads((out / "report.json").read_text())
+    assert again["passed"] and {c["name"]: c["status"] for c in again["checks"]} == statuses
+
+
+def test_the_doctor_never_deletes_a_folder_it_did_not_make(tmp_path, capsys):
+    out = tmp_path / "doctor"
+    (out / "runs").mkdir(parents=True)
+    (out / "runs" / "precious.txt").write_text("mine")
+    assert main(["doctor", "--smoke", "--out", str(out)]) == 2
+    assert (out / "runs" / "precious.txt").read_text() == "mine"
+    assert "the doctor did not make it" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["doctor", "--devise", "cpu"], ["doctor", "extra"]])

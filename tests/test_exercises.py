@@ -60,6 +60,36 @@ def _define(source: str, fn: str):
     return ns[fn]
 
 
+def _merge_mistake(kind):
+    def merge(out1, lse1, out2, lse2):
+        w1, w2 = lse1.exp()[:, None], lse2.exp()[:, None]
+        if kind == "average":
+            return (out1 + out2) / 2, torch.maximum(lse1, lse2)
+        if kind == "unnormalised":
+            return out1 * w1 + out2 * w2, torch.logaddexp(lse1, lse2)
+        if kind == "exp overflow":
+            return (out1 * w1 + out2 * w2) / (w1 + w2), (lse1.exp() + lse2.exp()).log()
+        total = torch.logaddexp(lse1, lse2)
+        a, b = (lse1 - total).exp()[:, None], (lse2 - total).exp()[:, None]
+        if kind == "max for the lse":
+            return out1 * a + out2 * b, torch.maximum(lse1, lse2)
+        if kind == "weights swapped":
+            return out1 * b + out2 * a, total
+        if kind == "lse unchanged":
+            return out1 * a + out2 * b, lse1
+        raise AssertionError(kind)
+
+    return merge
+
+
+def _zigzag_mistake(chunks):
+    def positions(rank, cp, seq_len):
+        size = seq_len // (2 * cp)
+        return [p for i in chunks(rank, cp) for p in range(i * size, (i + 1) * size)]
+
+    return positions
+
+
 # ----- classic mistakes: (what the mistake is, the wrong function, a fragment its message must hold) --
 
 
@@ -191,7 +221,7 @@ def _array_split(shape, w, r):
     return (base + (r < extra)) * math.prod(shape[1:])
 
 
-def _coords(rank, shape, order=("pp", "dp_replicate", "dp_shard", "tp")):
+def _coords(rank, shape, order=("pp", "dp_replicate", "dp_shard", "cp", "tp")):
     out = {}
     for dim, size in reversed(list(zip(order, shape))):
         out[dim] = rank % size
@@ -200,7 +230,7 @@ def _coords(rank, shape, order=("pp", "dp_replicate", "dp_shard", "tp")):
 
 
 def _groups_wrong_axis(shape, dim):
-    axis = 3 - ("pp", "dp_replicate", "dp_shard", "tp").index(dim)
+    axis = 4 - ("pp", "dp_replicate", "dp_shard", "cp", "tp").index(dim)
     grid = torch.arange(math.prod(shape)).view(shape).movedim(axis, -1)
     return grid.reshape(-1, shape[axis]).tolist()
 
@@ -599,22 +629,50 @@ MISTAKES = {
     "11_rank_grid": [
         (
             "tp = rank",
-            lambda r, shape: {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": r},
+            lambda r, shape: {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": r},
             "the coordinates of rank",
         ),
         (
             "pp fastest",
             lambda r, shape: dict(
                 zip(
-                    ("pp", "dp_replicate", "dp_shard", "tp"),
+                    ("pp", "dp_replicate", "dp_shard", "cp", "tp"),
                     list(
-                        _coords(r, shape[::-1], ("tp", "dp_shard", "dp_replicate", "pp")).values()
+                        _coords(
+                            r, shape[::-1], ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+                        ).values()
                     ),
                 )
             ),
             "the coordinates of rank",
         ),
         ("a tuple", lambda r, shape: tuple(_coords(r, shape).values()), "should be a dict"),
+        (
+            "the 4-D grid of before cp",
+            lambda r, shape: _coords(
+                r, shape[:3] + shape[4:], ("pp", "dp_replicate", "dp_shard", "tp")
+            ),
+            "the coordinates of rank",
+        ),
+    ],
+    "17_lse_merge": [
+        ("an average", _merge_mistake("average"), "the merged output"),
+        ("weighted by exp(lse), not normalised", _merge_mistake("unnormalised"), "the merged"),
+        ("exp(lse) normalised: overflows", _merge_mistake("exp overflow"), "the merged"),
+        ("max for the log-sum-exp", _merge_mistake("max for the lse"), "the merged log-sum-exp"),
+        ("the weights swapped", _merge_mistake("weights swapped"), "the merged output"),
+        ("the first lse kept", _merge_mistake("lse unchanged"), "the merged log-sum-exp"),
+    ],
+    "17_zigzag_positions": [
+        (
+            "contiguous",
+            lambda r, cp, t: list(range(r * t // cp, (r + 1) * t // cp)),
+            "the positions rank",
+        ),
+        ("tail 2cp - r", _zigzag_mistake(lambda r, cp: (r, 2 * cp - r)), "the positions rank"),
+        ("tail cp + r", _zigzag_mistake(lambda r, cp: (r, cp + r)), "the positions rank"),
+        ("tail first", _zigzag_mistake(lambda r, cp: (2 * cp - 1 - r, r)), "the positions rank"),
+        ("chunks of t/cp", lambda r, cp, t: [r, 2 * cp - 1 - r], "the positions rank"),
     ],
     "11_groups": [
         ("one group", lambda shape, dim: [[0]], "groups of shape"),
@@ -1071,7 +1129,11 @@ def _run_until_first_check(path: Path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = student_notebook(nbformat.read(path, 4))
     first = next(i for i, c in enumerate(nb.cells) if is_check_cell(c))
-    nb.cells = nb.cells[: first + 1]
+    # The cells before the first check run in the solution edition (tests/test_notebooks.py) and
+    # differ here only in the stubbed solution cells, which no earlier cell calls (checked by
+    # test_no_cell_calls_a_stub_before_its_check): run the setup, the stub and the check.
+    setup = [c for c in nb.cells[:first] if "notebook_setup()" in c.source]
+    nb.cells = [*setup, nb.cells[first - 1], nb.cells[first]]
     client = NotebookClient(
         nb,
         timeout=600,
@@ -1099,3 +1161,29 @@ def test_student_edition_fails_at_its_first_check_in_one_line(path, tmp_path, mo
     assert "Traceback" not in str(e.value) and f"ExerciseError: {name}: not attempted" in str(
         e.value
     )
+
+
+@pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
+def test_no_cell_calls_a_stub_before_its_check(path):
+    """In the student edition a solution cell defines a function that raises until the student
+    writes it: a cell that used that name before the exercise's check would fail first, with a
+    traceback, instead of the check's one line."""
+    import ast
+
+    cells = [c for c in nbformat.read(path, 4).cells if c.cell_type == "code"]
+    for i, cell in enumerate(cells):
+        if not is_check_cell(cell):
+            continue
+        defined = {
+            node.name
+            for node in ast.parse(cells[i - 1].source).body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+        }
+        earlier = [c.source for c in cells[: i - 1] if not is_check_cell(c)]
+        called = {
+            n.func.id
+            for src in earlier
+            for n in ast.walk(ast.parse(src))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        }
+        assert not defined & called, (path.name, defined & called)

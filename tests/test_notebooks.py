@@ -12,6 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+# Run whole in tests/test_browser.py (Run All in a fresh kernel, in JupyterLab), which fails on any
+# error or unrun cell: executed here as well, CI would pay for them twice. Here only without a browser.
+RUN_ALL_IN_THE_BROWSER = {"15_hyperparameter_search", "16_capstone"}
 
 
 def test_there_are_notebooks():
@@ -34,8 +37,12 @@ def test_committed_without_outputs(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_in_smoke_scale(path, tmp_path, monkeypatch):
     import nbformat
+    from jupyter_browser import browser_missing
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
+
+    if path.stem in RUN_ALL_IN_THE_BROWSER and not browser_missing():
+        pytest.skip("run top to bottom by tests/test_browser.py, in JupyterLab")
 
     # Run a copy, so outputs and runs/ never land in the repository.
     work = tmp_path / "notebooks"

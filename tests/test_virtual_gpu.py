@@ -45,6 +45,30 @@ def test_the_counter_sees_every_kind_of_sync():
     assert quiet.sites == []
 
 
+def test_the_counter_sees_reads_torch_makes_for_titanlite_and_in_every_package(monkeypatch):
+    """A read torch makes on titanlite's behalf counts (GradScaler.get_scale's .item(), made from
+    titanlite's code), and so does one in titanlite/data; only the named host-by-design reads
+    (the sampler's window indices) do not."""
+    from titanlite.data import transfer
+    from titanlite.data.sampler import StatefulBatchSampler
+    from titanlite.efficiency.mixed_precision import Precision
+
+    precision = Precision("fp16", "cpu")
+    precision.scaler.scale(torch.ones(()))  # the scale exists from the first scaled loss on
+    with HostSyncs() as syncs:
+        assert precision.scale == 2.0**16  # get_scale(): .item() inside torch, from titanlite
+    assert any("mixed_precision.py" in s and "(in torch)" in s for s in syncs.sites), syncs.sites
+    real = transfer.to_device
+    monkeypatch.setattr(transfer, "to_device", lambda b, d: (b[0].sum().item(), real(b, d))[1])
+    batch = (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
+    with HostSyncs() as syncs:
+        transfer.micro_batches_to([batch], "cpu")  # a sync planted in titanlite/data
+    assert any("test_virtual_gpu.py" in s or "transfer.py" in s for s in syncs.sites), syncs.sites
+    with HostSyncs() as syncs:
+        StatefulBatchSampler(64, 4).next_indices()  # host tensors by design
+    assert syncs.sites == []
+
+
 def _unlogged_syncs(per_step: dict) -> dict:
     return {step: sites for step, (logged, sites) in per_step.items() if not logged and sites}
 
@@ -59,6 +83,48 @@ def test_an_unlogged_step_never_waits_for_the_device_alone(data_dir, tmp_path):
     assert [s for s, (logged, _) in per_step.items() if logged] == [4, 8]
     # reading the loss: one, at least
     assert all(sites for logged, sites in per_step.values() if logged)
+
+
+def test_an_unlogged_fp16_step_never_waits_for_the_device(data_dir, tmp_path):
+    """fp16 with a GradScaler, the default on a T4 or V100: the scale and a skipped step stay on
+    the device (reading them was two waits a step); with an overflow planted (a huge initial scale
+    overflows the first steps), the skips are still found, and read only when a step is logged."""
+    o = tiny_overrides(
+        data_dir,
+        tmp_path,
+        **{
+            "training.steps": 8,
+            "metrics.log_every": 4,
+            "eval.every": 0,
+            "training.mixed_precision": "fp16",
+        },
+    )
+    per_step = train_and_count(o)
+    assert _unlogged_syncs(per_step) == {}
+    records = (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()
+    logged = [r for r in map(json.loads, records) if r["kind"] == "train"]
+    assert [r["step"] for r in logged] == [4, 8]
+    assert all(isinstance(r["skipped_steps"], int) and r["loss_scale"] > 0 for r in logged)
+
+
+def test_an_overflowing_fp16_step_is_skipped_and_counted_without_a_wait():
+    """The skip is found on the device (the scale halved), not by reading the scale back."""
+    from titanlite.efficiency.mixed_precision import Precision
+
+    w = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([w], lr=0.1, fused=True)
+    precision = Precision("fp16", "cpu")
+    for overflow in (False, True, False):
+        precision.backward((w * 2).sum())
+        if overflow:
+            w.grad[0] = float("inf")
+        before = w.detach().clone()
+        with HostSyncs() as syncs:
+            _, skipped = precision.step(optimizer, [w], grad_clip=1.0)
+        assert syncs.sites == [], syncs.sites
+        assert bool(skipped) == overflow and torch.equal(w.detach(), before) == overflow
+        optimizer.zero_grad(set_to_none=True)
+    assert int(precision.skipped_steps) == 1 and precision.scale == 2.0**15
 
 
 @pytest.mark.slow
@@ -134,15 +200,26 @@ def test_cuda_gets_torchtitans_defaults_and_the_cpu_keeps_its_own():
     assert use_fused_adamw("cuda") and not use_fused_adamw("cpu") and not use_fused_adamw("mps")
 
 
-def test_the_sdpa_order_puts_cudnn_first_on_cuda():
+def _h100_with_a_new_cudnn(monkeypatch):
+    """An H100 with cuDNN 9.15.1 and a CUDA 12.8 build: where torch itself puts cuDNN first."""
+    from titanlite import device_policy
+
+    monkeypatch.setattr(device_policy, "_CUDNN", [91501])
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+
+
+def test_the_sdpa_order_puts_cudnn_first_on_cuda_only_where_torch_would(monkeypatch):
     from torch.nn.attention import SDPBackend
 
-    assert sdpa_priority("cuda") == [
+    assert sdpa_priority("cuda", H100) is None  # this CPU build: no cuDNN, torch's own order
+    _h100_with_a_new_cudnn(monkeypatch)
+    assert sdpa_priority("cuda", H100) == [
         SDPBackend.CUDNN_ATTENTION,
         SDPBackend.FLASH_ATTENTION,
         SDPBackend.EFFICIENT_ATTENTION,
         SDPBackend.MATH,
     ]
+    assert sdpa_priority("cuda", A100) is None and sdpa_priority("cuda", (8, 9)) is None
     assert sdpa_priority("cpu") is None and sdpa_priority("mps") is None
 
 
@@ -194,6 +271,7 @@ def test_on_an_h100_attention_tries_cudnn_first_and_keeps_gqa(monkeypatch):
     from titanlite.models.llama import causal_attention
 
     before = _cur_sdpa_kernel_backends(with_priority=True)
+    _h100_with_a_new_cudnn(monkeypatch)
     calls = _spy_on_attention(monkeypatch, run=False)
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(major=9, minor=0)
@@ -205,7 +283,9 @@ def test_on_an_h100_attention_tries_cudnn_first_and_keeps_gqa(monkeypatch):
         causal_attention(q, kv, kv)
         causal_attention(q.float(), kv.float(), kv.float())
     bf16, fp32 = calls
-    assert bf16["order"][:4] == sdpa_priority("cuda") and fp32["order"][:4] == sdpa_priority("cuda")
+    h100 = sdpa_priority("cuda", H100)
+    assert h100[0].name == "CUDNN_ATTENTION"
+    assert bf16["order"][:4] == h100 and fp32["order"][:4] == h100
     assert bf16["heads"] == (32, 8) and bf16["enable_gqa"]
     # repeated to reach the efficient kernel
     assert fp32["heads"] == (32, 32) and not fp32["enable_gqa"]
@@ -217,7 +297,7 @@ def test_on_an_h100_attention_tries_cudnn_first_and_keeps_gqa(monkeypatch):
 
 @pytest.mark.parametrize(
     "capability, kernel, expanded",
-    [(H100, "cudnn", False), (A100, "cudnn", False), (T4, "efficient", True)],
+    [(H100, "cudnn", False), (A100, "flash", False), (T4, "efficient", True)],
 )
 def test_the_attention_kernel_each_preset_would_get(capability, kernel, expanded):
     """Predicted, not measured: every preset in the dtype CUDA's defaults give it on this GPU."""
@@ -231,7 +311,10 @@ def test_the_attention_kernel_each_preset_would_get(capability, kernel, expanded
     for preset in PRESETS:
         args = ModelArgs.preset(preset)
         gqa = args.n_kv_heads < args.n_heads
-        assert sdpa_kernel_for("cuda", dtype, args.head_dim, gqa, capability) == kernel, preset
+        # a current build: cuDNN 9.15.1 with CUDA 12.8 (torch puts cuDNN first on Hopper only)
+        new = {"cudnn_version": 91501, "cuda_version": "12.8"}
+        got = sdpa_kernel_for("cuda", dtype, args.head_dim, gqa, capability, **new)
+        assert got == kernel, preset
         assert expand_kv_for_sdpa("cuda", dtype, args.head_dim, capability) is expanded, preset
 
 
@@ -421,6 +504,43 @@ def test_fsdp_defaults_keep_no_weight_copy_for_backward_and_match_the_formulas(p
     assert before["saved"] > now["saved"] + before["weight_copies"]
 
 
+@pytest.mark.parametrize("preset, seq_len", [("8B", 8192), ("1B", 2048)])
+def test_two_totals_of_the_predicted_table_recomputed_by_another_route(preset, seq_len):
+    """The published table's totals (default dtypes, no AC) from formulas alone, no fake tensors:
+    ZeRO-3's bytes per rank; the activation formula plus the bf16 rotary table the model casts;
+    the gathered weights from the preset's shapes (embedding and, untied, output: V·D each; the
+    final norm: D; the last block's matrices and norms); the logits, T·V·(2 + 4 + 4) bytes."""
+    from pathlib import Path
+
+    from titanlite.models.llama import ModelArgs
+    from titanlite.tools.activation_memory import activation_memory_estimate
+    from titanlite.tools.zero import zero_bytes_per_rank
+
+    args = ModelArgs.preset(preset, max_seq_len=max(seq_len, ModelArgs.preset(preset).max_seq_len))
+    D, F, V, hd = args.dim, args.hidden_dim, args.vocab_size, args.head_dim
+    q_o, k_v = 2 * D * args.n_heads * hd, 2 * D * args.n_kv_heads * hd
+    block = q_o + k_v + 3 * D * F + 2 * D
+    n = (1 if args.tie_embeddings else 2) * V * D + D + args.n_layers * block
+    zero = zero_bytes_per_rank(n, 8, stage=3)
+    state = zero["params"] + zero["grads"] + zero["optimizer"]
+    saved = (
+        activation_memory_estimate(args, 1, seq_len, dtype_bytes=2, mode="none") + 2 * seq_len * hd
+    )
+    gathered = 2 * ((1 if args.tie_embeddings else 2) * V * D + D + block)
+    logits = seq_len * V * (2 + 4 + 4)
+    total = (state + saved + gathered + logits) / 2**30
+    doc = (
+        Path(__file__).resolve().parents[1] / "docs" / "hardware" / "predicted-h100.md"
+    ).read_text()
+    (row,) = [
+        line
+        for line in doc.splitlines()
+        if line.startswith(f"| {preset} | {seq_len} | bfloat16 (default) | none | none |")
+    ]
+    assert float(row.split("|")[-2].split()[0]) == pytest.approx(total, abs=0.006), (row, total)
+    assert float(row.split("|")[-3].split()[0]) == pytest.approx(logits / 2**30, abs=0.006)
+
+
 def test_the_predicted_h100_table_in_docs_is_what_the_script_prints_now():
     from pathlib import Path
 
@@ -431,3 +551,87 @@ def test_the_predicted_h100_table_in_docs_is_what_the_script_prints_now():
         "regenerate: python -m titanlite.tools.predict_memory > " + str(doc)
     )
     assert "not measured" in doc.read_text().splitlines()[0]
+
+
+# ----- which GPU each rank takes, and two ranks on one GPU ---------------------------------------
+
+
+def _fake_gpus(monkeypatch, uuids: list[str], capability=H100):
+    """torch sees these GPUs (one UUID each); set_device does nothing."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+
+    def properties(device=None):
+        index = torch.device(device).index or 0 if device is not None else 0
+        return SimpleNamespace(uuid=uuids[index], major=capability[0], minor=capability[1])
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+
+
+def _join_as(monkeypatch, rank, local_rank, world, local_world, others: dict[int, str]):
+    """init_distributed as rank `rank` of a job whose other ranks already wrote their GPUs to the
+    store (`others`: rank -> "host/uuid"); returns (its DistEnv or the error, the process-group
+    arguments it would have started NCCL with)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from titanlite.distributed import env
+
+    store = dist.HashStore()
+    for r, gpu in others.items():
+        dist.PrefixStore("titanlite-gpus", store).set(str(r), gpu)
+    started = {}
+    monkeypatch.setattr(env, "die_with_parent", lambda: None)
+    monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: iter([(store, rank, world)]))
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda backend, **kw: started.update(kw, backend=backend)
+    )
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    for name, value in {
+        "RANK": rank,
+        "LOCAL_RANK": local_rank,
+        "WORLD_SIZE": world,
+        "LOCAL_WORLD_SIZE": local_world,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": 29500,
+    }.items():
+        monkeypatch.setenv(name, str(value))
+    try:
+        out = env.init_distributed("auto", "auto", 60)
+    except TitanliteError as e:
+        out = e
+    return out, started, socket.gethostname()
+
+
+def test_one_gpu_and_two_ranks_is_refused_in_one_line_before_nccl_starts(monkeypatch):
+    """torchrun --nproc-per-node 2 on a one-GPU machine: both ranks would take cuda:0 (one visible
+    GPU per process is each rank's own, as under SLURM, so the index cannot tell): the UUIDs the
+    ranks exchange over torch's store can, and NCCL is never started."""
+    _fake_gpus(monkeypatch, ["GPU-aaaa"])
+    host = __import__("socket").gethostname()
+    out, started, _ = _join_as(monkeypatch, 1, 1, 2, 2, {0: f"{host}/GPU-aaaa"})
+    assert isinstance(out, TitanliteError) and "ranks 0, 1 took the same GPU" in str(out), out
+    assert "\n" not in str(out) and started == {}
+
+
+def test_slurm_one_gpu_per_task_each_rank_takes_its_own_gpu(monkeypatch):
+    """SLURM --gpus-per-task=1: each task sees one GPU, its own (another UUID): cuda:0 for both,
+    and NCCL starts with that device."""
+    _fake_gpus(monkeypatch, ["GPU-bbbb"])
+    host = __import__("socket").gethostname()
+    out, started, _ = _join_as(monkeypatch, 1, 1, 2, 2, {0: f"{host}/GPU-aaaa"})
+    assert out.device == torch.device("cuda", 0) and out.backend == "nccl"
+    assert started["backend"] == "nccl" and started["device_id"] == torch.device("cuda", 0)
+    assert started["rank"] == 1 and started["world_size"] == 2
+
+
+def test_eight_gpus_each_local_rank_takes_its_own(monkeypatch):
+    _fake_gpus(monkeypatch, [f"GPU-{i}" for i in range(8)])
+    host = __import__("socket").gethostname()
+    others = {r: f"{host}/GPU-{r}" for r in range(8) if r != 5}
+    out, started, _ = _join_as(monkeypatch, 5, 5, 8, 8, others)
+    assert out.device == torch.device("cuda", 5) and started["device_id"] == torch.device("cuda", 5)

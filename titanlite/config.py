@@ -125,6 +125,10 @@ class ParallelSection:
     pp_microbatches: int | None = ranged(None, "[1, inf)")
     # interleaved schedules: stages per rank (None: 2)
     pp_stages_per_rank: int | None = ranged(None, "[1, inf)")
+    # context-parallel degree: every sequence split over this many ranks, attention across them
+    cp: int = ranged(1, "[1, inf)")
+    cp_layout: str = one_of("zigzag", "contiguous")  # zigzag: chunks i and 2cp-1-i (balanced)
+    cp_method: str = one_of("ring", "allgather")  # how keys and values reach every rank
 
 
 @dataclass

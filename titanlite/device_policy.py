@@ -165,25 +165,63 @@ def check_fp8_compiled(
         )
 
 
+def capability_of(t: torch.Tensor) -> tuple[int, int] | None:
+    """The compute capability of t's GPU, None off CUDA (its properties: compile folds them)."""
+    if t.device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(t.device)
+    return (props.major, props.minor)
+
+
 def use_fused_adamw(device_type: str) -> bool:
     """AdamW's step as one fused kernel over all parameters: CUDA only (torchtitan's default)."""
     return device_type == "cuda"
 
 
-def sdpa_priority(device_type: str) -> list | None:
-    """The order SDPA tries its CUDA kernels in: cuDNN (fastest on Hopper/Blackwell training
-    shapes), flash, memory-efficient, math. torch's own default puts math before cuDNN, so cuDNN
-    would never run; each kernel skips inputs it does not take. None: torch's choice (CPU, MPS)."""
-    return (
-        [
-            SDPBackend.CUDNN_ATTENTION,
-            SDPBackend.FLASH_ATTENTION,
-            SDPBackend.EFFICIENT_ATTENTION,
-            SDPBackend.MATH,
-        ]
-        if device_type == "cuda"
-        else None
-    )
+def prefers_cudnn_attention(
+    capability: tuple[int, int] | None,
+    cudnn_version: int | None,
+    cuda_version: str | None,
+    deprioritized: bool = False,
+) -> bool:
+    """torch's own gate for putting cuDNN's fused attention first (aten's sdp_utils.cpp,
+    check_prefer_cudnn_attention, torch 2.13): a cuDNN newer than 9.15.0 (9.15.1 fixed sequence
+    lengths not divisible by 128, pytorch#169849) on an SM 9.x or 10.x GPU; with a CUDA 12 build
+    only x.0 and x.3; never with TORCH_CUDNN_SDPA_DEPRIORITIZED set (`deprioritized`)."""
+    if deprioritized or capability is None or cudnn_version is None:
+        return False
+    major, minor = capability
+    cuda_major = int(str(cuda_version or "0").split(".")[0])
+    return cudnn_version > 91500 and major in (9, 10) and (cuda_major >= 13 or minor in (0, 3))
+
+
+def sdpa_priority(device_type: str, capability: tuple[int, int] | None = None) -> list | None:
+    """The order SDPA tries its CUDA kernels in: cuDNN, flash, memory-efficient, math where torch's
+    own conditions for cuDNN hold (`prefers_cudnn_attention`, this GPU's capability and this
+    build's cuDNN and CUDA): where they do not (an A100, an RTX 4090, a CUDA 12 wheel's older cuDNN),
+    None, torch's own order, so nothing torch turned off is forced back on; None off CUDA too."""
+    cudnn = cudnn_runtime_version() if device_type == "cuda" else None
+    if not prefers_cudnn_attention(capability, cudnn, torch.version.cuda, _DEPRIORITIZED):
+        return None
+    return [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+
+
+# torch reads this once, at its first attention call; so do we (set later, both ignore it)
+_DEPRIORITIZED = os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").lower() in ("1", "true", "on")
+_CUDNN: list = []  # the runtime cuDNN version, read once (a library call compiled code need not trace)
+
+
+def cudnn_runtime_version() -> int | None:
+    """This process's cuDNN (e.g. 91501 for 9.15.1), or None without one."""
+    if not _CUDNN:
+        available = torch.backends.cudnn.is_available()
+        _CUDNN.append(torch.backends.cudnn.version() if available else None)
+    return _CUDNN[0]
 
 
 def allocator_settings(device_type: str, env=os.environ) -> str | None:

@@ -12,6 +12,7 @@ from ._ui import eager
 from .data.transfer import to_device
 from .distributed.env import all_reduce_sum
 from .efficiency.accumulation import count_targets
+from .models.llama import whole_sequences
 
 
 @torch.no_grad()
@@ -24,7 +25,8 @@ def validation_loss(loss_on, batches, device, distributed: bool = False) -> floa
         n = max(1, count_targets(batch[1]))  # counted on the host copy
         loss_total, tokens = loss_total + loss_on(x, y) * n, tokens + n
     if distributed:
-        # TP and PP ranks of one slice add the same pair twice over: the ratio is unchanged.
+        # TP and PP ranks of one slice add the same pair twice over: the ratio is unchanged;
+        # CP ranks each add their part of the sequences.
         both = torch.tensor([loss_total, float(tokens)], dtype=torch.float64, device=device)
         loss_total, tokens = all_reduce_sum(both).tolist()
     return loss_total / tokens
@@ -62,7 +64,9 @@ def generate(
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):
-        with eager():  # prompts of every length would each trigger a recompile
+        # eager: prompts of every length would each trigger a recompile; whole sequences: under
+        # context parallelism every rank runs the whole prompt (a few tokens, not worth cutting)
+        with eager(), whole_sequences(model):
             logits = model(x[:, -context:])
         # TP: vocab-sharded
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits

@@ -86,8 +86,8 @@ def train_record(
     if precision.scaler.is_enabled():
         record.update(
             loss_scale=precision.scale,
-            skipped=out["skipped"],
-            skipped_steps=precision.skipped_steps,
+            skipped=bool(out["skipped"]),  # a device bool, read on logged steps only
+            skipped_steps=int(precision.skipped_steps),
         )
     return record
 

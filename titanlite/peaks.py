@@ -54,9 +54,7 @@ def _tf32_enabled() -> bool:
     mode = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # torch >= 2.9 API
     if mode in ("tf32", "ieee"):
         return mode == "tf32"
-    with contextlib.suppress(
-        RuntimeError
-    ):  # raised when the legacy and new precision APIs were mixed
+    with contextlib.suppress(RuntimeError):  # raised when the legacy and new APIs were mixed
         return bool(torch.backends.cuda.matmul.allow_tf32)
     return False
 
@@ -84,11 +82,8 @@ def measure_matmul_peak(device, dtype, budget_s: float = 2.0, matmul=None) -> Pe
         # warm-up + one timed call must fit this size's share (emulated dtypes slow as n grows)
         if last and 2 * (2 * n**3 / last) > share:
             break
-        last = (
-            2
-            * n**3
-            / time_fn(matmul(n) if matmul else _square_matmul(n, device, dtype), device, share)
-        )
+        run = matmul(n) if matmul else _square_matmul(n, device, dtype)
+        last = 2 * n**3 / time_fn(run, device, share)
         if last > best:
             best, best_n = last, n
     return Peak(
@@ -132,36 +127,85 @@ def peak_is_stale(
 
 
 def matmul_peak(device, dtype, refresh: bool = False) -> Peak:
-    """Measured matmul peak, cached on disk (measuring costs seconds, every run needs it);
-    measured again when asked (refresh) or when `peak_is_stale` says so."""
+    """Measured matmul peak, cached on disk (measuring costs seconds, every run needs it); measured
+    again when asked (refresh) or when `peak_is_stale` says so, and then kept only if it beats the
+    cached one by more than that one's spread (`record_peak`): a later, lower figure means a busier
+    machine, not a slower one."""
     device = torch.device(device)
-    facts = {
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "device": hardware.device_name(device),
-    }
-    key = (
-        f"{facts['device']} | {_matmul_label(device, dtype)} | "
-        f"threads={facts['threads']} | torch={facts['torch']}"
-    )
-    path = cache_dir() / "matmul_peaks.json"
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):  # missing or corrupt: start afresh rather than fail
-        table = {}
+    entry = _read_cache().get(_cache_key(device, dtype))
+    if not refresh and not peak_is_stale(entry, time.time(), *_facts(device).values()):
+        return _cached(entry)
+    ((peak, spread),) = measure_peaks(device, [dtype]).values()
+    return record_peak(device, dtype, peak, spread)
+
+
+def measure_peaks(device, dtypes, rounds: int = 3, budget_s: float = 2.0) -> dict:
+    """{dtype: (best Peak, spread)}: `rounds` rounds, each measuring every dtype in turn (so a busy
+    moment hits them alike), each round a third of `budget_s` per dtype. spread: (best - worst) /
+    best over the rounds, the noise this machine showed meanwhile."""
+    runs = {dtype: [] for dtype in dtypes}
+    for _ in range(rounds):
+        for dtype in dtypes:
+            runs[dtype].append(measure_matmul_peak(device, dtype, budget_s / rounds))
+    out = {}
+    for dtype, peaks in runs.items():
+        best = max(peaks, key=lambda p: p.flops)
+        out[dtype] = (best, (best.flops - min(p.flops for p in peaks)) / best.flops)
+    return out
+
+
+def record_peak(device, dtype, peak: Peak, spread: float) -> Peak:
+    """Cache a measured peak for this device and dtype, unless the cached one (still valid) is
+    within its spread of it or above it: one trustworthy peak per device and dtype, whoever
+    measured it (notebook 00, the trainer, the doctor). Returns the peak in force, labelled with
+    when it was measured, the machine's load then and its spread."""
+    device = torch.device(device)
+    key, facts, now = _cache_key(device, dtype), _facts(device), time.time()
+    table = _read_cache()
     entry = table.get(key)
-    if not refresh and not peak_is_stale(
-        entry, time.time(), *facts.values()
-    ):  # threads, torch, device
-        return Peak(entry["flops"], "measured", f"{entry['label']} [cached {entry['when']}]")
-    peak = measure_matmul_peak(device, dtype)
-    table[key] = {
-        "flops": peak.flops,
-        "label": peak.label,
-        "when": time.strftime("%Y-%m-%d %H:%M"),
-        "measured_at": time.time(),
-        **facts,
-    }
+    if peak_is_stale(entry, now, *facts.values()) or peak.flops > entry["flops"] * (
+        1 + entry.get("spread", 0.0)
+    ):
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        entry = table[key] = {
+            "flops": peak.flops,
+            "label": peak.label,
+            "when": time.strftime("%Y-%m-%d %H:%M"),
+            "measured_at": now,
+            "spread": spread,
+            "load": load,
+            **facts,
+        }
+        _write_cache(table)
+    return _cached(entry)
+
+
+def _facts(device) -> dict:
+    name = hardware.device_name(device)
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__, "device": name}
+
+
+def _cache_key(device, dtype) -> str:
+    f = _facts(device)
+    return f"{f['device']} | {_matmul_label(device, dtype)} | threads={f['threads']} | torch={f['torch']}"
+
+
+def _cached(entry: dict) -> Peak:
+    """The Peak of a cache entry, its label saying when, at what load and spread it was measured."""
+    load = entry.get("load")
+    how = f", load {load:.1f}" if load is not None else ""
+    how += f", spread {entry['spread']:.0%}" if "spread" in entry else ""
+    return Peak(entry["flops"], "measured", f"{entry['label']} [cached {entry['when']}{how}]")
+
+
+def _read_cache() -> dict:
+    with contextlib.suppress(OSError, ValueError):  # missing or corrupt: start afresh, not fail
+        return json.loads((cache_dir() / "matmul_peaks.json").read_text())
+    return {}
+
+
+def _write_cache(table: dict) -> None:
+    path = cache_dir() / "matmul_peaks.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # write, then rename: never half a file
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".matmul_peaks.", suffix=".tmp")
@@ -173,9 +217,8 @@ def matmul_peak(device, dtype, refresh: bool = False) -> Peak:
             f"could not cache the matmul peak in {path} ({e}): set TITANLITE_CACHE_DIR "
             "to a writable folder",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    return peak
 
 
 def recheck_peak(
@@ -197,39 +240,29 @@ def recheck_peak(
 
 
 def _with_datasheet(peak: Peak, sheet: Peak | None) -> Peak:
-    return (
-        peak
-        if sheet is None
-        else Peak(
-            peak.flops,
-            peak.source,
-            f"{peak.label}; {sheet.label} ({peak.flops / sheet.flops:.0%} of it)",
-        )
-    )
+    if sheet is None:
+        return peak
+    label = f"{peak.label}; {sheet.label} ({peak.flops / sheet.flops:.0%} of it)"
+    return Peak(peak.flops, peak.source, label)
 
 
 def get_peak(device, dtype, source: str = "auto", datasheet=None) -> Peak:
     """The MFU denominator: "measured", "datasheet", or "auto" (measured, the datasheet figure
     quoted beside it). `datasheet(device, dtype) -> Peak | None` looks vendor figures up: a tool
     (titanlite.tools.datasheet.datasheet_peak) the caller hands in, as `titanlite train` does."""
-    if source not in ("auto", "measured", "datasheet"):
+    sources = ("auto", "measured", "datasheet")
+    if source not in sources:
         raise TitanliteError(
-            f"unknown peak source {source!r}"
-            f"{closest(source, ('auto', 'measured', 'datasheet'))}: "
-            "use auto, measured or datasheet"
+            f"unknown peak source {source!r}{closest(source, sources)}: use one of them"
         )
     sheet = datasheet(device, dtype) if datasheet is not None else None
     if source == "datasheet":
         if sheet is None:
-            raise TitanliteError(
-                f"no datasheet peak for {hardware.device_name(device)} in "
-                f"{str(dtype).removeprefix('torch.')}: use source='measured'"
-                + (
-                    ""
-                    if datasheet
-                    else " (or hand in tools.datasheet.datasheet_peak, as titanlite train does)"
-                )
+            how = (
+                "" if datasheet else " (or hand in tools.datasheet.datasheet_peak, as the CLI does)"
             )
+            what = f"{hardware.device_name(device)} in {str(dtype).removeprefix('torch.')}"
+            raise TitanliteError(f"no datasheet peak for {what}: use source='measured'{how}")
         return sheet
     return _with_datasheet(matmul_peak(device, dtype), sheet if source == "auto" else None)
 
@@ -258,10 +291,9 @@ def mfu(achieved_flops_per_s: float, peak: Peak) -> float:
     key = peak.label.split(" [cached")[0]  # the same peak, whether measured now or read back
     if ratio > 1 and key not in _WARNED:
         _WARNED.add(key)
+        fix = "re-measure: matmul_peak(..., refresh=True), or get_peak(..., source='datasheet')"
         warnings.warn(
-            f"MFU {ratio:.2f} > 1 against '{peak.label}': the peak is too low - "
-            "re-measure with matmul_peak(..., refresh=True) or use get_peak(..., "
-            "source='datasheet')",
+            f"MFU {ratio:.2f} > 1 against '{peak.label}': the peak is too low - {fix}",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -1,7 +1,7 @@
 """Preflight: every way a config can fail to make a run, checked once, before anything starts.
 
     plan = preflight(cfg, world_size=4, vocab_size=4096)
-    plan.dims                   # the rank grid: pp × dp_replicate × dp_shard × tp
+    plan.dims                   # the rank grid: pp × dp_replicate × dp_shard × cp × tp
     plan.micro_batch, plan.grad_accum_steps, plan.global_batch
     plan.model_args             # the model's shape (a preset and its overrides, or a checkpoint's)
 
@@ -43,7 +43,7 @@ def preflight(cfg: Config, world_size: int, vocab_size: int, start_from=None) ->
     (`tokenizer_size`); `start_from`: a published model (tools.hf_start.HuggingFaceStart) sets the shape."""
     cfg.validate()
     p, t = cfg.parallel, cfg.training
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, world_size, tp=p.tp, pp=p.pp)
+    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, world_size, tp=p.tp, pp=p.pp, cp=p.cp)
     check_fault(cfg.fault, t.steps, world_size)
     micro, accum, global_batch = resolve_batch(
         t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=dims.dp
@@ -145,7 +145,16 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
         from .distributed.tensor_parallel import check_tp  # loads TP's part of torch: tp > 1 only
 
         check_tp(
-            args, dims.tp, seq_len=t.seq_len, sequence_parallel=sequence_parallel_enabled(p, dims)
+            args,
+            dims.tp,
+            seq_len=t.seq_len // dims.cp,  # what a cp rank holds of each sequence
+            sequence_parallel=sequence_parallel_enabled(p, dims),
+        )
+    pieces = 2 * dims.cp if p.cp_layout == "zigzag" else dims.cp  # zigzag: 2 chunks a rank
+    if dims.cp > 1 and t.seq_len % pieces:
+        raise TitanliteError(
+            f"training.seq_len={t.seq_len} does not cut into {pieces} equal chunks for "
+            f"--parallel.cp {dims.cp} ({p.cp_layout}): use a seq_len that is a multiple of {pieces}"
         )
     if dims.pp > 1 and p.pp_schedule == "zbv" and cfg.eval.every:
         raise TitanliteError(

@@ -87,6 +87,7 @@ class Trainer:
             micro_batch=self.micro_batch,
             rank=self.dims.dp_rank(self.dist.rank),
             world_size=self.dims.dp,
+            sequence_part=self.dims.sequence_part(self.dist.rank, p.cp_layout),  # CP: its part
         )
         self.tokenizer = self.data.tokenizer
         if cfg.model.preset in VOCAB_FROM_TOKENIZER and cfg.model.vocab_size is None:
@@ -103,7 +104,7 @@ class Trainer:
             self.dtype,
             p,
             Techniques.of(cfg),
-            example_shape=(self.micro_batch, cfg.training.seq_len),
+            example_shape=(self.micro_batch, cfg.training.seq_len // self.dims.cp),
             autocast_dtype=self.precision.dtype,
         )
         self.model = self.model_parts[0]
@@ -191,8 +192,8 @@ class Trainer:
         out = {"loss": None, "grad_norm": None, "skipped": skipped}
         out.update(ready_s=ready_s, staging_wait_s=staging_wait_s)
         if read:
-            # Each rank holds its slice's loss (TP ranks and PP stages alike): average the slices.
-            loss = env.all_reduce_sum(total).item() / (self.dims.dp * self.dims.tp * self.dims.pp)
+            # Each rank holds its slice's loss (TP ranks, PP stages, CP ranks): average the slices.
+            loss = env.all_reduce_sum(total).item() / self.dims.world_size
             out.update(loss=loss, grad_norm=float(grad_norm))
             # A non-finite loss poisons the weights, so every later loss is non-finite too and
             # the next logged step (the last one always is) catches it.

@@ -122,3 +122,17 @@ def fsdp_mixed_precision(model: nn.Module) -> dict | None:
         "param_dtype": str(policy.param_dtype) if policy.param_dtype else None,
         "reduce_dtype": str(policy.reduce_dtype) if policy.reduce_dtype else None,
     }
+
+
+def scaler_scale(scaler) -> torch.Tensor:
+    """GradScaler's current scale as the device tensor it keeps (`_scale`, 2.11-2.13): its public
+    `get_scale()` returns a float, which makes the host wait for the GPU. Set by the first
+    `scale()`; if renamed, this raises at the first fp16 step rather than mis-detect skips."""
+    return scaler._scale
+
+
+def flatten_mesh(mesh, dims: tuple[str, ...], name: str) -> str:
+    """Fold `dims` of a DeviceMesh into one dim called `name` (DeviceMesh._flatten, 2.11-2.13, as
+    torchtitan does for FSDP over dp_shard × cp); returns the name to index the mesh with."""
+    mesh[dims]._flatten(name)
+    return name

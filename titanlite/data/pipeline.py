@@ -132,11 +132,19 @@ def build_data(
 
 
 def data_for(
-    data, training, tokenizer: str | None, *, micro_batch: int, rank: int, world_size: int
+    data,
+    training,
+    tokenizer: str | None,
+    *,
+    micro_batch: int,
+    rank: int,
+    world_size: int,
+    sequence_part=None,
 ):
     """`build_data` as a run's [data] and [training] sections ask, with the micro-batch preflight
-    resolved and this rank's place among the data-parallel ranks."""
-    return build_data(
+    resolved and this rank's place among the data-parallel ranks. `sequence_part(t)`: what this
+    rank keeps of each batch's sequences (context parallelism), applied to both splits."""
+    bundle = build_data(
         data.dataset,
         path=data.path,
         tokenizer=tokenizer,
@@ -150,6 +158,8 @@ def data_for(
         rank=rank,
         world_size=world_size,
     )
+    bundle.train.part = bundle.val.part = sequence_part
+    return bundle
 
 
 def cached_token_stream(

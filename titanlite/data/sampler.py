@@ -142,6 +142,8 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
 class TokenBatches:
     """(x, y) batches of one split: random windows for training, fixed ones for evaluation."""
 
+    part = None  # what this rank keeps of each sequence (context parallelism); None: all of it
+
     def __init__(
         self,
         tokens: torch.Tensor,
@@ -175,7 +177,8 @@ class TokenBatches:
 
     def batch_of(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.windows[torch.as_tensor(indices, dtype=torch.long)].long()
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        return (x, y) if self.part is None else (self.part(x), self.part(y))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next training batch: x and y are int64 [batch_size, seq_len], y = x shifted."""

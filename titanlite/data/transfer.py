@@ -36,5 +36,7 @@ def micro_batches_to(
 ) -> MicroBatches:
     """`batches` on `device` (see `to_device`), with their real target tokens counted first."""
     on_device = MicroBatches(to_device(batch, device) for batch in batches)
-    on_device.num_targets = sum(int((y != ignore_index).sum()) for _, y in batches)
+    on_device.num_targets = 0
+    for _, y in batches:  # the host copies: nothing waits for the device
+        on_device.num_targets += int((y != ignore_index).sum())
     return on_device

@@ -12,6 +12,7 @@ import ctypes
 import datetime
 import os
 import signal
+import socket
 import sys
 import warnings
 from dataclasses import dataclass
@@ -135,16 +136,10 @@ def init_distributed(
 ) -> DistEnv:
     """Join the job's process group (if torchrun started us); return who we are."""
     ids = torchrun_env()
-    if ids is None or ids[2] == 1 or not dist.is_available():
+    if ids is None or ids.world_size == 1 or not dist.is_available():
         return DistEnv(device=device_for_rank(device, 0))
     rank, local_rank, world_size = ids
-    # Linux: have the kernel kill this worker if its torchrun agent dies, even by SIGKILL (torchrun
-    # gives each worker its own session), so an interrupted notebook never leaves ranks behind.
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-            if os.getppid() == 1:  # the parent died before we asked
-                os._exit(1)
+    die_with_parent()
     dev = device_for_rank(device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     explicit = str(device).strip().lower().startswith("mps")
     name, dev_type, note = backend_and_device_for(dev.type, world_size, backend, explicit=explicit)
@@ -154,14 +149,56 @@ def init_distributed(
             print(f"[titanlite] {note}", file=sys.stderr, flush=True)
     if not dist.is_initialized():
         # Past the timeout a collective raises instead of hanging: a dead peer becomes an error.
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # torch's own rendezvous (env://, torchrun's agent store where it has one), first to
+        # check that no two ranks of a machine hold the same GPU, where NCCL would fail obscurely
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        if dev.type == "cuda":
+            refuse_shared_gpus(store, rank, world_size, f"{socket.gethostname()}/{gpu_uuid(dev)}")
         dist.init_process_group(
             name,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
         )
     return DistEnv(
         rank=rank, local_rank=local_rank, world_size=world_size, backend=name, device=dev
     )
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel kill this worker if its torchrun agent (or fork server) dies, even by
+    SIGKILL (each worker has a session of its own), so an interrupted notebook leaves no rank."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+            if os.getppid() == 1:  # the parent died before we asked
+                os._exit(1)
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The GPU's UUID (the same physical GPU has it whatever CUDA_VISIBLE_DEVICES renumbers)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def refuse_shared_gpus(store, rank: int, world_size: int, gpu: str) -> None:
+    """Every rank writes which GPU it took (`gpu`: host and UUID) to the store and reads the others':
+    two ranks on one GPU are refused in one line, on every rank, before NCCL starts (one GPU and
+    torchrun --nproc-per-node 2 would otherwise meet NCCL's "Duplicate GPU detected")."""
+    gpus = dist.PrefixStore("titanlite-gpus", store)
+    gpus.set(str(rank), gpu)
+    ranks = [str(r) for r in range(world_size)]
+    gpus.wait(ranks)
+    taken = [gpus.get(r).decode() for r in ranks]
+    shared = [r for r in range(world_size) if taken.count(taken[r]) > 1]
+    if shared:
+        raise TitanliteError(
+            f"ranks {', '.join(map(str, shared))} took the same GPU ({taken[shared[0]]}): each "
+            f"rank needs its own; start at most {world_size - len(shared) + 1} processes per "
+            f"machine here (--nproc-per-node), or give each one a GPU of its own"
+        )
 
 
 def destroy_distributed(barrier: bool = False) -> None:

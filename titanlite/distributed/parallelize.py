@@ -9,7 +9,8 @@
 4. FP8      - swaps nn.Linear for Float8Linear: everything later sees the final modules.
 5. AC       - wraps each block, so the wrapper is what compile and FSDP see.
 6. compile  - per block, before FSDP: the hooks FSDP installs stay outside the graphs.
-7. DDP/FSDP - last: they wrap or shard whatever the model finally is.
+7. CP       - hands attention the cp group (after compile's trial, which runs one block alone).
+8. DDP/FSDP - last: they wrap or shard whatever the model finally is.
 
 Each technique's part of torch (or torchao) is imported only where a run asks for the technique."""
 
@@ -21,12 +22,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .._compat.torch_internals import is_compiled_in_place
 from ..config import (
     ActivationCheckpointSection,
     CompileSection,
     Float8Section,
     ParallelSection,
 )
+from ..errors import TitanliteError
 from ..models.llama import ModelArgs, Transformer, build_model
 from .ddp import apply_ddp
 from .mesh import ParallelDims
@@ -72,13 +75,23 @@ def parallelize(
         pp=dims.pp,
         reshard_after_forward=p.reshard_after_forward,
     )
-    # HSDP shards within a replica group and all-reduces across groups: a 2-D mesh.
-    dp_mesh = None
-    if mesh is not None:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.strategy == "hsdp" else mesh["dp_shard"]
+    # HSDP shards within a replica group and all-reduces across groups: a 2-D mesh. CP ranks hold
+    # the same weights: FSDP shards them over dp_shard × cp.
+    dp_mesh = dims.fsdp_mesh(mesh) if fsdp else None
+
+    # FSDP gathers the weights in its param_dtype: the trial compile runs them in it, as training will
+    trial_weights = fsdp_kwargs["param_dtype"] if fsdp else None
 
     def efficiency(part):
-        return apply_efficiency(part, device, techniques, example_shape, autocast_dtype)
+        return apply_efficiency(
+            part, device, techniques, example_shape, autocast_dtype, trial_weights
+        )
+
+    def context_parallel(part):  # after the trial compile, which runs a block alone
+        if dims.cp > 1:
+            from .context_parallel import apply_cp  # cp > 1 only
+
+            apply_cp(part, mesh["cp"], p.cp_layout, p.cp_method)
 
     if fsdp:
         from .fsdp import apply_fsdp, shard_and_init  # torch.distributed.fsdp: sharded runs only
@@ -88,6 +101,7 @@ def parallelize(
         # The FP8 and compile checks' trial runs must not move the RNG before rank 0 draws the weights.
         with torch.random.fork_rng(devices=[]):
             model = efficiency(model)
+        context_parallel(model)
 
         def weights():  # drawn once, by rank 0, then sharded out
             return build_model(args, "cpu").to(dtype)
@@ -118,6 +132,7 @@ def parallelize(
                 loss_parallel=loss_parallel_enabled(p, dims),
             )
         part = efficiency(part)
+        context_parallel(part)
         if fsdp:
             part = apply_fsdp(part, dp_mesh, **fsdp_kwargs)
         elif dims.strategy == "ddp":
@@ -155,9 +170,11 @@ def apply_efficiency(
     techniques: Techniques,
     example_shape: tuple[int, int],
     autocast_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """FP8, then AC, then compile (the order: above). The trial compile runs a real block on a
-    batch of `example_shape` under `autocast_dtype`, so a failure falls back here, not at step 1."""
+    batch of `example_shape` under `autocast_dtype` with its weights in `param_dtype` (FSDP's,
+    where it gathers them in another dtype), so a failure falls back here, not at step 1."""
     f, ac, c = techniques.float8, techniques.activation_checkpoint, techniques.compile
     if f.enable:
         from ..efficiency.fp8 import apply_fp8, set_precision_casts_for  # torchao: FP8 runs only
@@ -188,6 +205,15 @@ def apply_efficiency(
             device=device,
             example_shape=example_shape,
             autocast_dtype=autocast_dtype,
+            param_dtype=param_dtype,
             **backend,
+        )
+    if f.enable and not model.fp8_info["emulated"] and not is_compiled_in_place(model):
+        # Real FP8 uncompiled casts every operand unfused: slower than bf16. Asked for compile, it
+        # can still end up eager: the trial compile failed and fell back (device_policy refuses
+        # the asking; this, the ending up).
+        raise TitanliteError(
+            "real FP8 needs torch.compile, which cannot run here (the trial fell back to eager): "
+            "fix compile (see the warning above), or set --float8.emulate true, or train in bf16"
         )
     return model

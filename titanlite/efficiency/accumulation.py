@@ -55,11 +55,12 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def global_tokens_per_rank(
     micro_batches: list, dims, device, distributed: bool
 ) -> float | torch.Tensor:
-    """Divisor of each micro-batch's summed loss: global target tokens / dp (DDP, FSDP average over dp)."""
+    """Divisor of each micro-batch's summed loss: global target tokens / (dp × cp), as DDP and FSDP
+    average gradients over the dp × cp ranks (a cp rank holds a part of each of its sequences)."""
     if distributed:
         # Counted on the device from its own copy of the labels and summed there: a tensor made from a
-        # Python number would wait for the GPU every step. TP/PP ranks of a dp slice count theirs once.
+        # Python number would wait for the GPU every step. The tp × pp ranks of a slice each count it.
         local = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).float()
-        return all_reduce_sum(local) / (dims.tp * dims.pp * dims.dp)
+        return all_reduce_sum(local) / dims.world_size
     local = getattr(micro_batches, "num_targets", None)  # counted on the host (data/transfer.py)
     return float(local if local is not None else sum(count_targets(y) for _, y in micro_batches))

@@ -31,11 +31,13 @@ def apply_compile(
     device: torch.device | str | None = None,
     example_shape: tuple[int, int] | None = None,
     autocast_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
     **compile_kwargs,
 ) -> nn.Module:
     """Compile `model` in place ("regional": each block, "model": all of it) and return it. `device`:
     where it will run (default: its parameters'; pass it for a meta-device model); the trial compiles
-    block 0 on an `example_shape` (batch, seq_len) batch under the run's `autocast_dtype`."""
+    block 0 on an `example_shape` (batch, seq_len) batch under the run's `autocast_dtype`, with its
+    weights in `param_dtype` where they compute in another dtype than they are kept in (FSDP)."""
     if scope not in SCOPES:
         raise TitanliteError(
             f"compile scope '{scope}' is not one of {', '.join(SCOPES)}"
@@ -59,6 +61,7 @@ def apply_compile(
         args=args,
         example_shape=example_shape,
         autocast_dtype=autocast_dtype,
+        param_dtype=param_dtype,
         **compile_kwargs,
     )
     if not support.works:

@@ -15,7 +15,7 @@ from torch import nn
 
 from .._compat.torch_internals import cpp_compiler_error, has_triton
 from ..hardware import synchronize
-from ..models.llama import rope_cache
+from ..models.rope import rope_cache
 
 _TRIALS: dict[tuple, BaseException | None] = {}  # (device, kwargs[, block, shape]) -> error or None
 
@@ -36,10 +36,13 @@ def compile_support(
     args=None,
     example_shape: tuple[int, int] | None = None,
     autocast_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
     **compile_kwargs,
 ) -> CompileSupport:
     """Can torch.compile (with these kwargs) run on `device`? Static checks first (the clearest fix),
-    then a trial compile of a copy of `block` on an `example_shape` batch, or else of a tiny matmul."""
+    then a trial compile of a copy of `block` on an `example_shape` batch, or else of a tiny matmul.
+    `param_dtype`: the dtype the block's weights compute in, when not their own (FSDP gathers
+    them in bf16 while they are kept in fp32): the trial runs the graph training will run."""
     import torch._dynamo  # heavy: imported only when compiling
 
     device = torch.device(device)
@@ -51,20 +54,22 @@ def compile_support(
     if block is None or args is None or example_shape is None:
         block, what = None, "a tiny matmul"
     else:
-        what = f"block 0 on a {example_shape[0]}x{example_shape[1]} batch" + (
-            f" under {str(autocast_dtype)[6:]} autocast" if autocast_dtype is not None else ""
-        )
+        what = f"block 0 on a {example_shape[0]}x{example_shape[1]} batch"
+        if autocast_dtype is not None:
+            what += f" under {str(autocast_dtype).removeprefix('torch.')} autocast"
+        if param_dtype is not None:
+            what += f" with {str(param_dtype).removeprefix('torch.')} weights"
         # repr: the block's module tree (FP8 Linears, a checkpoint wrapper): each kind is tried
         key += (
             repr(block),
             tuple(example_shape),
-            str(next(block.parameters()).dtype),
+            str(param_dtype or next(block.parameters()).dtype),
             repr(args),
             str(autocast_dtype),
         )
     if key not in _TRIALS:
         _TRIALS[key] = _trial_compile(
-            device, compile_kwargs, block, args, example_shape, autocast_dtype
+            device, compile_kwargs, block, args, example_shape, autocast_dtype, param_dtype
         )
     error, trial = _TRIALS[key], f"a trial compile of {what} (backend={name})"
     if error is None:
@@ -122,6 +127,7 @@ def _trial_compile(
     args,
     shape: tuple[int, int],
     autocast_dtype: torch.dtype | None,
+    param_dtype: torch.dtype | None = None,
 ) -> BaseException | None:
     """Compile and run forward + backward: without `block` a tiny matmul + pointwise + reduction, else
     a copy of it fed as the model feeds it (dtypes, rotary tables, the run's autocast): a bf16 graph can
@@ -149,6 +155,8 @@ def _trial_compile(
                     trial = trial.to_empty(device=device)
                     for p in trial.parameters():
                         nn.init.normal_(p, std=0.02)
+                if param_dtype is not None:
+                    trial = trial.to(param_dtype)  # as FSDP gathers them
                 dtype = next(
                     trial.parameters()
                 ).dtype  # hidden states and rotary tables as the model's

@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from .._compat.torch_internals import scaler_scale
 from ..device_policy import enable_tf32, resolve_mixed_precision, tf32_default
 from ..errors import TitanliteError, closest
 
@@ -66,7 +67,7 @@ class Precision:
             growth_interval=growth_interval,
             enabled=(mode == "fp16"),
         )
-        self.skipped_steps = 0
+        self.skipped_steps = 0  # a device tensor once fp16 steps have run: read when logging
 
     def autocast(self):
         return (
@@ -97,17 +98,21 @@ class Precision:
             norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        scale_before = self.scale
-        self.scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/nan
-        self.scaler.update()  # ... and then halves the scale: that is how we see a skip
-        skipped = self.scaler.is_enabled() and self.scale < scale_before
-        self.skipped_steps += int(skipped)
+        if not self.scaler.is_enabled():
+            optimizer.step()
+            skipped = False
+        else:
+            # The scale stays on the device: reading it (get_scale) would wait for the GPU twice a
+            # step. Compared there, a skip is a device bool, read only when the step is logged.
+            scale_before = scaler_scale(self.scaler).clone()
+            self.scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/nan
+            self.scaler.update()  # ... and then halves the scale: that is how we see a skip
+            skipped = scaler_scale(self.scaler) < scale_before
+            self.skipped_steps = self.skipped_steps + skipped
         if hasattr(norm, "full_tensor"):  # FSDP: the norm is a DTensor, already summed over ranks
             norm = norm.full_tensor()
-        return (
-            norm.detach(),
-            skipped,
-        )  # the norm stays on the device: float() it when needed (that waits)
+        # the norm (and an fp16 skip) stay on the device: read them when logging (that waits)
+        return norm.detach(), skipped
 
 
 def check_mode(mode: str, allow_auto: bool = False) -> str:

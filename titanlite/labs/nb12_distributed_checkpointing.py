@@ -245,9 +245,12 @@ def blocking_times(
     keep: bool = False,
     disk_beside: bool = False,
     file_format: str = "dcp",
+    host_idle: bool = False,
 ) -> dict:
     """How long each way of saving stops training, on a `preset` model with its AdamW state, the
-    DCP modes in `file_format` (dcp: torch's own; raw: each tensor's bare bytes).
+    DCP modes in `file_format` (dcp: torch's own; raw: each tensor's bare bytes). `host_idle`: the
+    training step beside an async save is a wait as long as the real one, during which the host
+    does nothing, as a GPU's step is for the host; otherwise it is the real step, on the CPU.
 
     Returns {"preset", "params", "state_bytes", "compute_alone_s", "modes": {mode: {"bytes",
     "blocked_s", "done_s" (one per repeat), "first_s", "steady_s", "done_steady_s" (medians
@@ -285,6 +288,10 @@ def blocking_times(
     if overlap:  # the step alone (after a warm-up), to see how much a copy beside it slows it
         step()
         result["compute_alone_s"] = statistics.median(_seconds(step) for _ in range(3))
+        if host_idle:  # the host waits while "the GPU" computes: nothing for a save to slow down
+            seconds = result["compute_alone_s"]
+            step = lambda: time.sleep(seconds)  # noqa: E731
+            result["host_idle"] = True
     try:
         for mode in modes:
             if mode == "torch.save":

@@ -1,2 +1,2 @@
-"""The model: a Llama-3-style decoder (llama.py) and how a Hugging Face Llama checkpoint's
-names and config map onto it (hf_llama.py). Writing one out is a tool: titanlite.tools.export."""
+"""The model: a Llama-3-style decoder (llama.py) and its rotary position embeddings (rope.py).
+Reading and writing Hugging Face checkpoints are tools: titanlite.tools.hf_start and .export."""

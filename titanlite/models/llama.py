@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from ..device_policy import expand_kv_for_sdpa, sdpa_priority
+from ..device_policy import capability_of, expand_kv_for_sdpa, sdpa_priority
 from ..errors import TitanliteError, closest
-
-CONTEXT_KEY = "original_max_position_embeddings"  # Llama 3.1's scaling: the context it extends
+from .rope import CONTEXT_KEY, apply_rope, rope_cache
 
 
 @dataclass
@@ -120,37 +119,9 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    """Llama 3.1's context extension: slow waves longer than the old context by `factor`, blend the middle."""
-    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_ctx = s[CONTEXT_KEY]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((old_ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)  # 0: long waves, 1: short
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-
-
-def rope_cache(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [max_seq_len, head_dim] in the rotate-half layout HF uses."""
-    pairs = torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32)
-    inv_freq = 1.0 / (args.rope_theta ** (pairs / args.head_dim))
-    if args.rope_scaling:
-        inv_freq = llama3_scaled(inv_freq, args.rope_scaling)
-    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x_i, x_{i+d/2}) of x [B, H, T, D]: HF's `x·cos + rotate_half(x)·sin` with a `roll`
-    ([x2, x1]), the minus on the small sin table (same products, same bits). The result keeps x's dtype,
-    as torchtitan's does: under autocast, bf16 q/k times fp32 tables would reach attention as fp32."""
-    half = x.shape[-1] // 2
-    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-    return (x * cos + x.roll(half, dims=-1) * signed_sin).to(x.dtype)
-
-
 class Attention(nn.Module):
+    context_parallel = None  # set by distributed/context_parallel.py: attention across cp ranks
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -167,7 +138,9 @@ class Attention(nn.Module):
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(causal_attention(q, k, v).transpose(1, 2).reshape(B, T, -1))
+        cp = self.context_parallel
+        attend = causal_attention if cp is None else cp.attention
+        return self.o_proj(attend(q, k, v).transpose(1, 2).reshape(B, T, -1))
 
 
 def causal_attention(
@@ -175,15 +148,12 @@ def causal_attention(
 ) -> torch.Tensor:
     """Causal SDPA with grouped-query attention: SDPA repeats the KV heads (`enable_gqa`) or we do first.
     expand_kv None: device_policy decides (on CUDA only flash takes `enable_gqa`; else slow math runs)."""
-    groups = q.shape[1] // k.shape[1]
-    if expand_kv is None and groups > 1 and q.device.type == "cuda":
-        # get_device_properties (not get_device_capability): torch.compile folds it to a constant.
-        props = torch.cuda.get_device_properties(q.device)
-        expand_kv = expand_kv_for_sdpa("cuda", q.dtype, q.shape[-1], (props.major, props.minor))
+    groups, capability = q.shape[1] // k.shape[1], capability_of(q)
+    if expand_kv is None and groups > 1 and capability is not None:
+        expand_kv = expand_kv_for_sdpa("cuda", q.dtype, q.shape[-1], capability)
     if expand_kv and groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    # torch's own order tries math before cuDNN: never reached
-    priority = sdpa_priority(q.device.type)
+    priority = sdpa_priority(q.device.type, capability)  # cuDNN first where torch would put it
     gqa = q.shape[1] != k.shape[1]
     with sdpa_kernel(priority, set_priority=True) if priority else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -214,6 +184,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    context_parallel = None  # set by distributed/context_parallel.py: this rank's positions
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args.validate()
@@ -262,7 +234,9 @@ class Transformer(nn.Module):
                 f"use a shorter training.seq_len or raise model.max_seq_len"
             )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = self.rope_cos[:T].to(h.dtype), self.rope_sin[:T].to(h.dtype)
+        cp = self.context_parallel  # a slice of the sequence: its tokens' real positions
+        rows = slice(0, T) if cp is None else cp.positions(T, self.rope_cos.device)
+        cos, sin = self.rope_cos[rows].to(h.dtype), self.rope_sin[rows].to(h.dtype)
         for block in self.layers.values():
             h = block(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
@@ -280,6 +254,21 @@ class Transformer(nn.Module):
         if a.tie_embeddings:  # the shared matrix still does the output matmul
             n_matmul += self.output.weight.numel()
         return 6 * n_matmul + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+
+
+@contextlib.contextmanager
+def whole_sequences(model: nn.Module | None):
+    """`model` on whole sequences for a while (generating text under context parallelism): its
+    layers set their cp group aside, and get it back after."""
+    modules = model.modules() if model is not None else ()
+    held = [(m, m.context_parallel) for m in modules if getattr(m, "context_parallel", None)]
+    for module, _ in held:
+        module.context_parallel = None
+    try:
+        yield
+    finally:
+        for module, cp in held:
+            module.context_parallel = cp
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "cpu") -> Transformer:

@@ -139,6 +139,11 @@ DEPENDS_ON = (
         lambda c: c.parallel.tp > 1,
         "--parallel.tp 2 or more",
     ),
+    (
+        ("parallel.cp_layout", "parallel.cp_method"),
+        lambda c: c.parallel.cp > 1,
+        "--parallel.cp 2 or more",
+    ),
 )
 
 

@@ -183,7 +183,7 @@ class Edition:
     unchanged: list[str] = field(default_factory=list)  # already what would be written
     kept: list[str] = field(default_factory=list)  # changed by the student: left alone
 
-    def summary(self, command: str = "make student") -> str:
+    def summary(self, command: str = "make student", stripped_by: str | None = None) -> str:
         parts = [
             f"{n} {what}"
             for n, what in (
@@ -194,6 +194,8 @@ class Edition:
             if n
         ]
         line = f"student edition in {self.out}/: {', '.join(parts) or 'nothing to write'}"
+        if stripped_by:
+            line += f" (solutions stripped by {stripped_by})"
         if self.kept:
             first = self.out / self.kept[0]
             line += (
@@ -667,14 +669,12 @@ def _main(argv: list[str]) -> int:
     except TitanliteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(
-        report.summary(
-            f"python -m titanlite.tools.course {args[0]} {args[1]}"
-            if argv and argv != ["notebooks", "student"]
-            else "make student"
-        )
-        + f" (solutions stripped by {stripper()})"
+    command = (
+        f"python -m titanlite.tools.course {args[0]} {args[1]}"
+        if argv and argv != ["notebooks", "student"]
+        else "make student"
     )
+    print(report.summary(command, stripped_by=stripper()))
     return 0
 
 

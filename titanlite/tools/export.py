@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from ..errors import TitanliteError, writing
-from ..models.llama import ModelArgs, Transformer, build_model, rope_cache
+from ..models.llama import ModelArgs, Transformer, build_model
+from ..models.rope import rope_cache
 from ..paths import check_output_dir
 from ..resilience.checkpoint_files import RawReader, dcp_load, verify
 from .hf_start import _LAYER_NAMES, _TOP_NAMES, from_hf_config, hf_name, read_hf_config

@@ -7,13 +7,16 @@ same calls happen, so they can be counted here and the count holds for a GPU:
 
     with HostSyncs() as syncs:
         trainer.train_step(batches, read=False)
-    syncs.sites    # ["titanlite/x.py:12 item", ...]: where each would-be sync was made
+    syncs.sites    # ["titanlite/x.py:12 item", "titanlite/y.py:40 scalar read (in torch)", ...]
 
 `aten._local_scalar_dense` is what every tensor-to-Python-number conversion dispatches to (a
 dispatch mode sees it); a function mode also catches `torch.tensor(..., device=)`, `.tolist()`,
-`.cpu()` and `.numpy()`. Counted where titanlite's own code makes the call: torch's internals
-read host tensors on purpose (AdamW keeps its step counters on the CPU unless fused), and the data
-pipeline works on host tensors by design (data/transfer.py copies them over, non-blocking on CUDA).
+`.cpu()` and `.numpy()`. Every such read made while titanlite's code is on the stack counts,
+whether titanlite makes it or torch does for it (GradScaler.get_scale() reads the scale with
+.item()), in every titanlite package; the site is titanlite's innermost frame. The only reads not
+counted are the ones that stay on the host on a GPU too, named one by one in HOST_BY_DESIGN (the
+sampler's window indices). Count with the optimizer as CUDA builds it (fused AdamW: a non-fused
+AdamW reads its step counters, which live on the host, and `train_and_count` does so).
 """
 
 from __future__ import annotations
@@ -34,7 +37,15 @@ _READS = {
     torch.Tensor.cpu: "cpu",
     torch.Tensor.numpy: "numpy",
 }
-
+# (file under titanlite/, function, read): reads of tensors that live on the host on every
+# device, by design. The sampler draws window indices on the CPU and hands Python ints to the
+# batcher; data/transfer.py counts the target tokens on the batches' host copies, then copies
+# them to the device (non-blocking on CUDA).
+HOST_BY_DESIGN = {
+    ("data/sampler.py", "next_indices", "tolist"),
+    ("data/sampler.py", "eval_batches", "tolist"),
+    ("data/transfer.py", "micro_batches_to", "scalar read"),
+}
 
 _MACHINERY = (
     "overrides.py",
@@ -47,16 +58,24 @@ _MACHINERY = (
 
 
 def _site(what: str) -> str | None:
-    """file:line of the call if titanlite's own code (outside the data pipeline) made it, else None."""
+    """file:line of titanlite's innermost frame on the stack (' (in torch)' when torch made the
+    read for it), or None when no titanlite code is on the stack or the read is host by design."""
+    inside_torch = False
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename).resolve()
         if path.name in _MACHINERY or (
             path.name == "host_syncs.py" and frame.name != "_every_kind_of_sync"
         ):
             continue
-        if PACKAGE not in path.parents or (PACKAGE / "data") in path.parents:
+        if PACKAGE not in path.parents:
+            inside_torch = True  # torch (or another library) made the read on titanlite's behalf
+            continue
+        rel = path.relative_to(PACKAGE).as_posix()
+        if not inside_torch and (rel, frame.name, what) in HOST_BY_DESIGN:
             return None
-        return f"{path.relative_to(PACKAGE.parent)}:{frame.lineno} {what}"
+        return f"{path.relative_to(PACKAGE.parent)}:{frame.lineno} {what}" + (
+            " (in torch)" if inside_torch else ""
+        )
     return None
 
 
@@ -158,16 +177,22 @@ class CudaSyncDebug(Watcher):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def train_and_count(overrides: dict) -> dict[int, tuple[bool, list[str]]]:
+def train_and_count(overrides: dict, as_on_cuda: bool = True) -> dict[int, tuple[bool, list[str]]]:
     """Train with `overrides` (in each rank of a `launch_function` job, or alone) with the tools
-    `titanlite train` hands in, counting every step's would-be host syncs."""
+    `titanlite train` hands in, counting every step's would-be host syncs. `as_on_cuda`: the
+    optimizer as CUDA builds it (fused AdamW, which keeps its step counters on the device)."""
+    from .. import train
     from ..config import load_config
-    from ..train import Trainer
     from .goodput import Goodput
     from .stragglers import Stragglers
 
-    counter = []
-    trainer = Trainer(load_config(None, overrides))
+    counter, policy = [], train.use_fused_adamw
+    if as_on_cuda:
+        train.use_fused_adamw = lambda device_type: True
+    try:
+        trainer = train.Trainer(load_config(None, overrides))
+    finally:
+        train.use_fused_adamw = policy
     extra = [Goodput] + ([Stragglers] if trainer.dist.distributed else [])
     # First in the chain: its window opens before every other watcher's step work, closes after.
     trainer.fit(watchers=[lambda run: counter.append(StepSyncs(run)) or counter[-1], *extra])

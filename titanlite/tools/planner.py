@@ -1,4 +1,4 @@
-"""Choosing the degrees: which (pp, dp_replicate, dp_shard, tp) layout to train with, as code.
+"""Choosing the degrees: which (pp, dp_replicate, dp_shard, cp, tp) layout to train with, as code.
 
     p = plan(ModelArgs.preset("8B"), n_gpus=8, gpu_mem_bytes=80e9, seq_len=8192, micro_batch=1)
     p.explain()                                   # the choice, its memory, why not simpler ones
@@ -11,14 +11,17 @@ Megatron-LM, the Ultra-Scale Playbook) become explicit rules and a ranking:
   in every layer); with a `global_batch`, every data-parallel rank gets whole micro-batches,
   at least pp of them; and the heaviest stage fits in (1 - reserve) of the GPU's memory.
 - ranking: FSDP first (no pipeline, no TP: sharding costs only overlappable communication);
-  then TP within a node; PP (across nodes, with its bubble) only when still needed; plain DDP
+  then TP within a node; then context parallelism (`cp`: the degrees passed in, each sequence
+  split over cp ranks, K/V passed in every attention layer); PP (across nodes, with its bubble)
+  only when still needed; plain DDP
   when the whole model fits (2Ψ per step on the wire where ZeRO-3 moves 3Ψ); HSDP across nodes
   (shard within a node, replicate across) before FSDP spanning nodes; then the widest shard.
 
 Memory per GPU, in bytes, of the heaviest pipeline stage:
 - params / grads / optimizer: ZeRO's formula (zero.py) for Ψ_local, the stage's parameters with
   every matrix split tp ways (norm weights are replicated), sharded dp_shard ways (stage 3;
-  stage 0 = DDP when dp_shard = 1). dp_replicate saves nothing: each replica holds it all.
+  stage 0 = DDP when dp_shard = 1; FSDP shards over dp_shard × cp, as the trainer does).
+  dp_replicate saves nothing: each replica holds it all.
 - activations of one layer and micro-batch in bf16: `activation_memory_estimate` (tools/activation_memory.py:
   Korthikanti et al. 2022's count, "Reducing Activation Recomputation in Large Transformer
   Models", re-derived for this Llama block with flash attention; equal to the bytes measured on
@@ -27,7 +30,8 @@ Memory per GPU, in bytes, of the heaviest pipeline stage:
   of it is /t). For a GPT block the paper's totals are s·b·h·(34 + 5·a·s/h), with TP
   s·b·h·(10 + 24/t + 5·a·s/(h·t)), with TP + SP that /t. With activation checkpointing (full,
   op, selective: notebook 04) add one block's activations, alive while it is recomputed.
-  Under 1F1B, stage r of pp holds pp - r micro-batches in flight.
+  Under 1F1B, stage r of pp holds pp - r micro-batches in flight. CP divides the sequence,
+  so activations and logits, by cp.
 - logits (our addition): 6·b·s·V bytes on the last stage, bf16 logits and their fp32 copy for
   the loss, /t with loss parallel.
 `reserve` is left for what is not counted: CUDA context, FSDP's gathered and prefetched layers,
@@ -88,18 +92,19 @@ class Candidate:
     dp_replicate: int
     dp_shard: int
     tp: int
+    cp: int = 1
     memory: Memory | None = None
     reasons: list[str] = field(default_factory=list)
     problem: str | None = None  # None: a valid layout that fits
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @property
     def dims(self) -> ParallelDims:
         return ParallelDims(
-            self.dp_replicate, self.dp_shard, math.prod(self.shape), self.tp, self.pp
+            self.dp_replicate, self.dp_shard, math.prod(self.shape), self.tp, self.pp, self.cp
         )
 
     @property
@@ -132,7 +137,7 @@ class Plan:
         lines = [
             f"{count} parameters on {self.n_gpus} GPUs ({self.gpus_per_node} per node), "
             f"{_size(self.usable_bytes)} usable of {_size(self.gpu_mem_bytes)} each",
-            f"→ {b}   (pp, dp_replicate, dp_shard, tp) = {b.shape}",
+            f"→ {b}   (pp, dp_replicate, dp_shard, cp, tp) = {b.shape}",
             *(f"   - {r}" for r in b.reasons),
         ]
         # Why not something simpler: the smallest layout of each simpler (pp, tp) pair that failed.
@@ -210,9 +215,11 @@ def plan(
     precision: str = "mixed",
     checkpointing: str = "none",
     reserve: float = 0.1,
+    cp: tuple[int, ...] = (1,),
 ) -> Plan:
     """Every layout of `n_gpus`, ranked (see the module doc); raises if none can work.
-    `global_batch`: sequences per optimizer step (None: no limit on data parallelism)."""
+    `global_batch`: sequences per optimizer step (None: no limit on data parallelism).
+    `cp`: the context-parallel degrees to consider (long sequences: e.g. (1, 2, 4, 8))."""
     args = ModelArgs.preset(args) if isinstance(args, str) else args
     if n_gpus < 1 or gpus_per_node < 1 or micro_batch < 1 or seq_len < 1 or gpu_mem_bytes <= 0:
         raise TitanliteError(
@@ -235,14 +242,20 @@ def plan(
     usable = (1 - reserve) * gpu_mem_bytes
     divisors = [d for d in range(1, n_gpus + 1) if n_gpus % d == 0]
     fitting, rejected, params, shapes = [], [], {}, _named_shapes(args)
-    for pp, tp, dp_shard in (
-        (p, t, s) for p in divisors for t in divisors for s in divisors if n_gpus % (p * t * s) == 0
-    ):
-        c = Candidate(pp, n_gpus // (pp * tp * dp_shard), dp_shard, tp)
+    layouts = [
+        (p, t, s, k)
+        for p in divisors
+        for t in divisors
+        for s in divisors
+        for k in sorted(set(cp))
+        if n_gpus % (p * t * s * k) == 0
+    ]
+    for pp, tp, dp_shard, cp_degree in layouts:
+        c = Candidate(pp, n_gpus // (pp * tp * dp_shard * cp_degree), dp_shard, tp, cp_degree)
         dp = c.dp_replicate * dp_shard
         # Micro-batches per data-parallel rank and step: what the global batch leaves, or 2 per stage.
         m = global_batch // dp // micro_batch if global_batch else (2 * pp if pp > 1 else 1)
-        cfg, refused = _trainer_check(pp, tp, m, micro_batch, seq_len, c.dims, args)
+        cfg, refused = _trainer_check(c, m, micro_batch, seq_len, args)
         if tp > gpus_per_node or gpus_per_node % tp:
             c.problem = (
                 f"TP across nodes: tp={tp} must divide the {gpus_per_node} GPUs of a node "
@@ -279,29 +292,29 @@ def plan(
             f"or seq_len (plan(...) rejected {len(rejected)} layouts)"
         )
 
-    def crosses_nodes(c: Candidate) -> bool:  # tp is innermost, then dp_shard (mesh.py)
-        return n_gpus > gpus_per_node and c.tp * c.dp_shard > gpus_per_node
+    def crosses_nodes(c: Candidate) -> bool:  # tp is innermost, then cp, then dp_shard (mesh.py)
+        return n_gpus > gpus_per_node and c.tp * c.cp * c.dp_shard > gpus_per_node
 
-    # The rules of thumb, in order: no PP, no TP, DDP when it fits, HSDP over FSDP across nodes.
-    fitting.sort(key=lambda c: (c.pp, c.tp, c.dp_shard > 1, crosses_nodes(c), -c.dp_shard))
+    # The rules of thumb, in order: no PP, no CP, no TP, DDP when it fits, HSDP over FSDP across nodes.
+    fitting.sort(key=lambda c: (c.pp, c.cp, c.tp, c.dp_shard > 1, crosses_nodes(c), -c.dp_shard))
     # named_parameters: a tied weight once
     num_params = sum(math.prod(shape) for _, shape in shapes)
     return Plan(args, n_gpus, gpu_mem_bytes, gpus_per_node, usable, num_params, fitting, rejected)
 
 
-def _trainer_check(
-    pp: int, tp: int, m: int, micro_batch: int, seq_len: int, dims: ParallelDims, args: ModelArgs
-):
+def _trainer_check(c: Candidate, m: int, micro_batch: int, seq_len: int, args: ModelArgs):
     """The trainer's config for this layout, and what the trainer would refuse about it (TP must
-    divide the heads, PP needs a layer per stage, ...), or None."""
+    divide the heads, PP needs a layer per stage, the sequence must cut into 2·cp chunks, ...),
+    or None."""
     from ..config import Config
     from ..preflight import check_parallel_config
 
     cfg = Config()
-    cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.pp_microbatches = pp, tp, m
+    cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.pp_microbatches = c.pp, c.tp, m
+    cfg.parallel.cp = c.cp
     cfg.training.seq_len, cfg.training.batch_size = seq_len, m * micro_batch
     try:
-        check_parallel_config(cfg, dims, args)
+        check_parallel_config(cfg, c.dims, args)
     except TitanliteError as e:
         return cfg, f"trainer refuses: {e}"
     return cfg, None
@@ -337,6 +350,7 @@ def _heaviest_stage(
     from ..distributed.pipeline import split_layers
 
     pp, tp = c.pp, c.tp
+    seq_len = seq_len // c.cp  # what a cp rank holds of each sequence
     layers = split_layers(args.n_layers, pp)
     sp = sequence_parallel_enabled(cfg.parallel, c.dims) and tp > 1
     per_layer = activation_bytes_per_layer(
@@ -350,9 +364,8 @@ def _heaviest_stage(
     vocab_split = tp if loss_parallel_enabled(cfg.parallel, c.dims) else 1
     stages = []
     for s, n_params in enumerate(params):
-        z = zero_bytes_per_rank(
-            n_params, c.dp_shard, 3 if c.dp_shard > 1 else 0, precision=precision
-        )
+        shard = c.dp_shard * c.cp  # FSDP over dp_shard × cp
+        z = zero_bytes_per_rank(n_params, shard, 3 if shard > 1 else 0, precision=precision)
         # 1F1B: pp - s micro-batches in flight
         acts = len(layers[s]) * (pp - s) * per_layer + recompute
         logits = 6 * micro_batch * seq_len * args.vocab_size / vocab_split if s == pp - 1 else 0
@@ -378,6 +391,11 @@ def _reasons(c: Candidate, args, m, usable, gpus_per_node, precision) -> list[st
         out.append(
             f"DDP: the whole model fits on one GPU, so {c.dp_replicate} full copies; its all-reduce "
             f"moves 2·Ψ per step where ZeRO-3 moves 3·Ψ"
+        )
+    if c.cp > 1:
+        out.append(
+            f"CP {c.cp}: each sequence split over {c.cp} GPUs (activations and logits /{c.cp}); "
+            f"keys and values travel a ring in every attention layer, FSDP shards over dp_shard × cp"
         )
     if c.tp > 1:
         out.append(

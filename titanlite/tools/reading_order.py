@@ -34,6 +34,7 @@ READING_ORDER = [
             "config_fields.py",
             "preflight.py",
             "models/llama.py",
+            "models/rope.py",
             "data/corpus.py",
             "data/tokenizer.py",
             "data/sampler.py",
@@ -83,6 +84,11 @@ READING_ORDER = [
         ],
     ),
     ("13", "injected faults", ["resilience/faults.py"]),
+    (
+        "17",
+        "context parallel: ring attention across the ranks",
+        ["distributed/context_parallel.py"],
+    ),
     (
         "all",
         "one-line errors, output paths, torch internals in one place, package files",

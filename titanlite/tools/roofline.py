@@ -117,22 +117,25 @@ def plot_roofline(points, peak: Peak, bandwidth: float, ax=None, title: str | No
         label=f"roof: {peak.flops / 1e9:,.1f} GFLOP/s, {bandwidth / 1e9:,.1f} GB/s",
     )
     ax.axvline(ridge, color="grey", ls=":", label=f"ridge point {ridge:.1f} FLOP/byte")
+    lowest = min(p.achieved for p in points)
     for p in points:
         color = "tab:blue" if p.intensity < ridge else "tab:red"
         ax.loglog(p.intensity, p.achieved, "o", color=color)
         # One line, slanting down-right from its point: measured points lie under the roof, and
         # neighbours (a sweep of matmul sizes climbs up and right) stay apart when the labels
-        # run parallel to each other instead of stacking side by side.
+        # run parallel to each other instead of stacking side by side. The lowest points' labels
+        # slant up instead: down, they would run off the bottom of the figure.
+        up = p.achieved < lowest * 10
         ax.annotate(
             f"{p.name.replace('^3', '³')}  {mfu(p.achieved, peak):.1%}",
             (p.intensity, p.achieved),
             textcoords="offset points",
-            xytext=(4, -5),
+            xytext=(4, 5 if up else -5),
             fontsize=7,
-            rotation=-35,
+            rotation=35 if up else -35,
             rotation_mode="anchor",
             ha="left",
-            va="top",
+            va="bottom" if up else "top",
             color=color,
         )
     ax.text(0.02, 0.98, "each label: op, MFU", transform=ax.transAxes, fontsize=7, va="top")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..device_policy import AMPERE, expand_kv_for_sdpa, flash_takes
+from ..device_policy import AMPERE, expand_kv_for_sdpa, flash_takes, prefers_cudnn_attention
 from ..errors import TitanliteError
 
 
@@ -20,6 +20,8 @@ def sdpa_kernel_for(
     torch_version: str | None = None,
     expand_kv: bool | None = None,
     deterministic: bool = False,
+    cudnn_version: int | None = None,
+    cuda_version: str | None = None,
 ) -> str:
     """Which SDPA kernel trains a causal, unmasked attention: "cudnn", "flash", "efficient" or "math".
 
@@ -27,8 +29,9 @@ def sdpa_kernel_for(
     what titanlite's attention does). What the kernel keeps for backward differs: cuDNN, flash
     and efficient keep a log-sum-exp per query and head; math keeps the B·H·T² probabilities.
     CPU: torch's CPU flash kernel (GQA included). MPS: the fused Metal kernel is forward-only,
-    so training runs math. CUDA: titanlite's order (`device_policy.sdpa_priority`), each kernel
-    taking what it can (torch's sdp_utils.cpp): cuDNN, flash, efficient, math."""
+    so training runs math. CUDA: cuDNN first only where torch's own conditions hold for this GPU,
+    `cudnn_version` and `cuda_version` (`device_policy.prefers_cudnn_attention`; unknown: they do
+    not), then flash, efficient, math, each taking what it can (torch's sdp_utils.cpp)."""
     if device_type == "cpu":
         return "flash"
     if device_type == "mps":
@@ -37,7 +40,8 @@ def sdpa_kernel_for(
         raise TitanliteError(
             f"no SDPA kernel rule for device type {device_type!r}: use cuda, mps or cpu"
         )
-    if cudnn_takes(dtype, head_dim, capability, deterministic):
+    preferred = prefers_cudnn_attention(capability, cudnn_version, cuda_version)
+    if preferred and cudnn_takes(dtype, head_dim, capability, deterministic):
         return "cudnn"
     if flash_takes(device_type, dtype, head_dim, capability, torch_version):
         return "flash"

@@ -327,9 +327,9 @@ def bubble(c, fn):
 def _random_dims(rng: random.Random):
     from ...distributed.mesh import ParallelDims
 
-    pp, rep, shard, tp = (rng.choice([1, 2, 3]) for _ in range(4))
+    pp, rep, shard, cp, tp = (rng.choice([1, 2, 3]) for _ in range(5))
     return ParallelDims(
-        dp_replicate=rep, dp_shard=shard, world_size=pp * rep * shard * tp, tp=tp, pp=pp
+        dp_replicate=rep, dp_shard=shard, world_size=pp * rep * shard * cp * tp, tp=tp, pp=pp, cp=cp
     )
 
 
@@ -341,16 +341,16 @@ def _unravel(rank, sizes):
     return out[::-1]
 
 
+_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 GRID_MISTAKES = {
-    "pp varying fastest": lambda rank, shape: dict(
-        zip(("pp", "dp_replicate", "dp_shard", "tp"), _unravel(rank, shape[::-1])[::-1])
-    ),
+    "pp varying fastest": lambda rank, shape: dict(zip(_AXES, _unravel(rank, shape[::-1])[::-1])),
     "dp_replicate and dp_shard swapped": lambda rank, shape: dict(
-        zip(("pp", "dp_shard", "dp_replicate", "tp"), _unravel(rank, shape))
+        zip(("pp", "dp_shard", "dp_replicate", "cp", "tp"), _unravel(rank, shape))
     ),
-    "sizes read in reverse": lambda rank, shape: dict(
-        zip(("pp", "dp_replicate", "dp_shard", "tp"), _unravel(rank, shape[::-1]))
+    "cp and tp swapped": lambda rank, shape: dict(
+        zip(("pp", "dp_replicate", "dp_shard", "tp", "cp"), _unravel(rank, shape))
     ),
+    "sizes read in reverse": lambda rank, shape: dict(zip(_AXES, _unravel(rank, shape[::-1]))),
 }
 
 
@@ -362,14 +362,14 @@ def _draw_grids(rng: random.Random):
     ]
 
 
-@exercise("11_rank_grid", "a rank's coordinates in the (pp, dp_replicate, dp_shard, tp) grid")
+@exercise("11_rank_grid", "a rank's coordinates in the (pp, dp_replicate, dp_shard, cp, tp) grid")
 def rank_grid(c, fn):
     from ...distributed.mesh import ParallelDims
 
     def real(rank, shape):
-        pp, rep, shard, tp = shape
+        pp, rep, shard, cp, tp = shape
         return ParallelDims(
-            dp_replicate=rep, dp_shard=shard, world_size=math.prod(shape), tp=tp, pp=pp
+            dp_replicate=rep, dp_shard=shard, world_size=math.prod(shape), tp=tp, pp=pp, cp=cp
         ).coordinates(rank)
 
     cases = c.separating(_draw_grids, real, GRID_MISTAKES)
@@ -393,10 +393,9 @@ def _groups_along(shape, axis):
     return grid.reshape(-1, shape[axis]).tolist()
 
 
-_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 GROUP_MISTAKES = {
     "the axis counted from the end": lambda shape, dim: _sorted_groups(
-        _groups_along(shape, 3 - _AXES.index(dim))
+        _groups_along(shape, len(_AXES) - 1 - _AXES.index(dim))
     ),
     "consecutive ranks, whatever the dim": lambda shape, dim: _sorted_groups(
         torch.arange(math.prod(shape)).view(-1, shape[_AXES.index(dim)]).tolist()
@@ -424,10 +423,10 @@ def groups(c, fn):
     from ...distributed.mesh import ParallelDims
 
     def real(shape, dim):
-        pp, rep, shard, tp = shape
+        pp, rep, shard, cp, tp = shape
         return sorted(
             ParallelDims(
-                dp_replicate=rep, dp_shard=shard, world_size=math.prod(shape), tp=tp, pp=pp
+                dp_replicate=rep, dp_shard=shard, world_size=math.prod(shape), tp=tp, pp=pp, cp=cp
             ).groups(dim)
         )
 

@@ -1,0 +1,284 @@
+"""Context parallelism (CP): each rank holds a slice of every sequence; attention is computed across them.
+
+Everything in the model except attention works token by token, so with each sequence cut into
+`cp` slices the embedding, norms, MLPs and loss run on a rank's slice exactly as on the whole.
+Attention needs every earlier token: each rank keeps its queries, and the keys and values travel.
+
+- ring (default, picotron's and the Ultra-Scale Playbook's): K/V blocks go round the ring of cp
+  ranks; each step's send overlaps the compute of the block in hand, and the partial results merge
+  by their log-sum-exp (online softmax). One extra K/V block in flight per rank.
+- allgather (torchtitan's newer layout): every rank gathers all the K/V at once. Same bytes, one
+  collective instead of cp − 1 steps, but the whole sequence's K/V sits on every rank.
+
+Causal attention makes contiguous slices unbalanced: the last rank's queries see every token, the
+first rank's only its own. "zigzag" cuts the sequence into 2·cp chunks and gives rank r chunks r
+and 2·cp−1−r, so every rank does the same work (Ultra-Scale Playbook; torchtitan's load balancer).
+
+The backward is written by hand, as flash attention's is: each block's gradients are recomputed
+from the saved merged output and log-sum-exp, and the K/V gradients travel round the ring with
+their K/V until they are home. A block is computed by torch's fused kernel that returns the
+log-sum-exp where there is one (`block_kernel`), else in plain torch ops (`math`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..device_policy import capability_of
+
+LAYOUTS = ("zigzag", "contiguous")
+METHODS = ("ring", "allgather")
+aten = torch.ops.aten
+
+
+def apply_cp(model: torch.nn.Module, cp_mesh, layout: str = "zigzag", method: str = "ring"):
+    """Give the model's rotary tables and every attention layer the cp group (models/llama.py
+    reads `context_parallel`): RoPE then takes this rank's real positions, attention runs across
+    the ranks. The batches arrive cut already: the data loader keeps each rank's part of every
+    sequence (`ParallelDims.sequence_part`, `shard_sequence`)."""
+    cp = ContextParallel(
+        cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), layout, method
+    )
+    for module in model.modules():
+        if hasattr(type(module), "context_parallel"):
+            module.context_parallel = cp
+    return cp
+
+
+def chunks_of(rank: int, cp: int, layout: str = "zigzag") -> tuple[int, ...]:
+    """Which chunks of the sequence a rank holds: of 2·cp under zigzag, of cp when contiguous."""
+    return (rank, 2 * cp - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def positions_of(rank: int, cp: int, local_len: int, layout: str = "zigzag") -> torch.Tensor:
+    """The sequence positions of a rank's `local_len` tokens, in the order it holds them."""
+    ids = chunks_of(rank, cp, layout)
+    size = local_len // len(ids)
+    return torch.cat([torch.arange(i * size, (i + 1) * size) for i in ids])
+
+
+def shard_sequence(t: torch.Tensor, rank: int, cp: int, layout: str = "zigzag", dim: int = 1):
+    """A rank's slice of `t` along its sequence dim: its chunks, concatenated."""
+    ids = chunks_of(rank, cp, layout)
+    pieces = t.chunk(len(ids) * cp, dim=dim)
+    return torch.cat([pieces[i] for i in ids], dim=dim)
+
+
+def blocks(q_rank: int, kv_rank: int, cp: int, local_len: int, layout: str):
+    """The (query rows, key rows, causal) blocks of attention between one rank's queries and
+    another's K/V: chunk i sees chunk j whole when i > j, causally when i == j, not at all when
+    i < j (it lies in the future)."""
+    q_ids, kv_ids = chunks_of(q_rank, cp, layout), chunks_of(kv_rank, cp, layout)
+    size = local_len // len(q_ids)
+    for a, i in enumerate(q_ids):
+        for b, j in enumerate(kv_ids):
+            if i >= j:
+                yield slice(a * size, (a + 1) * size), slice(b * size, (b + 1) * size), i == j
+
+
+def block_kernel(device_type: str, dtype: torch.dtype, capability=None) -> str:
+    """The kernel that computes one block and returns its log-sum-exp. CPU: its flash kernel (any
+    float dtype). CUDA: flash attention in bf16/fp16 on SM 8.0+ (as SDPA picks it); the
+    plain-ops `math` elsewhere (fp32 on CUDA, MPS), whose backward is written out below."""
+    if device_type == "cpu":
+        return "cpu_flash"
+    half = dtype in (torch.float16, torch.bfloat16)
+    if device_type == "cuda" and half and capability is not None and tuple(capability) >= (8, 0):
+        return "cuda_flash"
+    return "math"
+
+
+def block_forward(kind: str, q, k, v, causal: bool):
+    """(output, log-sum-exp in fp32 [B, H, Tq]) of softmax(q·kᵀ/√d)·v over one block."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    if kind == "cpu_flash":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    if kind == "cuda_flash":
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    scores = _scores(q, k, causal, scale)
+    lse = scores.logsumexp(-1)
+    return ((scores - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
+
+
+def block_backward(kind: str, dout, q, k, v, out, lse, causal: bool):
+    """Gradients (dq, dk, dv) of one block, given the *merged* output and log-sum-exp of all
+    blocks: softmax probabilities recomputed as exp(s − lse) are then the true ones, and
+    rowsum(dout·out) the true softmax correction (flash attention's backward)."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    if kind == "cpu_flash":
+        backward = aten._scaled_dot_product_flash_attention_for_cpu_backward
+        return backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    if kind == "cuda_flash":
+        # Dense batches: no cumulative sequence lengths; dropout 0: no random state to replay.
+        none, rng = torch.empty(0, device=q.device), torch.zeros(2, dtype=torch.int64)
+        lengths = (none, none, q.shape[2], k.shape[2], 0.0, causal, rng, rng)
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, *lengths, scale=scale
+        )
+    probs = (_scores(q, k, causal, scale) - lse[..., None]).exp()
+    dout32 = dout.float()
+    dv = probs.transpose(-2, -1) @ dout32
+    correction = (dout32 * out.float()).sum(-1, keepdim=True)
+    dscores = probs * (dout32 @ v.float().transpose(-2, -1) - correction)
+    dq, dk = dscores @ k.float() * scale, dscores.transpose(-2, -1) @ q.float() * scale
+    return dq, dk, dv
+
+
+def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if causal:  # square diagonal blocks only: a query sees the keys up to its own position
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def merge(out, lse, block_out, block_lse):
+    """Fold one block's (output, log-sum-exp) into the running ones (online softmax): each is
+    weighted by its share exp(lse_part − lse_total) of the total."""
+    total = torch.logaddexp(lse, block_lse)
+    out = (
+        out * (lse - total).exp()[..., None]
+        + block_out.float() * (block_lse - total).exp()[..., None]
+    )
+    return out, total
+
+
+@dataclass
+class ContextParallel:
+    """What each attention layer of a CP model holds: its group and how the sequence is cut."""
+
+    group: object  # the cp process group
+    size: int
+    rank: int  # within the group
+    layout: str = "zigzag"
+    method: str = "ring"
+    kernel: str | None = None  # None: block_kernel decides from the device's facts
+
+    def __deepcopy__(self, memo):  # a copied model shares the process group, never copies it
+        return self
+
+    def positions(self, local_len: int, device=None) -> torch.Tensor:
+        return positions_of(self.rank, self.size, local_len, self.layout).to(device)
+
+    def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return shard_sequence(t, self.rank, self.size, self.layout, dim)
+
+    def attention(self, q, k, v) -> torch.Tensor:
+        """Causal attention of this rank's queries over every rank's keys and values."""
+        # Dynamo cannot trace the sends and receives: compiled blocks call attention eagerly.
+        return torch._dynamo.disable(ContextAttention.apply, recursive=True)(q, k, v, self)
+
+    def ring_pass(self, t: torch.Tensor):
+        """Start sending `t` to the next rank while receiving the previous rank's; returns the
+        buffer it arrives in and a wait(): compute meanwhile, wait before using it."""
+        ranks = dist.get_process_group_ranks(self.group)
+        after, before = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
+        incoming = torch.empty_like(t)
+        ops = [
+            dist.P2POp(dist.isend, t.contiguous(), after, self.group),
+            dist.P2POp(dist.irecv, incoming, before, self.group),
+        ]
+        works = dist.batch_isend_irecv(ops)
+        return incoming, lambda: [w.wait() for w in works]
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t`, stacked in rank order (the allgather method)."""
+        out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))  # concatenated along dim 0
+        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+        return out.view(self.size, *t.shape)
+
+    def visits(self, kv: torch.Tensor):
+        """(source rank, its stacked K/V) for every rank of the group, this rank's own first."""
+        if self.method == "allgather":
+            every = self.gather(kv)
+            for step in range(self.size):
+                yield (self.rank - step) % self.size, every[(self.rank - step) % self.size]
+            return
+        for step in range(self.size):
+            more = step + 1 < self.size
+            if more:  # the next block travels while this one computes
+                incoming, wait = self.ring_pass(kv)
+            yield (self.rank - step) % self.size, kv
+            if more:
+                wait()
+                kv = incoming
+
+
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query attention: each K/V head ([..., H_kv, T, D]) repeated for its query heads."""
+    return kv.repeat_interleave(groups, dim=-3)
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `_expand`: the query heads' shares summed back onto their K/V head."""
+    return grad.unflatten(-3, (-1, groups)).sum(-3)
+
+
+class ContextAttention(torch.autograd.Function):
+    """Causal attention over the whole sequence from this rank's slice of q, k and v [B, H, T, D]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextParallel):
+        kind = cp.kernel or block_kernel(q.device.type, q.dtype, capability_of(q))
+        groups, local_len = q.shape[1] // k.shape[1], q.shape[2]
+        # Laid out [B, T, H, D] as SDPA's output is: the caller's transpose(1, 2) is then free.
+        B, H, T, D = q.shape
+        out = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+        for source, kv_in in cp.visits(torch.stack([k, v])):
+            for rows, cols, causal in blocks(cp.rank, source, cp.size, local_len, cp.layout):
+                k_block, v_block = _expand(kv_in[..., cols, :], groups)
+                part, part_lse = block_forward(kind, q[:, :, rows], k_block, v_block, causal)
+                out[:, :, rows], lse[:, :, rows] = merge(
+                    out[:, :, rows], lse[:, :, rows], part, part_lse
+                )
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.kind = cp, kind
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, kind = ctx.cp, ctx.kind
+        groups, local_len = q.shape[1] // k.shape[1], q.shape[2]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+        def add_block_grads(source, kv_in, dkv):
+            for rows, cols, causal in blocks(cp.rank, source, cp.size, local_len, cp.layout):
+                k_block, v_block = _expand(kv_in[..., cols, :], groups)
+                mine = (dout, q, out, lse)  # this rank's rows of each
+                dout_, q_, out_, lse_ = (t[:, :, rows] for t in mine)
+                dq_, dk, dv = block_backward(kind, dout_, q_, k_block, v_block, out_, lse_, causal)
+                dq[:, :, rows] += dq_
+                dkv[..., cols, :] += _fold(torch.stack([dk, dv]).float(), groups)
+
+        kv = torch.stack([k, v])
+        # allgather: gather again (not kept from the forward: memory), then scatter back
+        if cp.method == "allgather":
+            every = cp.gather(kv)
+            dkv_every = torch.zeros(every.shape, dtype=torch.float32, device=q.device)
+            for source in range(cp.size):
+                add_block_grads(source, every[source], dkv_every[source])
+            dkv = torch.empty(kv.shape, dtype=torch.float32, device=q.device)
+            dist.reduce_scatter_tensor(dkv, dkv_every.flatten(0, 1), group=cp.group)
+        else:
+            # The K/V gradients travel with their K/V: after cp passes they are home again.
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            for step in range(cp.size):
+                more = step + 1 < cp.size
+                if more:
+                    kv_next, kv_wait = cp.ring_pass(kv)
+                add_block_grads((cp.rank - step) % cp.size, kv, dkv)
+                if cp.size > 1:
+                    dkv_next, dkv_wait = cp.ring_pass(dkv)
+                    dkv_wait()
+                    dkv = dkv_next
+                if more:
+                    kv_wait()
+                    kv = kv_next
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None

@@ -1,0 +1,217 @@
+"""Notebook 17's context-parallel lab: ring attention checked against full attention, the work
+and bytes of each rank counted against their formulas, activation memory measured per sequence
+length, and the experiments each rank runs
+(`launch_function("titanlite.labs.nb17_context_parallel:attention_matches_full", nproc=2)`; the
+tests run them too).
+
+The technique itself lives in distributed/context_parallel.py (apply_cp); this measures it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..distributed.context_parallel import (
+    ContextParallel,
+    apply_cp,
+    block_backward,
+    block_forward,
+    blocks,
+)
+from ..models.llama import ModelArgs, build_model
+from ..tools.comm import CommCounter
+from ..tools.host_syncs import HostSyncs
+
+# ----- values and gradients: the ring against one process's full attention ---------------------
+
+
+def random_qkv(batch, heads, kv_heads, seq_len, head_dim, seed=0, dtype=torch.float32):
+    """q [B, H, T, D], k and v [B, H_kv, T, D], and an upstream gradient like q: the same on
+    every rank (one seed), so each rank can compute the full attention to compare with."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq_len, head_dim, generator=g)
+    k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, generator=g) for _ in range(2))
+    dout = torch.randn(batch, heads, seq_len, head_dim, generator=g)
+    return [t.to(dtype) for t in (q, k, v, dout)]
+
+
+def full_attention_grads(q, k, v, dout):
+    """One process's causal attention (torch SDPA) over the whole sequence: output and grads."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def context_attention_grads(cp: ContextParallel, q, k, v, dout):
+    """This rank's part of the same, computed across the cp ranks: output and grads of its part."""
+    q, k, v = (cp.shard(t, dim=2).detach().requires_grad_() for t in (q, k, v))
+    out = cp.attention(q, k, v)
+    out.backward(cp.shard(dout, dim=2))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def attention_matches_full(
+    batch=2,
+    heads=4,
+    kv_heads=2,
+    seq_len=64,
+    head_dim=16,
+    layout="zigzag",
+    method="ring",
+    kernel=None,
+    seed=0,
+):
+    """Each rank: the largest difference between its part of the ring's output and gradients and
+    the same part of full attention's (fp32), and the bytes its collectives moved."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    cp = ContextParallel(dist.group.WORLD, size, rank, layout, method, kernel=kernel)
+    q, k, v, dout = random_qkv(batch, heads, kv_heads, seq_len, head_dim, seed)
+    want = [cp.shard(t, dim=2) for t in full_attention_grads(q, k, v, dout)]
+    with CommCounter() as counter, HostSyncs() as syncs:
+        got = context_attention_grads(cp, q, k, v, dout)
+    diffs = {
+        name: (g - w).abs().max().item() for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)
+    }
+    return {"rank": rank, "diffs": diffs, "comm": counter.summary(), "host_syncs": syncs.sites}
+
+
+def cp_comm_formula(batch, kv_heads, seq_len, head_dim, cp, method="ring", dtype_bytes=4):
+    """Bytes one attention layer's forward and backward move per rank, as CommCounter counts
+    them. K/V of a rank's part: kv = 2·B·H_kv·(T/cp)·D·bytes. Ring: the forward sends cp−1 K/V
+    blocks; the backward sends them again, and the fp32 K/V gradients cp times (home again).
+    Allgather: two all-gathers of cp·kv (forward, and again in the backward rather than keep
+    it), one reduce-scatter of the fp32 gradients of all cp parts."""
+    kv = 2 * batch * kv_heads * (seq_len // cp) * head_dim * dtype_bytes
+    kv_grad = kv // dtype_bytes * 4
+    if cp == 1:
+        return {}
+    if method == "ring":
+        sent = 2 * (cp - 1) * kv + cp * kv_grad
+        return {"send": sent, "recv": sent}
+    return {"all_gather": 2 * cp * kv, "reduce_scatter": cp * kv_grad}
+
+
+# ----- the work of each rank: counted from the blocks, and timed -------------------------------
+
+
+def attention_flops_per_rank(seq_len: int, cp: int, layout: str, heads: int, head_dim: int):
+    """Forward attention FLOPs of each rank's queries (q·kᵀ and p·v, 2 FLOPs a multiply-add),
+    counting only the query-key pairs causal attention computes: a diagonal block half."""
+    out = []
+    for rank in range(cp):
+        local = seq_len // cp
+        total = 0
+        for source in range(cp):
+            for rows, cols, causal in blocks(rank, source, cp, local, layout):
+                pairs = (rows.stop - rows.start) * (cols.stop - cols.start)
+                pairs = pairs / 2 if causal else pairs
+                total += 2 * 2 * pairs * head_dim * heads
+        out.append(total)
+    return out
+
+
+def attention_seconds_per_rank(
+    seq_len=2048, cp=4, layout="zigzag", batch=1, heads=4, head_dim=32, repeats=5, seed=0
+):
+    """The median seconds of each rank's attention blocks (forward and backward, the CPU flash
+    kernel), measured here one rank after another: the work alone, without the waiting that
+    running the ranks at once on shared cores would mix in. A warm-up round first; then
+    `repeats` rounds, each timing every rank in turn (a busy moment hits them alike)."""
+    q, k, v, dout = random_qkv(batch, heads, heads, seq_len // cp, head_dim, seed)
+
+    def work(rank):
+        start = time.perf_counter()
+        for source in range(cp):
+            for rows, cols, causal in blocks(rank, source, cp, seq_len // cp, layout):
+                q_, k_, v_ = q[:, :, rows], k[:, :, cols], v[:, :, cols]
+                out, lse = block_forward("cpu_flash", q_, k_, v_, causal)
+                block_backward("cpu_flash", dout[:, :, rows], q_, k_, v_, out, lse, causal)
+        return time.perf_counter() - start
+
+    for rank in range(cp):
+        work(rank)
+    runs = [[work(rank) for rank in range(cp)] for _ in range(repeats)]
+    return [sorted(r[rank] for r in runs)[repeats // 2] for rank in range(cp)]
+
+
+# ----- activation memory: what autograd keeps, per rank ----------------------------------------
+
+
+def saved_activation_bytes(model, tokens) -> int:
+    """Bytes of the tensors autograd saves for the backward in one forward of `model` (each
+    storage counted once; parameters and buffers - the rotary tables - excluded): the activation
+    memory a rank holds at its peak."""
+    params = {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens).float().sum()
+    return total
+
+
+def activation_memory(seq_lens=(256, 512, 1024), layout="zigzag", preset="debug", seed=0):
+    """Each rank: the activation bytes it saves for one sequence of each length, with its
+    attention across the world's ranks (one process, or no process group: the whole sequence)."""
+    rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    args = ModelArgs.preset(preset, max_seq_len=max(seq_lens))
+    torch.manual_seed(seed)
+    model = build_model(args)
+    if size > 1:
+        mesh = torch.distributed.device_mesh.init_device_mesh(
+            "cpu", (size,), mesh_dim_names=("cp",)
+        )
+        cp = apply_cp(model, mesh["cp"], layout)
+    out = {}
+    for seq_len in seq_lens:
+        tokens = torch.randint(0, args.vocab_size, (1, seq_len))
+        local = cp.shard(tokens) if size > 1 else tokens
+        out[seq_len] = saved_activation_bytes(model, local)
+    return {"rank": rank, "bytes": out}
+
+
+# ----- the whole model: logits and weight gradients against one process ----------------------
+
+
+def model_matches_full(
+    seq_len=64, layout="zigzag", method="ring", init_std=0.5, wrong_positions=False, seed=0
+):
+    """Each rank: the largest differences between the CP model's logits (its part) and summed
+    weight gradients and one process's, on the same weights and tokens. A large `init_std`
+    makes attention peaky, so a token at the wrong position changes the result: with
+    `wrong_positions` every rank numbers its tokens from 0 (the bug a test must catch)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    args = ModelArgs.preset("debug", max_seq_len=seq_len, init_std=init_std)
+    tokens = torch.randint(
+        0, args.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seed)
+    )
+    torch.manual_seed(seed)
+    full = build_model(args)
+    torch.manual_seed(seed)
+    model = build_model(args)
+    want = full(tokens)
+    want.float().pow(2).sum().backward()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (size,), mesh_dim_names=("cp",))
+    cp = apply_cp(model, mesh["cp"], layout, method)
+    if wrong_positions:
+        cp.positions = lambda local_len, device=None: torch.arange(local_len, device=device)
+    got = model(cp.shard(tokens))
+    got.float().pow(2).sum().backward()
+    grads = {}
+    for (name, p), q in zip(model.named_parameters(), full.parameters()):
+        dist.all_reduce(p.grad)  # each rank's tokens' share of the gradient: summed
+        grads[name] = ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
+    logits = ((got - cp.shard(want)).abs().max() / want.abs().max()).item()
+    return {"rank": rank, "logits": logits, "grads": max(grads.values())}
