@@ -31,8 +31,14 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 #   make lab LAB_ARGS="--ip 0.0.0.0 --port 8888"     (a lab node, reached from your browser)
 LAB_ARGS ?=
 
-lab: setup  ## the workbook: JupyterLab on notebooks/
-	$(BIN)/jupyter lab $(ROOT_FLAG) "--LabApp.app_settings_dir=$(CURDIR)/configs/jupyterlab" $(LAB_ARGS) notebooks/
+# The workbook is a working copy of notebooks/ (solutions in) that git ignores: running and editing
+# notebooks never touches a tracked file, and `git pull` never meets a learner's outputs. Each
+# `make lab` adds new notebooks and updates the ones not edited there; an edited one is kept.
+WORKBOOK ?= workbook
+
+lab: setup  ## the workbook: (re)write workbook/ from notebooks/, then JupyterLab on it
+	$(BIN)/python -m titanlite.tools.course --workbook notebooks $(WORKBOOK)
+	$(BIN)/jupyter lab $(ROOT_FLAG) "--LabApp.app_settings_dir=$(CURDIR)/configs/jupyterlab" $(LAB_ARGS) $(WORKBOOK)/
 
 train: setup  ## the quick training run, headless
 	$(BIN)/titanlite train --config configs/debug.toml

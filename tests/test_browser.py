@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,16 +104,40 @@ def _workspace(tmp_path: Path, notebook: Path) -> Path:
     return work
 
 
+def _as_make_lab_opens_it(tmp_path: Path) -> Path:
+    """A repository of its own holding this checkout's tracked files (committed, as in a fresh
+    clone), with workbook/ written by `make lab`'s own first command. Returns the repository:
+    `make lab` roots JupyterLab at its workbook/."""
+    repo = tmp_path / "repo"
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.decode()
+    for name in filter(None, tracked.split("\0")):
+        if (REPO / name).is_file():
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, repo / name)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "clone"]):
+        subprocess.run([*git, *args], cwd=repo, check=True)
+    course = [sys.executable, "-m", "titanlite.tools.course", "--workbook", "notebooks", "workbook"]
+    subprocess.run(course, cwd=repo, check=True, capture_output=True)
+    return repo
+
+
 @pytest.fixture
 def lab_and_browser(tmp_path):
-    """A JupyterLab server on a copy of the notebooks and a headless Chromium; both are shut
-    down (server with its kernels, browser with Playwright's driver) however the test ends."""
+    """A JupyterLab server where `make lab` puts it (the workbook of a fresh clone; another
+    notebook: on a copy of its folder) and a headless Chromium; both are shut down (server with
+    its kernels, browser with Playwright's driver) however the test ends."""
     _require_browser()
     if not NOTEBOOK.is_file():
         pytest.fail(
             f"{NOTEBOOK} does not exist; write it or point TITANLITE_BROWSER_NOTEBOOK at one"
         )
-    work = _workspace(tmp_path, NOTEBOOK)
+    if NOTEBOOK.parent == REPO / "notebooks":
+        work = _as_make_lab_opens_it(tmp_path) / "workbook"
+    else:
+        work = _workspace(tmp_path, NOTEBOOK) / "notebooks"
     lab = JupyterLabServer(work, env={"TITANLITE_SMOKE": "1"}, scratch=tmp_path / "jupyter")
     browser = LabBrowser()
     try:
@@ -158,7 +183,7 @@ def test_live_plot_updates_in_jupyterlab(lab_and_browser, tmp_path):
     page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
     page.add_init_script(RECORDER_JS)
     try:
-        open_notebook(page, lab, f"notebooks/{NOTEBOOK.name}")
+        open_notebook(page, lab, NOTEBOOK.name)
         opened_s = time.monotonic() - t0
         run_all_cells(page)
         # Run All has started once some prompt leaves "[ ]"; before that, "idle" means nothing.
@@ -215,6 +240,24 @@ def test_live_plot_updates_in_jupyterlab(lab_and_browser, tmp_path):
                 f"the live plot changed at only {best} distinct moments while its cell "
                 f"ran (need {MIN_LIVE_UPDATES}); frames: {live['changes']}"
             )
+        # Saved, as a student's Ctrl+S (or JupyterLab's autosave) does: into the workbook, which
+        # git ignores - the clone's tracked files are exactly as cloned.
+        page.keyboard.press("Control+s")
+        saved = lab.root_dir / NOTEBOOK.name
+        deadline = time.monotonic() + 30
+        while '"outputs": []' in saved.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if lab.root_dir.name == "workbook":
+            if '"output_type"' not in saved.read_text():
+                problems.append(f"Ctrl+S did not save the run's outputs into {saved}")
+            status = subprocess.run(
+                ["git", "status", "--porcelain"],
+                cwd=lab.root_dir.parent,
+                capture_output=True,
+                text=True,
+            ).stdout
+            if status:
+                problems.append(f"running the workbook changed tracked files: {status}")
         assert not problems, "\n".join(
             problems + [summarize(snap), "browser console errors:", *console_errors[-10:]]
         )

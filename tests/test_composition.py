@@ -64,7 +64,7 @@ def test_bad_layouts_are_one_clear_line(data_dir, tmp_path):
     cfg = load_config(None, _overrides(data_dir, tmp_path))
     with pytest.raises(
         TitanliteError,
-        match=r"pp × dp_replicate × dp_shard × cp × tp = 2 × 1 × 3 × 1 × 2 = 12, but 8",
+        match=r"pp × dp_replicate × dp_shard × ep × cp × tp = 2 × 1 × 3 × 1 × 1 × 2 = 12, but 8",
     ):
         launch(cfg, nproc=8, overrides={"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 3})
     with pytest.raises(TitanliteError, match=r"tensor-parallel degree 3 .*does not divide"):

@@ -219,7 +219,7 @@ def test_a_cp_checkpoint_resumes_bit_identically_and_loads_into_one_process_and_
 
 def test_the_layout_folds_cp_into_fsdp_and_reads_one_data_slice_per_cp_group():
     dims = ParallelDims.resolve(1, 2, 8, tp=1, pp=1, cp=4)
-    assert dims.shape == (1, 1, 2, 4, 1) and dims.strategy == "fsdp" and dims.dp == 2
+    assert dims.shape == (1, 1, 2, 1, 4, 1) and dims.strategy == "fsdp" and dims.dp == 2
     # cp ranks read the same slice of the batch (and keep their parts of its sequences)
     assert all(len({dims.dp_rank(r) for r in g}) == 1 for g in dims.groups("cp"))
     part = dims.sequence_part(5, "zigzag")

@@ -24,14 +24,19 @@ PACKAGE = Path(titanlite.__file__).parent
 # Raised once since they were set at 2,850 / 4,010 / 1,690: context parallel (its module, 193 statements,
 # a new technique counted as the issue asks), rotary embeddings in a module of their own, the GPU
 # checks (fp16 skips found on the device, cuDNN attention, two ranks on one GPU refused) and one
-# measured peak shared by the doctor, the trainer and notebook 00.
-LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 3_010, 4_370, 1_720  # statements
+# measured peak shared by the doctor, the trainer and notebook 00. Raised again to 3,090 / 4,710 for
+# the mixture of experts: moe.py (201) and expert_parallel.py (49), reached only from a run with
+# experts (a dense run does not load them), and their keys, checks and the sixth mesh dim (+77 loaded;
+# notebook 01's part 1,720 -> 1,770: the [model] keys and preflight's checks of them).
+LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 3_090, 4_710, 1_770  # statements
 MODULE_BUDGET = 300  # lines, as `ruff format` leaves them
 
 # A technique's module opens with the technique: its first public function or class is this.
 OPENS_WITH = {
     "efficiency/accumulation.py": "resolve_batch",
     "distributed/context_parallel.py": "apply_cp",
+    "distributed/expert_parallel.py": "apply_ep",
+    "models/moe.py": "MoEArgs",
     "efficiency/mixed_precision.py": "Precision",
     "efficiency/activation_checkpoint.py": "apply_ac",
     "efficiency/compile.py": "apply_compile",

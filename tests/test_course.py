@@ -105,6 +105,35 @@ def test_student_edition_replaces_only_what_the_student_did_not_change(tmp_path)
     )
 
 
+def test_the_workbook_edition_keeps_the_solutions_and_the_learners_edits(tmp_path, capsys):
+    """make lab's working copy: every notebook as the instructor wrote it, without outputs; an
+    edited one kept on the next make lab, the others refreshed; a student edition is refused."""
+    from titanlite.tools.course import _main
+
+    src = _source(tmp_path, NB02, NB13)
+    out = tmp_path / "workbook"
+    first = student_edition(src, out, solutions=True)
+    assert sorted(first.written) == [NB02, NB13] and first.name == "workbook"
+    nb = nbformat.read(out / NB02, 4)
+    assert nb.metadata[STAMP]["edition"] == "workbook"
+    assert [c.source for c in nb.cells] == [c.source for c in nbformat.read(src / NB02, 4).cells]
+    nb.cells[1].source += "\n# my note"
+    nbformat.write(nb, out / NB02)
+    for name in (NB02, NB13):  # a new release of the course
+        new = nbformat.read(src / name, 4)
+        new.cells[0].source += "\n\nA new sentence."
+        nbformat.write(new, src / name)
+    assert _main(["--workbook", str(src), str(out)]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"workbook edition in {out}/: 1 updated") and "stripped" not in said
+    assert nbformat.read(out / NB02, 4).cells[1].source.endswith("# my note")
+    assert nbformat.read(out / NB13, 4).cells[0].source.endswith("A new sentence.")
+    student = tmp_path / "student"
+    student_edition(src, student)
+    with pytest.raises(TitanliteError, match="not a workbook edition"):
+        student_edition(src, student, solutions=True)
+
+
 def test_an_edition_written_before_hashes_is_stamped_not_replaced(tmp_path):
     src = _source(tmp_path, NB02, NB13)
     out = tmp_path / "course" / "student"

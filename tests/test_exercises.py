@@ -221,7 +221,7 @@ def _array_split(shape, w, r):
     return (base + (r < extra)) * math.prod(shape[1:])
 
 
-def _coords(rank, shape, order=("pp", "dp_replicate", "dp_shard", "cp", "tp")):
+def _coords(rank, shape, order=("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")):
     out = {}
     for dim, size in reversed(list(zip(order, shape))):
         out[dim] = rank % size
@@ -229,8 +229,44 @@ def _coords(rank, shape, order=("pp", "dp_replicate", "dp_shard", "cp", "tp")):
     return out
 
 
+def _route_mistake(kind):
+    def route(scores, bias, k):
+        picked = scores + bias
+        chosen = picked.topk(1 if kind == "top 1" else k, dim=-1).indices
+        if kind == "no bias":
+            chosen = scores.topk(k, dim=-1).indices
+        source = picked if kind == "biased weights" else scores
+        w = source.gather(-1, chosen)
+        if kind == "raw weights":
+            return w, chosen
+        if kind == "softmax":
+            return w.softmax(-1), chosen
+        if kind == "all experts":
+            return w / scores.sum(-1, keepdim=True), chosen
+        w = w / w.sum(-1, keepdim=True)
+        return (chosen, w) if kind == "swapped" else (w, chosen)
+
+    return route
+
+
+def _splits_mistake(kind):
+    def splits(chosen, n_experts, ep):
+        per_rank = n_experts // ep
+        if kind == "tokens":
+            return [int((chosen // per_rank == g).any(-1).sum()) for g in range(ep)]
+        if kind == "round robin":
+            return torch.bincount((chosen % ep).flatten(), minlength=ep).tolist()
+        if kind == "per expert":
+            return torch.bincount(chosen.flatten(), minlength=n_experts).tolist()
+        if kind == "first":
+            return torch.bincount(chosen[:, 0] // per_rank, minlength=ep).tolist()
+        return torch.bincount((chosen // ep).flatten().clamp(max=ep - 1), minlength=ep).tolist()
+
+    return splits
+
+
 def _groups_wrong_axis(shape, dim):
-    axis = 4 - ("pp", "dp_replicate", "dp_shard", "cp", "tp").index(dim)
+    axis = 5 - ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp").index(dim)
     grid = torch.arange(math.prod(shape)).view(shape).movedim(axis, -1)
     return grid.reshape(-1, shape[axis]).tolist()
 
@@ -629,17 +665,17 @@ MISTAKES = {
     "11_rank_grid": [
         (
             "tp = rank",
-            lambda r, shape: {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": r},
+            lambda r, shape: {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "ep": 0, "cp": 0, "tp": r},
             "the coordinates of rank",
         ),
         (
             "pp fastest",
             lambda r, shape: dict(
                 zip(
-                    ("pp", "dp_replicate", "dp_shard", "cp", "tp"),
+                    ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp"),
                     list(
                         _coords(
-                            r, shape[::-1], ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+                            r, shape[::-1], ("tp", "cp", "ep", "dp_shard", "dp_replicate", "pp")
                         ).values()
                     ),
                 )
@@ -650,10 +686,33 @@ MISTAKES = {
         (
             "the 4-D grid of before cp",
             lambda r, shape: _coords(
-                r, shape[:3] + shape[4:], ("pp", "dp_replicate", "dp_shard", "tp")
+                r, shape[:3] + shape[5:], ("pp", "dp_replicate", "dp_shard", "tp")
             ),
             "the coordinates of rank",
         ),
+        (
+            "the 5-D grid of before ep",
+            lambda r, shape: _coords(
+                r, shape[:3] + shape[4:], ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+            ),
+            "the coordinates of rank",
+        ),
+    ],
+    "18_topk_route": [
+        ("weights from scores + bias", _route_mistake("biased weights"), "each token's chosen"),
+        ("bias ignored", _route_mistake("no bias"), "each token's chosen"),
+        ("not normalised", _route_mistake("raw weights"), "each token's chosen"),
+        ("softmax of the chosen", _route_mistake("softmax"), "each token's chosen"),
+        ("normalised over all experts", _route_mistake("all experts"), "each token's chosen"),
+        ("the top 1 only", _route_mistake("top 1"), "should have shape"),
+        ("(chosen, weights)", _route_mistake("swapped"), ""),
+    ],
+    "18_dispatch_splits": [
+        ("tokens, not choices", _splits_mistake("tokens"), "the rows sent to each"),
+        ("round-robin experts", _splits_mistake("round robin"), "the rows sent to each"),
+        ("per expert", _splits_mistake("per expert"), "items"),
+        ("first choice only", _splits_mistake("first"), "the rows sent to each"),
+        ("rank of an expert e // ep", _splits_mistake("e // ep"), ""),
     ],
     "17_lse_merge": [
         ("an average", _merge_mistake("average"), "the merged output"),

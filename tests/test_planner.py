@@ -47,10 +47,10 @@ def _find(p, shape):
 @pytest.mark.parametrize("n", [8, 64])
 def test_pure_fsdp_states_are_zero3_formula_exactly(precision, n):
     p = plan("8B", n, 80 * GB, seq_len=8192, precision=precision, reserve=0.0, checkpointing="full")
-    fsdp = _find(p, (1, 1, n, 1, 1)).memory
+    fsdp = _find(p, (1, 1, n, 1, 1, 1)).memory
     z = zero_bytes_per_rank(_num_params(ModelArgs.preset("8B")), n, 3, precision=precision)
     assert (fsdp.params, fsdp.grads, fsdp.optimizer) == (z["params"], z["grads"], z["optimizer"])
-    ddp = _find(p, (1, n, 1, 1, 1)).memory  # dp_replicate saves nothing: ZeRO stage 0
+    ddp = _find(p, (1, n, 1, 1, 1, 1)).memory  # dp_replicate saves nothing: ZeRO stage 0
     psi = _num_params(ModelArgs.preset("8B"))
     assert ddp.states == zero_bytes_per_rank(psi, n, 0, precision=precision)["total"]
 
@@ -73,7 +73,7 @@ def test_tp_and_pp_divide_the_parameters_as_the_model_is_built():
     # pp=2 × dp_shard=4: the heaviest GPU is on stage 0 (1F1B: 2 micro-batches of activations in
     # flight there, 1 on the last stage), with ZeRO-3 of stage 0's parameters over 4.
     p = plan(a, 8, 80 * GB, seq_len=1024)
-    c = _find(p, (2, 1, 4, 1, 1))
+    c = _find(p, (2, 1, 4, 1, 1, 1))
     assert (
         c.memory.states
         == zero_bytes_per_rank(stage_params(a, 2, 1)[0], 4, 3, precision="mixed")["total"]
@@ -106,7 +106,7 @@ def test_activations_per_layer_are_measured_ones_split_over_tp():
     assert whole_input == 2 * s * b * a.dim
     # 1F1B: stage 0 of pp holds pp micro-batches of n_layers/pp layers: all layers' worth.
     p = plan(a, 8, 1000 * GB, seq_len=s, micro_batch=b)
-    assert _find(p, (2, 1, 4, 1, 1)).memory.activations == round(a.n_layers * one)
+    assert _find(p, (2, 1, 4, 1, 1, 1)).memory.activations == round(a.n_layers * one)
     with pytest.raises(TitanliteError, match="not one of"):
         plan(a, 8, 80 * GB, seq_len=s, checkpointing="partial")
 
@@ -129,7 +129,7 @@ def test_every_layout_obeys_the_rules(args, n, per_node):
 
 def test_tp_that_does_not_divide_the_heads_is_rejected_with_the_trainers_reason():
     p = plan(ModelArgs.preset("debug", n_heads=4, n_kv_heads=2), 8, GB, seq_len=64)  # kv heads: 2
-    c = _find(p, (1, 1, 2, 1, 4))
+    c = _find(p, (1, 1, 2, 1, 1, 4))
     assert c.problem.startswith("trainer refuses") and "n_kv_heads" in c.problem
 
 
@@ -141,6 +141,7 @@ def test_a_model_that_fits_one_gpu_gets_plain_data_parallel():
         1,
         1,
         1,
+        1,
     )  # DDP: least communication
     assert any("DDP" in r for r in p.best.reasons)
 
@@ -149,15 +150,17 @@ def test_llama3_8b_on_8_h100s():
     # torchtitan's Llama 3 8B recipe on 8 H100s: FSDP over the 8, sequence 8192, local batch 1,
     # selective (per-op) activation checkpointing. With that setting the planner picks the same.
     p = plan("8B", 8, 80 * GB, seq_len=8192, micro_batch=1, checkpointing="op")
-    assert p.best.shape == (1, 1, 8, 1, 1)
+    assert p.best.shape == (1, 1, 8, 1, 1, 1)
     assert 40 * GB < p.best.memory.total < 72 * GB  # ~16 GB states + ~27 GB activations + logits
     assert any(r.startswith("FSDP") for r in p.best.reasons)
     # Without checkpointing the activations (~53 GB) no longer fit next to the states: TP 2 inside
     # the node halves them, and the report says why plain FSDP was not enough.
     bare = plan("8B", 8, 80 * GB, seq_len=8192)
-    assert bare.best.shape == (1, 1, 4, 1, 2) and "not dp_shard=8: out of memory" in bare.report()
+    assert (
+        bare.best.shape == (1, 1, 4, 1, 1, 2) and "not dp_shard=8: out of memory" in bare.report()
+    )
     two_nodes = plan("8B", 16, 80 * GB, seq_len=8192, checkpointing="op")
-    assert two_nodes.best.shape == (1, 2, 8, 1, 1), "shard within a node, replicate across"
+    assert two_nodes.best.shape == (1, 2, 8, 1, 1, 1), "shard within a node, replicate across"
 
 
 def test_70b_needs_tensor_parallel_unless_it_recomputes_activations():
@@ -176,6 +179,7 @@ def test_explain_prints_the_choice_and_its_reasons(capsys):
         "parallel.pp": 1,
         "parallel.dp_replicate": 1,
         "parallel.dp_shard": 8,
+        "parallel.ep": 1,
         "parallel.cp": 1,
         "parallel.tp": 1,
     }
@@ -256,7 +260,7 @@ def test_context_parallel_divides_activations_and_logits_and_shards_with_fsdp():
     each GPU keeps of every sequence; it is chosen when nothing without it fits (TP limited to
     2 GPUs per node, a 128k sequence)."""
     p = plan("8B", 8, 80 * GB, seq_len=131072, checkpointing="full", cp=(1, 2, 4))
-    with_cp, without = _find(p, (1, 1, 2, 2, 2)).memory, _find(p, (1, 1, 4, 1, 2)).memory
+    with_cp, without = _find(p, (1, 1, 2, 1, 2, 2)).memory, _find(p, (1, 1, 4, 1, 1, 2)).memory
     assert with_cp.states == without.states
     assert with_cp.activations == pytest.approx(without.activations / 2, rel=1e-6)
     assert with_cp.logits == without.logits // 2

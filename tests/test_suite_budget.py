@@ -24,6 +24,10 @@ ALLOWED = {
     "conftest.py": (3, "run_torchrun(torchrun=True): torchrun itself, for its own entry's tests"),
     "jupyter_browser.py": (1, "JupyterLab's server, which Chromium drives"),
     "test_bad_input.py": (1, "the CLI as a real process: the process boundary is the point"),
+    "test_browser.py": (
+        4,
+        "git (a fresh clone, then its status) and make lab's own course command",
+    ),
     "test_bench.py": (1, "the benchmarks are scripts, run as users run them"),
     "test_checkpoint_io.py": (3, "DCP's writer process; a process that never imports titanlite"),
     "test_cli.py": (4, "`titanlite` and `torchrun -m titanlite` as a shell runs them"),

@@ -4,12 +4,13 @@
     cfg = Config(); cfg.training.steps = 50          # the same from Python
 
 Every key is checked: an unknown key names the closest valid ones, a wrong type says which
-type was expected, and impossible values (non-positive steps, ...) are refused before any
-work starts. Sections mirror torchtitan's job config, trimmed to what titanlite teaches."""
+type was expected, and impossible values are refused before any work starts - sizes are bounded
+by what is meaningful, not by what a number can hold: a million-sequence batch or a 16M-token
+vocabulary is a typo (a size this machine cannot hold is preflight's memory check's to refuse).
+Sections mirror torchtitan's job config, trimmed to what titanlite teaches."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,15 +19,10 @@ from .config_fields import (
     matching,
     one_of,
     parse_overrides,
-    parse_steps,
     ranged,
     read_toml,
     set_value,
 )
-
-# Sizes are bounded by what is meaningful, not only by what a number can hold: a batch of a
-# million sequences or a 16M-token vocabulary is a typo, refused in one line before anything runs
-# (a size inside these bounds that this machine cannot hold is refused by preflight's memory check).
 
 
 @dataclass
@@ -41,6 +37,17 @@ class ModelSection:
     vocab_size: int | None = ranged(None, "[1, 16777216]")
     max_seq_len: int | None = ranged(None, "[1, 1048576]")
     tie_embeddings: bool | None = None
+    n_experts: int = ranged(0, "[0, 4096]")  # mixture of experts (notebook 18); 0: dense
+    experts_per_token: int = ranged(2, "[1, 4096]")  # k: the experts each token goes to
+    n_shared_experts: int = ranged(0, "[0, 64]")  # experts every token goes through as well
+    moe_every: int = ranged(1, "[1, 1024]")  # every N-th block is MoE, the others dense
+    expert_hidden_dim: int | None = ranged(None, "[1, 1048576]")  # None: the dense FFN's width
+    moe_router: str = one_of("softmax", "sigmoid")  # scores; top-k weights normalised to 1
+    # aux_free: DeepSeek-V3's bias; aux_loss: Switch's balance loss; none
+    moe_balance: str = one_of("aux_free", "aux_loss", "none")
+    moe_aux_loss_coef: float = ranged(0.01, "[0, inf)")
+    moe_bias_update: float = ranged(1e-3, "[0, inf)")  # aux_free: bias step per optimizer step
+    moe_capacity_factor: float | None = ranged(None, "(0, inf)")  # None: dropless
 
 
 @dataclass
@@ -129,6 +136,8 @@ class ParallelSection:
     cp: int = ranged(1, "[1, inf)")
     cp_layout: str = one_of("zigzag", "contiguous")  # zigzag: chunks i and 2cp-1-i (balanced)
     cp_method: str = one_of("ring", "allgather")  # how keys and values reach every rank
+    # expert-parallel degree: the MoE experts split over this many ranks (each reads its own data)
+    ep: int = ranged(1, "[1, inf)")
 
 
 @dataclass
@@ -262,9 +271,6 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
     def with_overrides(self, overrides: dict, source: str = "override") -> Config:
         """A copy with `overrides` ({"section.key": value}) applied by `set_value`; self is unchanged."""
         copy = Config(**{k: type(v)(**vars(v)) for k, v in vars(self).items()})
@@ -275,7 +281,6 @@ class Config:
     def validate(self) -> Config:
         """Every key against its declaration (`ranged`, `one_of`, `matching`), then rules spanning keys."""
         check_all(self)
-        parse_steps(self.profile.steps, self.training.steps)  # inside the run, first <= last
         return self
 
 

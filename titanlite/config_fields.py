@@ -237,11 +237,13 @@ def parse_steps(text: str, total_steps: int) -> tuple[int, int] | None:
 
 
 def check_all(cfg) -> None:
-    """Every key of every section against its declaration (`check_field`)."""
+    """Every key of every section against its declaration (`check_field`), then the profiled
+    steps against the run's (inside it, first <= last)."""
     for section in dataclasses.fields(cfg):
         values = getattr(cfg, section.name)
         for f in dataclasses.fields(values):
             check_field(cfg, f"{section.name}.{f.name}", getattr(values, f.name), f)
+    parse_steps(cfg.profile.steps, cfg.training.steps)
 
 
 def read_toml(path) -> dict:

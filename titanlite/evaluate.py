@@ -6,13 +6,14 @@ text = generate(model, tokenizer, "The ", max_new_tokens=48, context=256)
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ._ui import eager
 from .data.transfer import to_device
 from .distributed.env import all_reduce_sum
 from .efficiency.accumulation import count_targets
-from .models.llama import whole_sequences
 
 
 @torch.no_grad()
@@ -43,6 +44,22 @@ def evaluate_parts(parts, loss_on, batches, device, distributed: bool = False) -
     finally:
         for part in parts:
             part.train()
+
+
+@contextlib.contextmanager
+def whole_sequences(model: torch.nn.Module | None):
+    """`model` on whole sequences for a while (generating text under context parallelism): its
+    layers (models/llama.py's Transformer and Attention) set their cp group aside, and get it
+    back after."""
+    modules = model.modules() if model is not None else ()
+    held = [(m, m.context_parallel) for m in modules if getattr(m, "context_parallel", None)]
+    for module, _ in held:
+        module.context_parallel = None
+    try:
+        yield
+    finally:
+        for module, cp in held:
+            module.context_parallel = cp
 
 
 @torch.no_grad()

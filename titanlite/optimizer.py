@@ -14,20 +14,28 @@ import torch
 def build_optimizer(parts: list[torch.nn.Module], o, fused: bool = False) -> torch.optim.Optimizer:
     """AdamW over this rank's model parts, as [optimizer] `o` says. Matrices decay; norm gains and
     other vectors do not (shrinking a gain towards zero regularises nothing and hurts). `fused`: one
-    kernel for the whole step (CUDA)."""
-    params = [p for part in parts for p in part.parameters()]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW(
+    kernel for the whole step (CUDA). Parameters sharded over different meshes (expert parallel:
+    the experts) go in groups of their own: one multi-tensor kernel cannot mix them. A module with
+    an `after_optimizer_step` (an MoE router's balancing) is called after every step."""
+    groups = {}
+    for p in (p for part in parts for p in part.parameters()):
+        mesh = getattr(p, "device_mesh", None)
+        key = (p.dim() >= 2, None if mesh is None else mesh.mesh_dim_names)
+        groups.setdefault(key, []).append(p)
+    optimizer = torch.optim.AdamW(
         [
-            {"params": decay, "weight_decay": o.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
+            {"params": params, "weight_decay": o.weight_decay if decays else 0.0}
+            for (decays, _), params in sorted(groups.items(), key=lambda kv: not kv[0][0])
         ],
         lr=o.lr,
         betas=(o.beta1, o.beta2),
         eps=o.eps,
         fused=fused or None,
     )
+    for module in (m for part in parts for m in part.modules()):
+        if hasattr(module, "after_optimizer_step"):
+            optimizer.register_step_post_hook(lambda *_, m=module: m.after_optimizer_step())
+    return optimizer
 
 
 def lr_lambda(scheduler, total: int):

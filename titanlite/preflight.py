@@ -1,7 +1,7 @@
 """Preflight: every way a config can fail to make a run, checked once, before anything starts.
 
     plan = preflight(cfg, world_size=4, vocab_size=4096)
-    plan.dims                   # the rank grid: pp × dp_replicate × dp_shard × cp × tp
+    plan.dims                   # the rank grid: pp × dp_replicate × dp_shard × ep × cp × tp
     plan.micro_batch, plan.grad_accum_steps, plan.global_batch
     plan.model_args             # the model's shape (a preset and its overrides, or a checkpoint's)
 
@@ -43,10 +43,12 @@ def preflight(cfg: Config, world_size: int, vocab_size: int, start_from=None) ->
     (`tokenizer_size`); `start_from`: a published model (tools.hf_start.HuggingFaceStart) sets the shape."""
     cfg.validate()
     p, t = cfg.parallel, cfg.training
-    dims = ParallelDims.resolve(p.dp_replicate, p.dp_shard, world_size, tp=p.tp, pp=p.pp, cp=p.cp)
+    dims = ParallelDims.resolve(
+        p.dp_replicate, p.dp_shard, world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep
+    )
     check_fault(cfg.fault, t.steps, world_size)
     micro, accum, global_batch = resolve_batch(
-        t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=dims.dp
+        t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=dims.batch_ranks
     )
     args = model_args_for(cfg, vocab_size, start_from)
     check_parallel_config(cfg, dims, args)
@@ -86,6 +88,7 @@ def model_args_for(cfg: Config, vocab_size: int, start_from=None) -> ModelArgs:
             vocab_size=m.vocab_size,
             max_seq_len=m.max_seq_len,
             tie_embeddings=m.tie_embeddings,
+            moe=moe_args_of(m),
         )
         if m.vocab_size is None and m.preset in VOCAB_FROM_TOKENIZER:
             args.vocab_size = vocab_size
@@ -102,6 +105,46 @@ def model_args_for(cfg: Config, vocab_size: int, start_from=None) -> ModelArgs:
             "raise --model.max_seq_len"
         )
     return args
+
+
+def check_experts(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
+    """Mixture of experts and expert parallelism: what they combine with here."""
+    moe = args.moe
+    if dims.ep > 1 and moe is None:
+        raise TitanliteError(
+            f"--parallel.ep {dims.ep} splits the experts of a mixture of experts, and this model "
+            f"has none: set --model.n_experts (a multiple of {dims.ep}), or leave ep at 1"
+        )
+    if moe is not None and moe.n_experts % dims.ep:
+        raise TitanliteError(
+            f"model.n_experts={moe.n_experts} does not divide over --parallel.ep {dims.ep}: "
+            f"choose n_experts a multiple of ep"
+        )
+    if moe is not None and (dims.tp > 1 or dims.pp > 1):
+        raise TitanliteError(
+            "a mixture of experts with tensor or pipeline parallelism is not supported here: "
+            "split the experts with --parallel.ep and the rest with FSDP (--parallel.dp_shard)"
+        )
+
+
+def moe_args_of(m):
+    """[model]'s mixture-of-experts keys as MoEArgs; None for a dense model (0 experts)."""
+    if m.n_experts == 0:
+        return None
+    from .models.moe import MoEArgs  # a mixture only: a dense run never imports it
+
+    return MoEArgs(
+        n_experts=m.n_experts,
+        experts_per_token=m.experts_per_token,
+        n_shared_experts=m.n_shared_experts,
+        every=m.moe_every,
+        hidden_dim=m.expert_hidden_dim,
+        router=m.moe_router,
+        balance=m.moe_balance,
+        aux_loss_coef=m.moe_aux_loss_coef,
+        bias_update=m.moe_bias_update,
+        capacity_factor=m.moe_capacity_factor,
+    )
 
 
 def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
@@ -156,6 +199,7 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
             f"training.seq_len={t.seq_len} does not cut into {pieces} equal chunks for "
             f"--parallel.cp {dims.cp} ({p.cp_layout}): use a seq_len that is a multiple of {pieces}"
         )
+    check_experts(cfg, dims, args)
     if dims.pp > 1 and p.pp_schedule == "zbv" and cfg.eval.every:
         raise TitanliteError(
             "torch's zero-bubble V schedule cannot run forward-only, so it cannot "

@@ -9,6 +9,7 @@ then not applied) shows here, and the tests on faked GPUs read it (tests/test_vi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -56,7 +57,7 @@ def run_record(trainer, per_rank: list[dict] | None = None) -> dict:
     )  # a torchrun job's attempts share it and their agent
     return {
         "job": job and f"{job}:{os.getppid()}",
-        "config": trainer.cfg.to_dict(),
+        "config": dataclasses.asdict(trainer.cfg),
         "model_args": trainer.model_args.to_dict(),
         "num_params": trainer.num_params,
         "micro_batch": trainer.micro_batch,

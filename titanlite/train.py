@@ -86,7 +86,7 @@ class Trainer:
             tokenizer_for(cfg, start_from),
             micro_batch=self.micro_batch,
             rank=self.dims.dp_rank(self.dist.rank),
-            world_size=self.dims.dp,
+            world_size=self.dims.batch_ranks,
             sequence_part=self.dims.sequence_part(self.dist.rank, p.cp_layout),  # CP: its part
         )
         self.tokenizer = self.data.tokenizer

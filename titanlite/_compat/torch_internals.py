@@ -136,3 +136,19 @@ def flatten_mesh(mesh, dims: tuple[str, ...], name: str) -> str:
     torchtitan does for FSDP over dp_shard × cp); returns the name to index the mesh with."""
     mesh[dims]._flatten(name)
     return name
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward now (activation checkpointing recomputes forwards
+    there): torch._C._current_graph_task_id() is -1 outside one (2.11-2.13)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def all_to_all(t: torch.Tensor, out_sizes, in_sizes, group) -> torch.Tensor:
+    """Rows of `t` (in_sizes[r] to rank r) exchanged for out_sizes[r] rows from each rank r, with
+    an autograd backward (the reverse exchange): torch.distributed._functional_collectives'
+    all_to_all_single_autograd (2.11-2.13), as torchtitan's expert parallelism uses it. Sizes None:
+    equal parts."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(t, out_sizes, in_sizes, group)

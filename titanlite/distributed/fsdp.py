@@ -34,6 +34,7 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
     pp: int = 1,
+    expert_mesh="same",
 ) -> nn.Module:
     """Shard each transformer block, then the root (embeddings, final norm, output), in place.
     param_dtype: FSDP gathers and computes in it (bf16 halves all-gather bytes; the shards and the
@@ -41,17 +42,37 @@ def apply_fsdp(
     the sum of many small bf16 gradients exact). reshard_after_forward: "always" frees each block's
     gathered weights after forward (least memory, one more all-gather), "never" keeps them for
     backward (ZeRO-2-like), "default" all but the last block's (none under PP: `reshard_flags`).
-    cpu_offload: shards, gradients and the optimizer step live in CPU memory; pp: the PP degree."""
+    cpu_offload: shards, gradients and the optimizer step live in CPU memory; pp: the PP degree.
+    expert_mesh: where an MoE block's experts are sharded ("same": with the block; under expert
+    parallelism ep has split them, and FSDP shards them over the ranks holding the same ones, or
+    None: no rank does, they stay out of FSDP)."""
     flags = reshard_flags(reshard_after_forward, len(model.layers), pp)  # checks the choice first
     common = {
-        "mesh": mesh,
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
     }
+    experts = [
+        b.feed_forward.experts for b in model.layers.values() if hasattr(b.feed_forward, "experts")
+    ]
+    ignored = set()
+    if expert_mesh != "same":
+        for group in experts:
+            if expert_mesh is None:
+                ignored |= set(group.parameters())
+            else:  # dim 0 is ep's already: FSDP shards dim 1
+                fully_shard(group, mesh=expert_mesh, shard_placement_fn=_second_dim, **common)
     for block, reshard in zip(list(model.layers.values()), flags):
-        fully_shard(block, reshard_after_forward=reshard, **common)
-    fully_shard(model, **common)
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored, **common
+        )
+    fully_shard(model, mesh=mesh, ignored_params=ignored, **common)
     return model
+
+
+def _second_dim(param):
+    from torch.distributed.tensor import Shard
+
+    return Shard(1)
 
 
 def reshard_flags(policy: str, n_blocks: int, pp: int = 1) -> list[bool]:

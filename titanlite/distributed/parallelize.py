@@ -5,7 +5,8 @@
 
 1. build    - pure FSDP: on the meta device, sharded before the weights exist; TP/PP: the whole model.
 2. PP split - first: everything below applies per stage.
-3. TP       - its plan names the plain model's Linear modules and replaces their weights.
+3. TP, EP   - TP's plan names the plain model's Linear modules and replaces their weights; EP
+              keeps this rank's experts.
 4. FP8      - swaps nn.Linear for Float8Linear: everything later sees the final modules.
 5. AC       - wraps each block, so the wrapper is what compile and FSDP see.
 6. compile  - per block, before FSDP: the hooks FSDP installs stay outside the graphs.
@@ -95,7 +96,7 @@ def parallelize(
 
     if fsdp:
         from .fsdp import apply_fsdp, shard_and_init  # torch.distributed.fsdp: sharded runs only
-    if fsdp and dims.tp == 1 and dims.pp == 1:
+    if fsdp and dims.tp == 1 and dims.pp == 1 and dims.ep == 1:
         with torch.device("meta"):
             model = Transformer(args).to(dtype)
         # The FP8 and compile checks' trial runs must not move the RNG before rank 0 draws the weights.
@@ -131,10 +132,15 @@ def parallelize(
                 sequence_parallel=sequence_parallel_enabled(p, dims),
                 loss_parallel=loss_parallel_enabled(p, dims),
             )
+        if dims.ep > 1:
+            from .expert_parallel import apply_ep  # ep > 1 only
+
+            apply_ep(part, mesh["ep"])
         part = efficiency(part)
         context_parallel(part)
         if fsdp:
-            part = apply_fsdp(part, dp_mesh, **fsdp_kwargs)
+            experts = dims.expert_fsdp_mesh(mesh) if dims.ep > 1 else "same"
+            part = apply_fsdp(part, dp_mesh, expert_mesh=experts, **fsdp_kwargs)
         elif dims.strategy == "ddp":
             part = apply_ddp(part, mesh["dp_replicate"], bucket_cap_mb=p.bucket_cap_mb)
         parts[i] = part

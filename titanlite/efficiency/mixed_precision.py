@@ -92,12 +92,7 @@ class Precision:
             for dtype in {p.dtype for p in params}:
                 check_param_dtype(self.mode, dtype)
         self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        if clip is not None:
-            norm = clip(params, grad_clip or float("inf"))
-        elif grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = (clip or clip_grad_norm)(params, grad_clip or float("inf"))
         if not self.scaler.is_enabled():
             optimizer.step()
             skipped = False
@@ -113,6 +108,23 @@ class Precision:
             norm = norm.full_tensor()
         # the norm (and an fp16 skip) stay on the device: read them when logging (that waits)
         return norm.detach(), skipped
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ (max_norm inf: the norm only), over parameters that may be sharded
+    on different meshes (expert parallel: the experts over ep, the rest over dp_shard × ep): each
+    mesh's part of the norm summed over its own ranks, then the parts added."""
+    by_mesh = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    if len(by_mesh) == 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    parts = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
+    parts = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in parts]
+    norm = torch.stack(parts).pow(2).sum().sqrt()
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+    return norm
 
 
 def check_mode(mode: str, allow_auto: bool = False) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from torch.nn.attention import sdpa_kernel
 from ..device_policy import capability_of, expand_kv_for_sdpa, sdpa_priority
 from ..errors import TitanliteError, closest
 from .rope import CONTEXT_KEY, apply_rope, rope_cache
+
+if TYPE_CHECKING:  # a dense model never imports the mixture of experts (notebook 18)
+    from .moe import MoEArgs
 
 
 @dataclass
@@ -37,6 +41,7 @@ class ModelArgs:
     tie_embeddings: bool = True
     init_std: float = 0.02
     rope_scaling: dict | None = None  # Llama 3.1+ long context: HF's {"rope_type": "llama3", ...}
+    moe: MoEArgs | None = None  # mixture of experts (models/moe.py); None: every block dense
 
     @property
     def head_dim(self) -> int:
@@ -71,6 +76,10 @@ class ModelArgs:
                     f"model.rope_scaling={self.rope_scaling} is not supported: use None or "
                     f"{{'rope_type': 'llama3', {', '.join(sorted(keys))}}} (Llama 3.1+)"
                 )
+        if self.moe is not None:  # a dict when read back from a checkpoint's record
+            from .moe import MoEArgs
+
+            self.moe = MoEArgs.of(self.moe).validate(self.n_layers)
         return self
 
     @staticmethod
@@ -160,6 +169,8 @@ def causal_attention(
 
 
 class FeedForward(nn.Module):
+    skipped_per_token = 0  # parameters a token does not use: none, in a dense block
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
@@ -171,12 +182,14 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        # A mixture of experts where [model] asks for one (moe.py: which blocks), else SwiGLU.
+        moe = args.moe.feed_forward(layer, args.dim, args.hidden_dim) if args.moe else None
+        self.feed_forward = moe if moe is not None else FeedForward(args)
 
     def forward(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -191,7 +204,9 @@ class Transformer(nn.Module):
         self.args = args.validate()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed "0", "1", ...: names stay when pipeline parallelism deletes other stages'.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(args, i) for i in range(args.n_layers)}
+        )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -214,10 +229,14 @@ class Transformer(nn.Module):
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for block in self.layers.values():
             a, f = block.attention, block.feed_forward
-            for lin in (a.q_proj, a.k_proj, a.v_proj, f.gate_proj, f.up_proj):
+            dense = isinstance(f, FeedForward)
+            for lin in (a.q_proj, a.k_proj, a.v_proj) + ((f.gate_proj, f.up_proj) if dense else ()):
                 nn.init.normal_(lin.weight, std=std)
             nn.init.normal_(a.o_proj.weight, std=out_std)
-            nn.init.normal_(f.down_proj.weight, std=out_std)
+            if dense:
+                nn.init.normal_(f.down_proj.weight, std=out_std)
+            else:
+                f.init_weights(std, out_std)
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
@@ -247,28 +266,20 @@ class Transformer(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
 
+    def active_params(self) -> int:
+        """Parameters one token uses: all, less each MoE block's routed experts it skips."""
+        skipped = sum(block.feed_forward.skipped_per_token for block in self.layers.values())
+        return self.num_params() - skipped
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token as PaLM (appendix B), nanoGPT and torchtitan count them: 6·N (forward 2·N,
-        backward 4·N) for the N matmul weights, plus 12·L·H·Q·T for attention (causal masking ignored)."""
-        a, n_matmul = self.args, self.num_params(exclude_embedding=True)
+        backward 4·N) for the N matmul weights a token uses (an MoE block: its k experts, not all E),
+        plus 12·L·H·Q·T for attention (causal masking ignored)."""
+        a = self.args
+        n_matmul = self.active_params() - self.tok_embeddings.weight.numel()
         if a.tie_embeddings:  # the shared matrix still does the output matmul
             n_matmul += self.output.weight.numel()
         return 6 * n_matmul + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
-
-
-@contextlib.contextmanager
-def whole_sequences(model: nn.Module | None):
-    """`model` on whole sequences for a while (generating text under context parallelism): its
-    layers set their cp group aside, and get it back after."""
-    modules = model.modules() if model is not None else ()
-    held = [(m, m.context_parallel) for m in modules if getattr(m, "context_parallel", None)]
-    for module, _ in held:
-        module.context_parallel = None
-    try:
-        yield
-    finally:
-        for module, cp in held:
-            module.context_parallel = cp
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "cpu") -> Transformer:

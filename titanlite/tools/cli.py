@@ -34,7 +34,10 @@ from .config_help import overrides_help, without_effect
 
 
 def _train(args, overrides: list[str]) -> None:
+    import torch
+
     from ..config import load_config
+    from ..models.llama import Transformer
     from ..train import Trainer
     from ..weights import save_weights
     from .corpora import fetch_for
@@ -60,8 +63,13 @@ def _train(args, overrides: list[str]) -> None:
             if world > 1
             else str(trainer.device)
         )
+        params = f"{trainer.num_params / 1e6:.2f}M parameters"
+        if trainer.model_args.moe is not None:  # FLOPs and MFU count what a token uses
+            with torch.device("meta"):  # a weightless copy, to count
+                active = Transformer(trainer.model_args).active_params()
+            params += f" ({active / 1e6:.2f}M active per token)"
         say(
-            f"titanlite: {cfg.model.preset} model, {trainer.num_params / 1e6:.2f}M parameters, "
+            f"titanlite: {cfg.model.preset} model, {params}, "
             f"on {on} ({trainer.dtype}); MFU against {trainer.peak.label}"
         )
         # The tools a run from the command line gets: the profiler when [profile] asks, goodput,

@@ -140,6 +140,21 @@ DEPENDS_ON = (
         "--parallel.tp 2 or more",
     ),
     (
+        (
+            "model.experts_per_token",
+            "model.n_shared_experts",
+            "model.moe_every",
+            "model.expert_hidden_dim",
+            "model.moe_router",
+            "model.moe_balance",
+            "model.moe_aux_loss_coef",
+            "model.moe_bias_update",
+            "model.moe_capacity_factor",
+        ),
+        lambda c: c.model.n_experts > 0,
+        "--model.n_experts 2 or more",
+    ),
+    (
         ("parallel.cp_layout", "parallel.cp_method"),
         lambda c: c.parallel.cp > 1,
         "--parallel.cp 2 or more",

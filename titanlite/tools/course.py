@@ -8,6 +8,10 @@ replaced by `# YOUR CODE HERE` + `raise NotImplementedError()` (`make student`):
 own `ClearSolutions` preprocessor when nbgrader is installed, else with the small stripper here,
 which writes the same stub, so a course without nbgrader gets the same student copy.
 
+`make lab` writes the workbook edition the same way (`solutions=True`): a working copy of every
+notebook, solutions in, in workbook/ - git ignores it, so running and editing notebooks never
+touches a tracked file, and `git pull` never conflicts with a learner's outputs.
+
 A student's work is never overwritten: each notebook written records a hash of its cells'
 sources in its metadata, and writing the edition again (new notebooks pulled, say) replaces only
 a notebook whose cells still hash to what was written; one the student edited is left alone and
@@ -169,8 +173,11 @@ def _stamp(nb):
     return nb.get("metadata", {}).get(STAMP, {})
 
 
+EDITIONS = ("student", "workbook")  # solutions stripped / kept
+
+
 def _is_ours(nb) -> bool:
-    return _stamp(nb).get("edition") == "student"
+    return _stamp(nb).get("edition") in EDITIONS
 
 
 @dataclass
@@ -178,6 +185,7 @@ class Edition:
     """What `student_edition` did, notebook by notebook."""
 
     out: Path
+    name: str = "student"  # the edition: student (solutions stripped) or workbook
     written: list[str] = field(default_factory=list)  # new: there was no such notebook
     refreshed: list[str] = field(default_factory=list)  # replaced: the student had not changed it
     unchanged: list[str] = field(default_factory=list)  # already what would be written
@@ -193,7 +201,7 @@ class Edition:
             )
             if n
         ]
-        line = f"student edition in {self.out}/: {', '.join(parts) or 'nothing to write'}"
+        line = f"{self.name} edition in {self.out}/: {', '.join(parts) or 'nothing to write'}"
         if stripped_by:
             line += f" (solutions stripped by {stripped_by})"
         if self.kept:
@@ -211,45 +219,55 @@ def _within(a: Path, b: Path) -> bool:
     return a == b or b in a.parents
 
 
-def check_edition_folder(source: Path, out: Path, names: set[str]) -> None:
-    """Refuse, in one line, an output folder that is not a new, empty or student-edition folder."""
+def check_edition_folder(
+    source: Path, out: Path, names: set[str], edition: str = "student"
+) -> None:
+    """Refuse, in one line, an output folder that is not a new, empty or edition folder."""
     src, dst = source.resolve(), out.resolve()
     if _within(src, dst):
         what = (
             "the instructor's notebooks folder" if src == dst else f"a folder that holds {source}"
         )
         raise TitanliteError(
-            f"the student edition cannot go into '{out}': it is {what}; choose a "
-            f"new folder, e.g. student/"
+            f"the {edition} edition cannot go into '{out}': it is {what}; choose a "
+            f"new folder, e.g. {edition}/"
         )
     if _within(dst, src):
         raise TitanliteError(
-            f"the student edition cannot go into '{out}', inside the instructor's "
-            f"'{source}': choose a folder outside it, e.g. student/"
+            f"the {edition} edition cannot go into '{out}', inside the instructor's "
+            f"'{source}': choose a folder outside it, e.g. {edition}/"
         )
     if not out.exists():
         return
     if not out.is_dir():
         raise TitanliteError(
-            f"'{out}' is a file, not a folder: choose a new folder for the student edition"
+            f"'{out}' is a file, not a folder: choose a new folder for the {edition} edition"
         )
     entries = sorted(p.name for p in out.iterdir())
     marker = next((m for m in REPO_MARKERS if m in entries), None)
     if marker:
         raise TitanliteError(
-            f"'{out}' holds {marker}: it looks like a repository, not a student edition; "
-            f"choose a new folder, e.g. student/"
+            f"'{out}' holds {marker}: it looks like a repository, not a {edition} edition; "
+            f"choose a new folder, e.g. {edition}/"
         )
-    ours = False
+    ours, found = False, set()
     for p in out.glob("*.ipynb"):
         try:
-            ours = ours or _is_ours(json.loads(p.read_text(encoding="utf-8")))
+            nb = json.loads(p.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            pass
+            continue
+        ours = ours or _is_ours(nb)
+        found.add(_stamp(nb).get("edition"))
+    other = next((e for e in EDITIONS if e in found and e != edition), None)
+    if other:
+        raise TitanliteError(
+            f"'{out}' holds the {other} edition, not a {edition} edition: choose another "
+            f"folder, e.g. {edition}/"
+        )
     stranger = [e for e in entries if e not in names and e not in EDITION_EXTRAS]
     if stranger and not ours:
         raise TitanliteError(
-            f"'{out}' holds files that are not a student edition (e.g. '{stranger[0]}'): "
+            f"'{out}' holds files that are not a {edition} edition (e.g. '{stranger[0]}'): "
             f"choose a new or empty folder"
         )
 
@@ -264,13 +282,17 @@ def _write(nb, path: Path) -> None:
 
 
 def student_edition(
-    source: str | Path = "notebooks", out: str | Path = "student", use_nbgrader: bool | None = None
+    source: str | Path = "notebooks",
+    out: str | Path = "student",
+    use_nbgrader: bool | None = None,
+    solutions: bool = False,
 ) -> Edition:
     """Write the student edition of every notebook in `source` into `out`, stripped as
     `strip_solutions` picks (the notebooks without exercises are copied without their outputs,
-    so the edition is complete). A notebook already in `out` is replaced only if its cells are
-    still what was written there (nothing of the student's is lost); one the student changed,
-    or one this function did not write, is kept as it is and listed in the result."""
+    so the edition is complete); with `solutions`, the workbook edition: the notebooks as they
+    are, without outputs. A notebook already in `out` is replaced only if its cells are still
+    what was written there (nothing of the student's is lost); one the student changed, or one
+    this function did not write, is kept as it is and listed in the result."""
     import nbformat
 
     source, out = Path(source), Path(out)
@@ -279,14 +301,16 @@ def student_edition(
         raise TitanliteError(
             f"no notebooks in '{source}': point at the instructor's notebooks/ folder"
         )
-    check_edition_folder(source, out, {p.name for p in notebooks})
+    edition = "workbook" if solutions else "student"
+    check_edition_folder(source, out, {p.name for p in notebooks}, edition)
     editions = []
-    for path in notebooks:  # every notebook stripped before anything is written
-        nb = strip_solutions(nbformat.read(path, as_version=4), use_nbgrader)
-        nb.metadata[STAMP] = {"edition": "student", "source": path.name, "sha256": work_hash(nb)}
+    for path in notebooks:  # every notebook prepared before anything is written
+        nb = nbformat.read(path, as_version=4)
+        nb = _without_outputs(nb) if solutions else strip_solutions(nb, use_nbgrader)
+        nb.metadata[STAMP] = {"edition": edition, "source": path.name, "sha256": work_hash(nb)}
         editions.append((path.name, nb))
     out.mkdir(parents=True, exist_ok=True)
-    report = Edition(out)
+    report = Edition(out, edition)
     for name, nb in editions:
         target = out / name
         if not target.exists():
@@ -309,7 +333,7 @@ def student_edition(
                 )
                 os.replace(tmp, target)
             report.unchanged.append(name)
-        elif stamp.get("edition") == "student" and stamp.get("sha256") == current:
+        elif stamp.get("edition") == edition and stamp.get("sha256") == current:
             _write(nb, target)
             report.refreshed.append(name)
         else:
@@ -656,25 +680,32 @@ def progress_command(
 
 
 def _main(argv: list[str]) -> int:
-    """python -m titanlite.tools.course [SOURCE [OUT]]: the student edition (make student)."""
-    args = argv + ["notebooks", "student"][len(argv) :]
+    """python -m titanlite.tools.course [--workbook] [SOURCE [OUT]]: the student edition (make
+    student), or with --workbook the working copy, solutions in, that make lab opens."""
+    workbook = "--workbook" in argv
+    argv = [a for a in argv if a != "--workbook"]
+    default = ["notebooks", "workbook" if workbook else "student"]
+    args = argv + default[len(argv) :]
     if len(args) != 2 or any(a.startswith("-") for a in args):
         print(
-            "usage: python -m titanlite.tools.course [SOURCE [OUT]]  (default: notebooks student)",
+            "usage: python -m titanlite.tools.course [--workbook] [SOURCE [OUT]]  "
+            "(default: notebooks student; --workbook: notebooks workbook)",
             file=sys.stderr,
         )
         return 2
     try:  # nbgrader's ClearSolutions when it is installed, titanlite's stripper otherwise
-        report = student_edition(args[0], args[1])
+        report = student_edition(args[0], args[1], solutions=workbook)
     except TitanliteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    make = "make lab" if workbook else "make student"
+    flag = "--workbook " if workbook else ""
     command = (
-        f"python -m titanlite.tools.course {args[0]} {args[1]}"
-        if argv and argv != ["notebooks", "student"]
-        else "make student"
+        f"python -m titanlite.tools.course {flag}{args[0]} {args[1]}"
+        if argv and argv != default
+        else make
     )
-    print(report.summary(command, stripped_by=stripper()))
+    print(report.summary(command, stripped_by=None if workbook else stripper()))
     return 0
 
 

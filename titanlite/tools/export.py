@@ -220,6 +220,11 @@ def to_hf_model(model: Transformer, dtype: torch.dtype | None = None):
     """A `LlamaForCausalLM` (sdpa attention) holding copies of `model`'s weights."""
     from transformers import LlamaForCausalLM
 
+    if model.args.moe is not None:  # experts: Hugging Face's Mixtral (tools/hf_moe.py)
+        from .hf_moe import check_mixtral, mixtral_model, to_mixtral_config, to_mixtral_state
+
+        check_mixtral(model)
+        return mixtral_model(to_mixtral_config(model.args), to_mixtral_state(model, hf_name, dtype))
     config = to_hf_config(model.args)
     # Build on meta (no random init of weights we overwrite anyway), then adopt the tensors.
     with torch.device("meta"):
@@ -329,13 +334,20 @@ def from_hf(
             f"from_hf expects a directory or a LlamaForCausalLM, got {type(src).__name__}"
         )
     args = from_hf_config(config)
-    sd = {
-        titanlite_name(k): v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")
-    }  # old checkpoints saved this derived buffer
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if args.moe is not None:  # Mixtral (tools/hf_moe.py)
+        from .hf_moe import from_mixtral_state
+
+        sd = from_mixtral_state(tensors, titanlite_name)
+    else:  # old checkpoints saved the derived rotary buffer: dropped above
+        sd = {titanlite_name(k): v for k, v in tensors.items()}
     if args.tie_embeddings:
         sd.pop("output.weight", None)
     with torch.device("meta"):
         model = Transformer(args)
+    # The routers' bias (Mixtral has none: zero) and load counter are buffers set here.
+    extra = {k: torch.zeros(v.shape) for k, v in model.state_dict().items() if "expert" in k}
+    sd.update({k: v for k, v in extra.items() if k.endswith("expert_bias")})
     expected = {k for k in model.state_dict() if not (args.tie_embeddings and k == "output.weight")}
     if set(sd) != expected:
         missing, extra = sorted(expected - set(sd)), sorted(set(sd) - expected)
@@ -351,6 +363,9 @@ def from_hf(
         model.output.weight = model.tok_embeddings.weight
     # The rotary tables are derived, non-persistent buffers: compute them (still on meta).
     model.rope_cos, model.rope_sin = rope_cache(args, device=device)
+    for router in (m for m in model.modules() if hasattr(m, "tokens_per_expert")):
+        router.tokens_per_expert = torch.zeros(args.moe.n_experts, device=device)
+        router.load = torch.zeros(args.moe.n_experts)
     return model
 
 

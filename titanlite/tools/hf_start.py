@@ -165,13 +165,18 @@ def _rope_of(cfg) -> tuple[float, dict]:
     )
 
 
-def from_hf_config(cfg) -> ModelArgs:
-    """`LlamaConfig` → ModelArgs, or a TitanliteError naming what titanlite cannot represent."""
+def from_hf_config(cfg, allow: str = "llama") -> ModelArgs:
+    """`LlamaConfig` (or `MixtralConfig`: tools/hf_moe.py) → ModelArgs, or a TitanliteError
+    naming what titanlite cannot represent."""
     where = f"Hugging Face config ({getattr(cfg, 'model_type', '?')})"
-    if getattr(cfg, "model_type", None) != "llama":
+    if getattr(cfg, "model_type", None) == "mixtral" and allow == "llama":
+        from .hf_moe import from_mixtral_config
+
+        return from_mixtral_config(cfg, from_hf_config)
+    if getattr(cfg, "model_type", None) != allow:
         raise TitanliteError(
-            f"{where}: only model_type 'llama' maps onto titanlite's Transformer; "
-            f"pick a Llama-architecture checkpoint (Llama 2/3, TinyLlama, SmolLM)"
+            f"{where}: only model_type 'llama' (and 'mixtral') maps onto titanlite's Transformer; "
+            f"pick a Llama-architecture checkpoint (Llama 2/3, TinyLlama, SmolLM) or a Mixtral"
         )
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
         raise TitanliteError(

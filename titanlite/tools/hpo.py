@@ -12,6 +12,7 @@ below the median of earlier trials at the same step).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -163,7 +164,7 @@ def optimize_in_processes(
     from .launcher import to_toml
 
     cfg_file.parent.mkdir(parents=True, exist_ok=True)
-    cfg_file.write_text(to_toml(base.to_dict()))
+    cfg_file.write_text(to_toml(dataclasses.asdict(base)))
     cmd = [
         sys.executable,
         "-m",

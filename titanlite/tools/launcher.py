@@ -15,6 +15,7 @@ process behind (each worker also asks the kernel to kill it if its torchrun agen
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -99,11 +100,11 @@ def launch(
     run_dir = check_output_dir(Path(cfg.metrics.log_dir) / name, "run folder (metrics.log_dir)")
     # Another run in that folder: refused (or deleted, with metrics.overwrite) before this job writes there.
     if refusal := claim_run_dir(
-        run_dir, {"config": cfg.to_dict()}, cfg.checkpoint, cfg.metrics.overwrite
+        run_dir, {"config": dataclasses.asdict(cfg)}, cfg.checkpoint, cfg.metrics.overwrite
     ):
         raise TitanliteError(refusal)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(cfg.to_dict()))
+    (run_dir / "config.toml").write_text(to_toml(dataclasses.asdict(cfg)))
     result = _run(
         ["-m", "titanlite", "train", "--config", str(run_dir / "config.toml")],
         nproc,

@@ -1,4 +1,4 @@
-"""Choosing the degrees: which (pp, dp_replicate, dp_shard, cp, tp) layout to train with, as code.
+"""Choosing the degrees: which (pp, dp_replicate, dp_shard, ep, cp, tp) layout to train with, as code.
 
     p = plan(ModelArgs.preset("8B"), n_gpus=8, gpu_mem_bytes=80e9, seq_len=8192, micro_batch=1)
     p.explain()                                   # the choice, its memory, why not simpler ones
@@ -93,18 +93,25 @@ class Candidate:
     dp_shard: int
     tp: int
     cp: int = 1
+    ep: int = 1  # dense models only, for now: expert parallelism is planned by hand (notebook 18)
     memory: Memory | None = None
     reasons: list[str] = field(default_factory=list)
     problem: str | None = None  # None: a valid layout that fits
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.ep, self.cp, self.tp)
 
     @property
     def dims(self) -> ParallelDims:
         return ParallelDims(
-            self.dp_replicate, self.dp_shard, math.prod(self.shape), self.tp, self.pp, self.cp
+            self.dp_replicate,
+            self.dp_shard,
+            math.prod(self.shape),
+            self.tp,
+            self.pp,
+            self.cp,
+            self.ep,
         )
 
     @property
@@ -137,7 +144,7 @@ class Plan:
         lines = [
             f"{count} parameters on {self.n_gpus} GPUs ({self.gpus_per_node} per node), "
             f"{_size(self.usable_bytes)} usable of {_size(self.gpu_mem_bytes)} each",
-            f"→ {b}   (pp, dp_replicate, dp_shard, cp, tp) = {b.shape}",
+            f"→ {b}   (pp, dp_replicate, dp_shard, ep, cp, tp) = {b.shape}",
             *(f"   - {r}" for r in b.reasons),
         ]
         # Why not something simpler: the smallest layout of each simpler (pp, tp) pair that failed.

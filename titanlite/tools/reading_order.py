@@ -90,6 +90,11 @@ READING_ORDER = [
         ["distributed/context_parallel.py"],
     ),
     (
+        "18",
+        "mixture of experts: routing, balance, experts split over ranks",
+        ["models/moe.py", "distributed/expert_parallel.py"],
+    ),
+    (
         "all",
         "one-line errors, output paths, torch internals in one place, package files",
         [

@@ -328,9 +328,16 @@ def _random_dims(rng: random.Random):
     from ...distributed.mesh import ParallelDims
 
     pp, rep, shard, cp, tp = (rng.choice([1, 2, 3]) for _ in range(5))
-    return ParallelDims(
-        dp_replicate=rep, dp_shard=shard, world_size=pp * rep * shard * cp * tp, tp=tp, pp=pp, cp=cp
-    )
+    ep = rng.choice([1, 2])  # 1 or 2 keeps the grids small enough to check every rank
+    world = pp * rep * shard * ep * cp * tp
+    return ParallelDims(rep, shard, world, tp=tp, pp=pp, cp=cp, ep=ep)
+
+
+def _dims_of(shape):
+    from ...distributed.mesh import ParallelDims
+
+    pp, rep, shard, ep, cp, tp = shape
+    return ParallelDims(rep, shard, math.prod(shape), tp=tp, pp=pp, cp=cp, ep=ep)
 
 
 def _unravel(rank, sizes):
@@ -341,14 +348,17 @@ def _unravel(rank, sizes):
     return out[::-1]
 
 
-_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+_AXES = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 GRID_MISTAKES = {
     "pp varying fastest": lambda rank, shape: dict(zip(_AXES, _unravel(rank, shape[::-1])[::-1])),
     "dp_replicate and dp_shard swapped": lambda rank, shape: dict(
-        zip(("pp", "dp_shard", "dp_replicate", "cp", "tp"), _unravel(rank, shape))
+        zip(("pp", "dp_shard", "dp_replicate", "ep", "cp", "tp"), _unravel(rank, shape))
     ),
     "cp and tp swapped": lambda rank, shape: dict(
-        zip(("pp", "dp_replicate", "dp_shard", "tp", "cp"), _unravel(rank, shape))
+        zip(("pp", "dp_replicate", "dp_shard", "ep", "tp", "cp"), _unravel(rank, shape))
+    ),
+    "ep and cp swapped": lambda rank, shape: dict(
+        zip(("pp", "dp_replicate", "dp_shard", "cp", "ep", "tp"), _unravel(rank, shape))
     ),
     "sizes read in reverse": lambda rank, shape: dict(zip(_AXES, _unravel(rank, shape[::-1]))),
 }
@@ -362,15 +372,12 @@ def _draw_grids(rng: random.Random):
     ]
 
 
-@exercise("11_rank_grid", "a rank's coordinates in the (pp, dp_replicate, dp_shard, cp, tp) grid")
+@exercise(
+    "11_rank_grid", "a rank's coordinates in the (pp, dp_replicate, dp_shard, ep, cp, tp) grid"
+)
 def rank_grid(c, fn):
-    from ...distributed.mesh import ParallelDims
-
     def real(rank, shape):
-        pp, rep, shard, cp, tp = shape
-        return ParallelDims(
-            dp_replicate=rep, dp_shard=shard, world_size=math.prod(shape), tp=tp, pp=pp, cp=cp
-        ).coordinates(rank)
+        return _dims_of(shape).coordinates(rank)
 
     cases = c.separating(_draw_grids, real, GRID_MISTAKES)
     for rank, shape in cases:
@@ -420,15 +427,8 @@ def _draw_group_cases(rng: random.Random):
 
 @exercise("11_groups", "the process groups along one dim of the grid")
 def groups(c, fn):
-    from ...distributed.mesh import ParallelDims
-
     def real(shape, dim):
-        pp, rep, shard, cp, tp = shape
-        return sorted(
-            ParallelDims(
-                dp_replicate=rep, dp_shard=shard, world_size=math.prod(shape), tp=tp, pp=pp, cp=cp
-            ).groups(dim)
-        )
+        return sorted(_dims_of(shape).groups(dim))
 
     cases = c.separating(_draw_group_cases, real, GROUP_MISTAKES)
     for shape, dim in cases:

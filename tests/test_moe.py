@@ -1,0 +1,230 @@
+"""Mixture of experts and expert parallelism: the router, both balancing methods, dropping, FLOPs
+of active parameters, EP = one process (alone and with FSDP), EP checkpoints resumed and resharded,
+Mixtral export and import with equal logits, and the CUDA path pinned on meta tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_overrides
+
+from titanlite import TitanliteError
+from titanlite.config import load_config
+from titanlite.models.llama import ModelArgs, build_model
+from titanlite.models.moe import MoE, MoEArgs, Router, expert_kernel, grouped_swiglu
+from titanlite.resilience.checkpoint import Checkpointer
+from titanlite.resilience.checkpoint_files import committed
+from titanlite.tools.export import from_hf, load_model, to_hf, to_hf_model
+from titanlite.tools.flops import count_training_flops
+from titanlite.tools.launcher import launch
+from titanlite.train import Trainer
+
+# ----- the pieces ------------------------------------------------------------------------------
+
+
+def test_the_router_picks_the_top_k_with_the_bias_and_weights_them_without_it():
+    router = Router(8, MoEArgs(n_experts=4, experts_per_token=2, balance="aux_free"))
+    torch.manual_seed(0)
+    torch.nn.init.normal_(router.gate.weight)
+    router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))  # expert 3 always chosen
+    tokens = torch.randn(16, 8)
+    weights, chosen, scores = router(tokens)
+    assert (chosen == 3).any(-1).all() and chosen.shape == (16, 2)
+    assert torch.allclose(weights.sum(-1), torch.ones(16))
+    # The weights are the scores (not the biased ones) of the chosen, normalised.
+    picked = scores.gather(-1, chosen)
+    assert torch.allclose(weights, picked / picked.sum(-1, keepdim=True))
+    assert router.tokens_per_expert.sum() == 32 and router.tokens_per_expert[3] == 16
+
+
+def test_aux_free_balancing_moves_each_bias_against_its_load():
+    router = Router(8, MoEArgs(n_experts=4, bias_update=0.01))
+    router.tokens_per_expert.copy_(torch.tensor([10.0, 4.0, 1.0, 1.0]))  # mean 4
+    router.after_optimizer_step()
+    assert router.expert_bias.tolist() == pytest.approx([-0.01, 0.0, 0.01, 0.01])
+    assert router.load.tolist() == [10.0, 4.0, 1.0, 1.0] and router.tokens_per_expert.sum() == 0
+
+
+def test_the_aux_loss_is_switchs_and_its_gradient_reaches_the_router():
+    moe = MoE(8, MoEArgs(n_experts=4, balance="aux_loss", aux_loss_coef=0.5), 16)
+    torch.manual_seed(1)
+    moe.init_weights(0.5, 0.5)
+    x = torch.randn(2, 5, 8)
+    _, chosen, scores = moe.router(x.reshape(-1, 8))
+    share = torch.bincount(chosen.flatten(), minlength=4).float() / chosen.numel()
+    expected = 0.5 * 4 * (share * scores.mean(0)).sum()
+    assert moe.aux_loss(scores, chosen).item() == pytest.approx(expected.item())
+    moe(x).sum().backward()
+    with_loss = moe.router.gate.weight.grad.clone()
+    moe.zero_grad()
+    moe.args.balance = "none"
+    moe(x).sum().backward()
+    assert not torch.allclose(with_loss, moe.router.gate.weight.grad)  # the loss adds its pull
+
+
+def test_a_built_model_starts_with_no_bias_and_no_counted_tokens():
+    """Built on the meta device then materialised with to_empty(): the router's buffers hold
+    whatever memory held until init_weights clears them (the first bias update reads them)."""
+    model = build_model(ModelArgs.preset("debug", moe=MoEArgs(n_experts=4)))
+    for block in model.layers.values():
+        router = block.feed_forward.router
+        assert router.expert_bias.eq(0).all() and router.tokens_per_expert.eq(0).all()
+
+
+def test_a_capacity_drops_only_the_choices_beyond_it_and_dropless_drops_none():
+    x = torch.randn(1, 64, 8)
+    dropless = MoE(8, MoEArgs(n_experts=4), 16)
+    dropless.init_weights(0.5, 0.5)
+    dropless(x)
+    assert dropless.dropped == 0
+    tight = MoE(8, MoEArgs(n_experts=4, capacity_factor=0.5), 16)
+    tight.load_state_dict(dropless.state_dict())
+    out = tight(x)
+    # 64 tokens × 2 choices / 4 experts × 0.5 = 16 per expert: at least half of 128 dropped.
+    assert int(tight.dropped) >= 64 and out.shape == x.shape
+
+
+def test_flops_count_the_experts_a_token_uses_not_all_of_them():
+    args = ModelArgs.preset("debug", max_seq_len=64, moe=MoEArgs(n_experts=8, experts_per_token=2))
+    torch.manual_seed(0)
+    model = build_model(args)
+    T = 64
+    counted = count_training_flops(model, torch.randint(0, args.vocab_size, (2, T)))
+    formula = model.flops_per_token(T)
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * T
+    norms = (2 * args.n_layers + 1) * args.dim
+    assert counted["by_op"]["aten.mm"] / (2 * T) == formula - attention - 6 * norms
+    expert = 3 * args.dim * args.hidden_dim
+    assert model.num_params() - model.active_params() == args.n_layers * 6 * expert
+
+
+@pytest.mark.parametrize(
+    "device, dtype, capability, kernel",
+    [
+        ("cuda", torch.bfloat16, (9, 0), "grouped_mm"),
+        ("cuda", torch.bfloat16, (10, 0), "grouped_mm"),
+        ("cuda", torch.bfloat16, (8, 0), "loop"),
+        ("cuda", torch.float32, (9, 0), "loop"),
+        ("cpu", torch.bfloat16, None, "loop"),
+        ("mps", torch.bfloat16, None, "loop"),
+    ],
+)
+def test_grouped_gemm_where_torch_offers_it_a_loop_elsewhere(device, dtype, capability, kernel):
+    assert expert_kernel(device, dtype, capability) == kernel
+
+
+def test_the_grouped_gemm_path_takes_the_experts_weights_as_they_are_stacked():
+    """Pinned on meta tensors (shapes and dtypes, no GPU): bf16 rows of 4 experts."""
+    x = torch.empty(40, 64, device="meta", dtype=torch.bfloat16)
+    w_gate, w_up = (torch.empty(4, 96, 64, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    w_down = torch.empty(4, 64, 96, device="meta", dtype=torch.bfloat16)
+    ends = torch.empty(4, device="meta", dtype=torch.int32)
+    out = grouped_swiglu(x, w_gate, w_up, w_down, ends)
+    assert out.shape == (40, 64) and out.dtype == torch.bfloat16
+
+
+def test_bad_mixtures_are_one_line():
+    with pytest.raises(TitanliteError, match="at least 2 experts"):
+        ModelArgs.preset("debug", moe=MoEArgs(n_experts=1))
+    with pytest.raises(TitanliteError, match="experts_per_token <= n_experts"):
+        ModelArgs.preset("debug", moe=MoEArgs(n_experts=4, experts_per_token=5))
+    with pytest.raises(TitanliteError, match="moe_every=3 leaves none"):
+        ModelArgs.preset("debug", moe=MoEArgs(every=3))
+
+
+# ----- the trainer: expert parallel = one process ------------------------------------------------
+
+MOE = {"model.n_experts": 4, "model.experts_per_token": 2}
+
+
+def _overrides(data_dir, tmp_path, **extra):
+    o = tiny_overrides(
+        data_dir,
+        tmp_path,
+        **{
+            "training.steps": 4,
+            "eval.every": 2,
+            "training.deterministic": True,
+            "training.batch_size": 8,
+            **MOE,
+            **extra,
+        },
+    )
+    o.pop("metrics.run_name")
+    return o
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    history = Trainer(load_config(None, _overrides(data_dir, tmp_path_factory.mktemp("r")))).fit()
+    return history.losses, history.val_losses
+
+
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, {"parallel.ep": 2, "parallel.dp_shard": 1, "training.batch_size": 4}),
+        (4, {"parallel.ep": 2, "parallel.dp_shard": 2, "training.batch_size": 2}),
+    ],
+    ids=["ep2", "ep2-fsdp2"],
+)
+def test_expert_parallel_trains_like_one_process(nproc, layout, data_dir, tmp_path, reference):
+    result = launch(
+        load_config(None, _overrides(data_dir, tmp_path)), nproc=nproc, overrides=layout
+    )
+    losses, val_losses = reference
+    assert result.losses == pytest.approx(losses, abs=1e-5)
+    assert [r["val_loss"] for r in result.rank(0, "val")] == pytest.approx(val_losses, abs=1e-5)
+
+
+def test_an_ep_checkpoint_resumes_exactly_and_loads_into_one_process_and_ep4(data_dir, tmp_path):
+    o = _overrides(data_dir, tmp_path, **{"checkpoint.enable": True, "checkpoint.every": 2})
+    ep2 = {"parallel.ep": 2, "parallel.dp_shard": 1, "training.batch_size": 4}
+    whole = launch(load_config(None, {**o, "metrics.run_name": "whole"}), nproc=2, overrides=ep2)
+    path = committed(whole.run_dir / "checkpoints")[0]
+    resumed = launch(
+        load_config(None, {**o, "metrics.run_name": "resumed", "checkpoint.load": str(path)}),
+        nproc=2,
+        overrides=ep2,
+    )
+    assert resumed.losses == whole.losses[2:]  # bit for bit
+    trainer = Trainer(load_config(None, {**o, "checkpoint.enable": False}))
+    assert Checkpointer(path.parent).load(trainer.train_state(), path) == 2
+    saved = load_model(path).state_dict()
+    assert any("experts.w_gate" in k for k in saved) and any("expert_bias" in k for k in saved)
+    assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in saved.items())
+    trainer.close()
+    ep4 = launch(
+        load_config(None, {**o, "metrics.run_name": "ep4", "checkpoint.load": str(path)}),
+        nproc=4,
+        overrides={"parallel.ep": 4, "parallel.dp_shard": 1, "training.batch_size": 2},
+    )
+    assert ep4.losses == pytest.approx(whole.losses[2:], abs=1e-5)
+    eight = {**o, "metrics.run_name": "eight", "checkpoint.load": str(path), "model.n_experts": 8}
+    with pytest.raises(TitanliteError, match="n_experts"):
+        Trainer(load_config(None, eight)).fit()
+
+
+# ----- Hugging Face: Mixtral -------------------------------------------------------------------
+
+
+def test_a_mixture_exports_to_mixtral_that_transformers_loads_with_our_logits(tmp_path):
+    from transformers import MixtralForCausalLM
+
+    args = ModelArgs.preset(
+        "debug", vocab_size=512, moe=MoEArgs(n_experts=4, experts_per_token=2, balance="aux_loss")
+    )
+    torch.manual_seed(0)
+    model = build_model(args)
+    tokens = torch.randint(0, 512, (2, 24))
+    with torch.no_grad():
+        ours = model(tokens)
+        assert (to_hf_model(model)(tokens).logits - ours).abs().max() <= 1e-4
+        to_hf(model, tmp_path / "mixtral")
+        theirs = MixtralForCausalLM.from_pretrained(tmp_path / "mixtral").eval()(tokens).logits
+        assert (theirs - ours).abs().max() <= 1e-4
+        back = from_hf(tmp_path / "mixtral")
+        assert back.args.moe.n_experts == 4 and (back(tokens) - ours).abs().max() <= 1e-4
+    model.layers["0"].feed_forward.router.expert_bias[0] = 0.1  # aux_free balancing happened
+    with pytest.raises(TitanliteError, match="aux_free balancing bias"):
+        to_hf_model(model)
