@@ -79,7 +79,8 @@ def test_make_lab_starts_jupyterlab_with_the_news_pop_up_turned_off():
 
     makefile = (ROOT / "Makefile").read_text()
     folder = re.search(r'--LabApp\.app_settings_dir=\$\(CURDIR\)/([^"\s]+)', makefile).group(1)
-    assert "$(LAB_ARGS)" in re.search(r"^lab:.*\n\t(.*)", makefile, re.M).group(1)
+    recipe = re.search(r"^lab:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert "$(LAB_ARGS)" in next(line for line in recipe.splitlines() if "jupyter lab" in line)
     with tempfile.TemporaryDirectory() as no_user_settings:
         settings, _ = get_settings(
             str(ROOT / folder),
