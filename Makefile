@@ -52,7 +52,7 @@ $(VENV)/.course: $(VENV)/.installed
 test: setup $(VENV)/.course  ## the whole test suite (notebooks in smoke scale, the browser check included)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist worksteal  # two at a time: see README, "The suite's clock"
 
 doctor: setup  ## self-check this machine's device: writes runs/doctor/report.md (attach it to bug reports)
 	$(BIN)/titanlite doctor
