@@ -370,7 +370,8 @@ def test_progress_checks_grades_a_folder_from_its_exercise_cells(tmp_path, monke
     from titanlite.tools.cli import main
 
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("COLUMNS", "100")  # the rows wrap to the terminal: one width, whoever runs it
+    # The rows wrap to the terminal's width: one width, whoever runs it.
+    monkeypatch.setenv("COLUMNS", "100")
     out = _student_folder(tmp_path)
     assert main(["progress", str(out), "--checks"]) == 0
     printed, errors = capfd.readouterr()
