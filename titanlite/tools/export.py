@@ -181,11 +181,10 @@ def export_hf(path: str | Path, out_dir: str | Path, tokenizer=None) -> Path:
 
 
 # ----- the Hugging Face bridge --------------------------------------------------------
-def to_hf_config(args: ModelArgs, **extra):
-    """ModelArgs → `LlamaConfig`; `extra` (e.g. bos_token_id) is passed through."""
-    from transformers import LlamaConfig
-
-    kw = dict(
+def decoder_config(args: ModelArgs) -> dict:
+    """The keywords every Hugging Face config of a Llama-style decoder (Llama, Mixtral) takes from
+    ModelArgs; each architecture adds its own (tools/hf_moe.py: the experts)."""
+    return dict(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
         intermediate_size=args.hidden_dim,
@@ -198,9 +197,6 @@ def to_hf_config(args: ModelArgs, **extra):
         initializer_range=args.init_std,
         rms_norm_eps=args.norm_eps,
         tie_word_embeddings=args.tie_embeddings,
-        attention_bias=False,
-        mlp_bias=False,
-        attention_dropout=0.0,
         # transformers 5 folds `rope_theta`/`rope_scaling` into `rope_parameters`; 4.x keeps
         # them as attributes. Passing the legacy keywords works with both.
         rope_theta=args.rope_theta,
@@ -211,8 +207,14 @@ def to_hf_config(args: ModelArgs, **extra):
         pad_token_id=None,
         attn_implementation="sdpa",
     )
-    kw.update(extra)
-    return LlamaConfig(**kw)
+
+
+def to_hf_config(args: ModelArgs, **extra):
+    """ModelArgs → `LlamaConfig`; `extra` (e.g. bos_token_id) is passed through."""
+    from transformers import LlamaConfig
+
+    kw = decoder_config(args) | dict(attention_bias=False, mlp_bias=False, attention_dropout=0.0)
+    return LlamaConfig(**kw | extra)
 
 
 # ----- models -------------------------------------------------------------------------
@@ -221,31 +223,39 @@ def to_hf_model(model: Transformer, dtype: torch.dtype | None = None):
     from transformers import LlamaForCausalLM
 
     if model.args.moe is not None:  # experts: Hugging Face's Mixtral (tools/hf_moe.py)
-        from .hf_moe import check_mixtral, mixtral_model, to_mixtral_config, to_mixtral_state
+        from transformers import MixtralForCausalLM
+
+        from .hf_moe import check_mixtral, to_mixtral_config, to_mixtral_state
 
         check_mixtral(model)
-        return mixtral_model(to_mixtral_config(model.args), to_mixtral_state(model, hf_name, dtype))
-    config = to_hf_config(model.args)
-    # Build on meta (no random init of weights we overwrite anyway), then adopt the tensors.
-    with torch.device("meta"):
-        hf = LlamaForCausalLM(config)
+        state = to_mixtral_state(model, hf_name, dtype)
+        return adopt(MixtralForCausalLM, to_mixtral_config(model.args), state)
     sd = {
         hf_name(k): v.detach().clone().to(dtype or v.dtype) for k, v in model.state_dict().items()
     }
-    if model.args.tie_embeddings:
-        sd.pop("lm_head.weight", None)  # re-tied to embed_tokens just below
-    hf.load_state_dict(sd, strict=not model.args.tie_embeddings, assign=True)
-    if model.args.tie_embeddings:
+    return adopt(LlamaForCausalLM, to_hf_config(model.args), sd)
+
+
+def adopt(hf_class, config, state: dict):
+    """An `hf_class` model holding the tensors of `state` (Hugging Face names): built on meta, so
+    nothing is initialised only to be overwritten, then each tensor adopted as it is."""
+    with torch.device("meta"):
+        hf = hf_class(config)
+    tied = config.tie_word_embeddings
+    if tied:
+        state.pop("lm_head.weight", None)  # re-tied to embed_tokens just below
+    hf.load_state_dict(state, strict=not tied, assign=True)
+    if tied:
         hf.lm_head.weight = hf.model.embed_tokens.weight
     # The rotary inverse frequencies are a non-persistent buffer: rebuild it off meta.
-    device = next(iter(sd.values())).device
+    device = next(iter(state.values())).device
     with torch.device(device):
         hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)
     leftover = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
     if leftover:
         raise TitanliteError(
             f"internal: HF tensors left unset after conversion: {leftover}; "
-            f"this transformers version lays out LlamaForCausalLM differently"
+            f"this transformers version lays out {hf_class.__name__} differently"
         )
     return hf.eval()
 

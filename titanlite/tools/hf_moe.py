@@ -19,7 +19,6 @@ import torch
 from ..errors import TitanliteError
 from ..models.llama import ModelArgs, Transformer
 from ..models.moe import MoEArgs
-from ..models.rope import rope_cache
 
 _EXPERTS = re.compile(
     r"layers\.(\d+)\.feed_forward\.(router\.gate\.weight|experts\.w_(gate|up|down))"
@@ -47,36 +46,21 @@ def check_mixtral(model: Transformer) -> None:
 
 
 def to_mixtral_config(args: ModelArgs, **extra):
+    """ModelArgs of a mixture → `MixtralConfig`: the decoder's keywords (export.py), the experts'."""
     from transformers import MixtralConfig
 
+    from .export import decoder_config
+
     moe = args.moe
-    kw = dict(
-        vocab_size=args.vocab_size,
-        hidden_size=args.dim,
+    kw = decoder_config(args) | dict(
         intermediate_size=moe.hidden_dim or args.hidden_dim,
-        num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads,
-        head_dim=args.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=args.max_seq_len,
-        initializer_range=args.init_std,
-        rms_norm_eps=args.norm_eps,
-        tie_word_embeddings=args.tie_embeddings,
         num_local_experts=moe.n_experts,
         num_experts_per_tok=moe.experts_per_token,
         router_aux_loss_coef=moe.aux_loss_coef,
         router_jitter_noise=0.0,
         sliding_window=None,
-        rope_theta=args.rope_theta,
-        rope_scaling=dict(args.rope_scaling) if args.rope_scaling else None,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        attn_implementation="sdpa",
     )
-    kw.update(extra)
-    return MixtralConfig(**kw)
+    return MixtralConfig(**kw | extra)
 
 
 def to_mixtral_state(model: Transformer, hf_name, dtype=None) -> dict:
@@ -144,25 +128,3 @@ def from_mixtral_state(tensors: dict, titanlite_name) -> dict:
     for key, experts in per_expert.items():  # stacked in expert order
         out[key] = torch.stack([experts[j] for j in sorted(experts)])
     return out
-
-
-def mixtral_model(config, state: dict):
-    """A `MixtralForCausalLM` adopting `state` (built on meta: no init of what is overwritten)."""
-    from transformers import MixtralForCausalLM
-
-    with torch.device("meta"):
-        hf = MixtralForCausalLM(config)
-    tied = config.tie_word_embeddings
-    if tied:
-        state.pop("lm_head.weight", None)
-    hf.load_state_dict(state, strict=not tied, assign=True)
-    if tied:
-        hf.lm_head.weight = hf.model.embed_tokens.weight
-    device = next(iter(state.values())).device
-    with torch.device(device):
-        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)
-    return hf.eval()
-
-
-def rope_buffers(model: Transformer, device) -> None:
-    model.rope_cos, model.rope_sin = rope_cache(model.args, device=device)
