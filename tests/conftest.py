@@ -54,6 +54,18 @@ def tiny_overrides(data_dir: Path, tmp_path: Path, **extra) -> dict:
     return o
 
 
+def parity_overrides(data_dir: Path, tmp_path: Path, **extra) -> dict:
+    """A deterministic tiny run to compare a layout with one process on the same global batch of 8,
+    validating every 2 steps; no run name, so each launch gets a folder of its own."""
+    o = tiny_overrides(
+        data_dir,
+        tmp_path,
+        **{"eval.every": 2, "training.deterministic": True, "training.batch_size": 8, **extra},
+    )
+    o.pop("metrics.run_name")
+    return o
+
+
 def run_torchrun(script, *args, nproc: int = 2, timeout: float = 120, torchrun: bool = False):
     """Run `script` on `nproc` ranks of this machine (1 thread each), as `torchrun script args`
     would, through the launcher's warm path (ranks forked from a server with torch imported:

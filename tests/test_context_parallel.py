@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import parity_overrides
 
 from titanlite.config import load_config
 from titanlite.distributed import context_parallel as cpmod
@@ -135,20 +135,7 @@ STEPS = 4
 
 
 def _overrides(data_dir, tmp_path, **extra):
-    o = tiny_overrides(
-        data_dir,
-        tmp_path,
-        **{
-            "training.steps": STEPS,
-            "eval.every": 2,
-            "training.deterministic": True,
-            "training.batch_size": 8,
-            **MODEL,
-            **extra,
-        },
-    )
-    o.pop("metrics.run_name")
-    return o
+    return parity_overrides(data_dir, tmp_path, **{"training.steps": STEPS, **MODEL, **extra})
 
 
 @pytest.fixture(scope="module")

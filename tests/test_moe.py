@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import parity_overrides
 
 from titanlite import TitanliteError
 from titanlite.config import load_config
@@ -138,20 +138,7 @@ MOE = {"model.n_experts": 4, "model.experts_per_token": 2}
 
 
 def _overrides(data_dir, tmp_path, **extra):
-    o = tiny_overrides(
-        data_dir,
-        tmp_path,
-        **{
-            "training.steps": 4,
-            "eval.every": 2,
-            "training.deterministic": True,
-            "training.batch_size": 8,
-            **MOE,
-            **extra,
-        },
-    )
-    o.pop("metrics.run_name")
-    return o
+    return parity_overrides(data_dir, tmp_path, **{"training.steps": 4, **MOE, **extra})
 
 
 @pytest.fixture(scope="module")
