@@ -99,20 +99,15 @@ class Candidate:
     problem: str | None = None  # None: a valid layout that fits
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.ep, self.cp, self.tp)
+    def dims(self) -> ParallelDims:
+        world = self.pp * self.dp_replicate * self.dp_shard * self.ep * self.cp * self.tp
+        return ParallelDims(
+            self.dp_replicate, self.dp_shard, world, self.tp, self.pp, self.cp, self.ep
+        )
 
     @property
-    def dims(self) -> ParallelDims:
-        return ParallelDims(
-            self.dp_replicate,
-            self.dp_shard,
-            math.prod(self.shape),
-            self.tp,
-            self.pp,
-            self.cp,
-            self.ep,
-        )
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        return self.dims.shape  # the mesh's own order (mesh.py): one place says it
 
     @property
     def overrides(self) -> dict:
