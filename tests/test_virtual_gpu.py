@@ -635,3 +635,100 @@ def test_eight_gpus_each_local_rank_takes_its_own(monkeypatch):
     others = {r: f"{host}/GPU-{r}" for r in range(8) if r != 5}
     out, started, _ = _join_as(monkeypatch, 5, 5, 8, 8, others)
     assert out.device == torch.device("cuda", 5) and started["device_id"] == torch.device("cuda", 5)
+
+
+# ----- the wiring: what the trainer passes on from each decision --------------------------------
+# The decisions above are functions of a device's facts; these check that the Trainer hands each
+# one to what it builds. Each was broken once in a scratch copy (the audit of issue 36) and the
+# suite passed; each test here fails on its break.
+
+
+@pytest.fixture
+def two_fake_ranks(monkeypatch):
+    """This process as rank 0 of a 2-rank torchrun job on torch's fake process group: the Trainer
+    builds exactly what it builds there (DDP, FSDP, their dtypes) while no collective moves data."""
+    from titanlite._compat.torch_tools import fake_process_group
+
+    for name, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2).items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    fake_process_group(2)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def _trainer(data_dir, tmp_path, **overrides):
+    from titanlite.config import load_config
+    from titanlite.train import Trainer
+
+    return Trainer(load_config(None, tiny_overrides(data_dir, tmp_path, **overrides)))
+
+
+def test_fsdp_gathers_in_the_param_dtype_the_config_resolved_to(data_dir, tmp_path, two_fake_ranks):
+    """CUDA's default under FSDP is bf16 parameters (device_defaults): the trainer must hand that
+    dtype to fully_shard, and MFU must divide by bf16's peak."""
+    from titanlite.run_record import built
+
+    trainer = _trainer(
+        data_dir, tmp_path, **{"parallel.dp_shard": 2, "parallel.param_dtype": "bfloat16"}
+    )
+    record = built(trainer)
+    assert record["fsdp"] == {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32"}
+    assert record["weights_dtype"] == "torch.float32"  # the shards FSDP keeps, AdamW steps
+    assert trainer.compute_dtype == torch.bfloat16
+
+
+def test_behind_ddp_real_fp8_makes_mfu_divide_by_bf16(
+    data_dir, tmp_path, two_fake_ranks, monkeypatch
+):
+    """The FP8 facts live on the model, not on its DDP wrapper: read through the wrapper, real FP8
+    would count as fp32 and MFU divide by the wrong peak. (Real FP8 needs a GPU: its facts are
+    planted on the model class, as apply_fp8 sets them on the model.)"""
+    from titanlite.models.llama import Transformer
+
+    monkeypatch.setattr(Transformer, "fp8_info", {"emulated": False}, raising=False)
+    trainer = _trainer(data_dir, tmp_path, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1})
+    assert trainer.dims.strategy == "ddp" and type(trainer.model).__name__.endswith("DataParallel")
+    assert trainer.compute_dtype == torch.bfloat16
+
+
+def test_the_optimizer_is_fused_where_the_policy_says(data_dir, tmp_path, monkeypatch):
+    """use_fused_adamw answers per device type (CUDA: yes); the AdamW the trainer builds must be
+    what it answered. Here the policy is asked to say yes for the CPU, which fused AdamW runs on."""
+    import titanlite.train
+    from titanlite.run_record import built
+
+    monkeypatch.setattr(titanlite.train, "use_fused_adamw", lambda device_type: True)
+    assert built(_trainer(data_dir, tmp_path))["fused"] is True
+    monkeypatch.setattr(titanlite.train, "use_fused_adamw", lambda device_type: False)
+    assert built(_trainer(data_dir, tmp_path))["fused"] is False
+
+
+def test_on_an_h100_real_fp8_without_compile_is_refused_when_the_config_is_resolved(monkeypatch):
+    """resolve_for_device, which the trainer calls, applies check_fp8_compiled (itself tested above)."""
+    from titanlite.device_policy import resolve_for_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: H100)
+    cfg = Config().with_overrides({"float8.enable": True, "compile.enable": False})
+    with pytest.raises(TitanliteError, match="compile"):
+        resolve_for_device(cfg, torch.device("cuda", 0), fsdp=False)
+    cfg = cfg.with_overrides({"compile.enable": True})
+    assert resolve_for_device(cfg, torch.device("cuda", 0), fsdp=False).float8.enable
+
+
+def test_a_cuda_process_sets_the_allocator_before_anything_allocates(monkeypatch):
+    """prepare_process (the trainer's first step) hands device_policy.allocator_settings' answer
+    for CUDA to the allocator: expandable segments, unless the user set PYTORCH_CUDA_ALLOC_CONF."""
+    from titanlite import hardware, memory, preflight
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    applied = []
+    monkeypatch.setattr(hardware, "detect_device", lambda requested: torch.device("cuda", 0))
+    monkeypatch.setattr(hardware, "use_allocator_settings", applied.append)
+    monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(memory, "memory_limit_bytes", lambda device: 80 * 2**30)
+    cfg = Config()
+    plan = preflight.preflight(cfg, 1, cfg.data.vocab_size, None)
+    preflight.prepare_process(plan, cfg)
+    assert applied == ["expandable_segments:True"]

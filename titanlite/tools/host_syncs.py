@@ -44,7 +44,7 @@ _READS = {
 HOST_BY_DESIGN = {
     ("data/sampler.py", "next_indices", "tolist"),
     ("data/sampler.py", "eval_batches", "tolist"),
-    ("data/transfer.py", "micro_batches_to", "scalar read"),
+    ("data/transfer.py", "host_target_count", "scalar read"),
 }
 
 _MACHINERY = (
