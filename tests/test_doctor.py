@@ -179,3 +179,101 @@ def test_on_a_gpu_unlogged_steps_run_under_torchs_sync_detector(data_dir, tmp_pa
     trainer.fit(watchers=[lambda run: made.append(CudaSyncDebug(run)) or made[-1]])
     assert made[0].checked == 4  # steps 1, 2, 4, 5
     assert modes[:6] == ["error", 0, "error", 0, 0, "error"] and modes[-1] == 0
+
+
+# ----- other accelerators, on faked devices (tools/vendors.py) --------------------------------
+
+# `nvidia-smi topo -m` as an 8×H100 SXM node prints it (NVSwitch: 18 NVLinks between every pair),
+# trimmed to its GPU rows and legend's first line.
+H100_TOPO = """\
+\tGPU0\tGPU1\tGPU2\tGPU3\tGPU4\tGPU5\tGPU6\tGPU7\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV18\tNV18\tNV18\tNV18\tNV18\tNV18\tNV18\t0-55\t0
+GPU1\tNV18\t X \tNV18\tNV18\tNV18\tNV18\tNV18\tNV18\t0-55\t0
+GPU2\tNV18\tNV18\t X \tNV18\tNV18\tNV18\tNV18\tNV18\t0-55\t0
+GPU3\tNV18\tNV18\tNV18\t X \tNV18\tNV18\tNV18\tNV18\t0-55\t0
+GPU4\tNV18\tNV18\tNV18\tNV18\t X \tNV18\tNV18\tNV18\t56-111\t1
+GPU5\tNV18\tNV18\tNV18\tNV18\tNV18\t X \tNV18\tNV18\t56-111\t1
+GPU6\tNV18\tNV18\tNV18\tNV18\tNV18\tNV18\t X \tNV18\t56-111\t1
+GPU7\tNV18\tNV18\tNV18\tNV18\tNV18\tNV18\tNV18\t X \t56-111\t1
+
+Legend:
+"""
+
+# Two PCIe GPUs under different CPU sockets (a workstation): no NVLink.
+PCIE_TOPO = """\
+\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tSYS\t0-15\t0
+GPU1\tSYS\t X \t16-31\t1
+"""
+
+
+def _a_gpu(monkeypatch, name, hip=None, cuda="12.8"):
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+def test_an_nvidia_node_reports_its_stack_and_its_nvlink_topology(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from titanlite.tools import doctor, vendors
+
+    _a_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    ran = []
+
+    def run(command, **kwargs):
+        ran.append(command)
+        return SimpleNamespace(returncode=0, stdout=H100_TOPO)
+
+    monkeypatch.setattr(
+        vendors,
+        "topology",
+        lambda real=vendors.topology: real(lambda tool: "/usr/bin/" + tool, run),
+    )
+    facts = doctor.device_facts(torch.device("cuda", 0))
+    (check,) = doctor._device(torch.device("cuda", 0), facts, True, tmp_path)
+    assert ran == [["nvidia-smi", "topo", "-m"]]
+    assert "NVIDIA GPU NVIDIA H100 80GB HBM3 through CUDA 12.8" in check.detail
+    assert "NCCL" in check.detail and "float8_e4m3fn" in check.detail
+    assert "8 GPUs; GPU pairs by link: NV18 × 28" in check.detail  # 8·7/2 pairs, all NVLink
+    doctor._write(tmp_path, facts, [check], True, 1.0)
+    report = (tmp_path / "report.md").read_text()
+    assert "## GPU topology" in report and "GPU7\tNV18" in report
+    assert vendors.links_summary(PCIE_TOPO) == "2 GPUs; GPU pairs by link: SYS × 1"
+
+
+def test_an_amd_gpu_is_named_with_rocm_rccl_and_fnuz_fp8_and_said_untested(monkeypatch, tmp_path):
+    from titanlite.tools import doctor, vendors
+
+    _a_gpu(monkeypatch, "AMD Instinct MI300X", hip="6.2.41133", cuda=None)
+    monkeypatch.setattr(vendors, "topology", lambda: None)  # no rocm-smi here
+    (check,) = doctor._device(
+        torch.device("cuda", 0), doctor.device_facts(torch.device("cuda", 0)), True, tmp_path
+    )
+    line = vendors.gpu_line("AMD Instinct MI300X")
+    assert line in check.detail and "\n" not in line
+    for fact in ("ROCm (HIP 6.2.41133)", "RCCL", "float8_e4m3fnuz", "no cuDNN", "untested"):
+        assert fact in line, fact
+    assert vendors.gpu_stack()["vendor"] == "AMD"
+    # an MI355X (CDNA4) has OCP FP8, as NVIDIA does
+    assert "float8_e4m3fn," in vendors.gpu_line("AMD Instinct MI355X")
+
+
+def test_an_intel_gpu_is_recognised_and_said_to_train_on_the_cpu(monkeypatch):
+    from types import SimpleNamespace
+
+    from titanlite.tools import vendors
+
+    fake = SimpleNamespace(
+        is_available=lambda: True,
+        device_count=lambda: 2,
+        get_device_name=lambda index=0: "Intel(R) Data Center GPU Max 1550",
+    )
+    monkeypatch.setattr(torch, "xpu", fake, raising=False)
+    line = vendors.xpu_line()
+    assert line.startswith("Intel GPU Intel(R) Data Center GPU Max 1550 (2 visible, torch.xpu)")
+    assert "use the CPU" in line and "untested" in line and "\n" not in line
+    monkeypatch.setattr(fake, "is_available", lambda: False)
+    assert vendors.xpu_line() is None

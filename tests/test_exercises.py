@@ -698,6 +698,52 @@ MISTAKES = {
             "the coordinates of rank",
         ),
     ],
+    "19_partition_spec": [
+        (
+            "column and row swapped",
+            lambda lay, nm, s, n: _spec_mistake("swapped", lay, nm, s, n),
+            "the spec of",
+        ),
+        (
+            "fsdp splits dim 1",
+            lambda lay, nm, s, n: _spec_mistake("dim 1", lay, nm, s, n),
+            "the spec of",
+        ),
+        (
+            "tp splits the batch",
+            lambda lay, nm, s, n: _spec_mistake("tp batch", lay, nm, s, n),
+            "the spec of",
+        ),
+        (
+            "fsdp splits what n does not divide",
+            lambda lay, nm, s, n: _spec_mistake("uneven", lay, nm, s, n),
+            "the spec of",
+        ),
+        (
+            "fsdp splits the norms",
+            lambda lay, nm, s, n: _spec_mistake("norms", lay, nm, s, n),
+            "the spec of",
+        ),
+        (
+            "the embedding split as a column",
+            lambda lay, nm, s, n: _spec_mistake("embedding", lay, nm, s, n),
+            "the spec of",
+        ),
+        (
+            "2d keeps the batch whole",
+            lambda lay, nm, s, n: _spec_mistake("2d batch", lay, nm, s, n),
+            "the spec of",
+        ),
+    ],
+    "19_busbw": [
+        ("algbw", lambda s, t, n: s / t, "busbw of an all-reduce"),
+        ("(n-1)/n", lambda s, t, n: s / t * (n - 1) / n, "busbw of an all-reduce"),
+        ("2(n-1)", lambda s, t, n: s / t * 2 * (n - 1), "busbw of an all-reduce"),
+        ("n/(n-1)", lambda s, t, n: s / t * n / (n - 1), "busbw of an all-reduce"),
+        ("in bits", lambda s, t, n: 8 * s / t * 2 * (n - 1) / n, "busbw of an all-reduce"),
+        ("t/S", lambda s, t, n: t / s * 2 * (n - 1) / n, "busbw of an all-reduce"),
+        ("GB/s", lambda s, t, n: s / t * 2 * (n - 1) / n / 1e9, "busbw of an all-reduce"),
+    ],
     "18_topk_route": [
         ("weights from scores + bias", _route_mistake("biased weights"), "each token's chosen"),
         ("bias ignored", _route_mistake("no bias"), "each token's chosen"),
@@ -853,6 +899,27 @@ MISTAKES = {
         ),
     ],
 }
+
+
+def _spec_mistake(kind, layout, name, shape, n):
+    from titanlite.labs.nb19_accelerators import spec_of
+
+    right = spec_of(layout, name, shape, n)
+    if kind == "swapped" and layout in ("tp", "2d"):
+        return tuple(reversed(right))
+    if kind == "dim 1" and right == ("data", None) and name != "batch":
+        return (None, "data")
+    if kind == "tp batch" and name == "batch":
+        return ("data", None)
+    if kind == "uneven" and layout == "fsdp" and len(shape) == 2:
+        return ("data", None)
+    if kind == "norms" and layout == "fsdp" and len(shape) == 1:
+        return ("data",)
+    if kind == "embedding" and layout in ("tp", "2d") and name == "tok_embeddings.weight":
+        return ("model", None)
+    if kind == "2d batch" and layout == "2d" and name == "batch":
+        return ()
+    return right
 
 
 def _sac(op, save):

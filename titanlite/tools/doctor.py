@@ -95,16 +95,19 @@ def plan(facts: DeviceFacts) -> list[Planned]:
 
 
 def _device(device, facts, smoke, out) -> list[Check]:
+    from .vendors import gpu_line, links_summary, topology, xpu_line
+
     cap = f", SM {facts.capability[0]}.{facts.capability[1]}" if facts.capability else ""
     gpus = f", {facts.gpus} GPU(s)" if facts.kind == "cuda" else ""
-    return [
-        Check(
-            "device",
-            "pass",
-            f"{facts.name} ({facts.kind}{cap}{gpus}), torch {torch.__version__}",
-            asdict(facts),
-        )
-    ]
+    # Whose GPU and through what (NVIDIA/CUDA or AMD/ROCm), an Intel GPU torch sees but titanlite
+    # does not train on, and how the GPUs are wired (nvidia-smi topo -m), for bug reports.
+    notes = [gpu_line(facts.name)] if facts.kind == "cuda" else []
+    notes += [line] if (line := xpu_line()) else []
+    matrix = topology() if facts.kind == "cuda" else None
+    notes += [f"topology: {links_summary(matrix)} (matrix below)"] if matrix else []
+    detail = f"{facts.name} ({facts.kind}{cap}{gpus}), torch {torch.__version__}"
+    data = {**asdict(facts), "notes": notes, "topology": matrix}
+    return [Check("device", "pass", "; ".join([detail, *notes]), data)]
 
 
 def _matmul_peaks(device, facts, smoke, out) -> list[Check]:
@@ -555,4 +558,7 @@ def _write(out: Path, facts: DeviceFacts, checks: list[Check], smoke: bool, wall
         "|---|---|---|",
     ]
     lines += [f"| {c.status} | {c.name} | {c.detail.replace('|', '/')} |" for c in checks]
+    matrix = next((c.data.get("topology") for c in checks if c.name == "device"), None)
+    if matrix:  # the GPUs' wiring, as the vendor's tool printed it
+        lines += ["", "## GPU topology", "", "```", matrix, "```"]
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -4,7 +4,7 @@ when it passes and raises one `ExerciseError` line saying what is wrong when it 
 A failure names its seed: `check(name, student_fn, seed=N)` draws the same inputs again.
 
 One module per group of notebooks (basics: 01-06, parallel: 07-11, resilience: 12-13,
-cpu_and_search: 14-15, capstone: 16, long_context: 17, experts: 18); each check is a function
+cpu_and_search: 14-15, capstone: 16, long_context: 17, experts: 18, accelerators: 19); each check is a function
 of a `Check` (the run: name, seed, random generators, the comparisons) and the student's
 function, registered with
 `@exercise(name, title)` under the name the notebook's check cell uses (the notebook number
@@ -58,6 +58,15 @@ def exercises_of(notebook: str) -> list[str]:
     return sorted(n for n in EXERCISES if n[:2] == notebook[:2])
 
 
-from . import basics, capstone, cpu_and_search, experts, long_context, parallel, resilience  # noqa: E402,F401  (they register their checks)
+from . import (  # noqa: E402,F401  (they register their checks)
+    accelerators,
+    basics,
+    capstone,
+    cpu_and_search,
+    experts,
+    long_context,
+    parallel,
+    resilience,
+)
 
 __all__ = ["EXERCISES", "Check", "ExerciseError", "check", "exercise", "exercises_of"]

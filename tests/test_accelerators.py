@@ -1,0 +1,240 @@
+"""Notebook 19's lab (titanlite/labs/nb19_accelerators.py): the model in JAX against titanlite's,
+XLA's collectives read from HLO, DTensor's counted for the same layouts, the α–β fit, the
+roofline predictions and the datasheet table. jax runs in a process of its own (its 8 host devices
+are fixed when it starts), so each jax check is one subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from titanlite import TitanliteError
+from titanlite.labs import nb19_accelerators as lab
+from titanlite.models.llama import ModelArgs
+
+
+def _in_jax(code: str) -> dict:
+    """Run `code` (which sets `out`) in a fresh python with 8 XLA host devices; return `out`."""
+    script = (
+        textwrap.dedent(
+            """
+        import json, numpy as np, torch
+        from titanlite.labs import nb19_accelerators as lab
+        jax = lab.host_devices(8)
+        import jax.numpy as jnp
+        from titanlite.models.llama import ModelArgs, build_model
+        """
+        )
+        + textwrap.dedent(code)
+        + "\nprint('OUT' + json.dumps(out))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("OUT"))
+    return json.loads(line[3:])
+
+
+@pytest.mark.slow
+def test_jax_gives_titanlites_logits_and_spmd_layouts_train_like_one_device():
+    """GQA and a tied embedding (debug), an untied model with 8 heads for the SPMD layouts."""
+    out = _in_jax(
+        """
+        torch.manual_seed(0)
+        args = ModelArgs.preset("debug")
+        model = build_model(args, "cpu")
+        tokens = torch.randint(0, args.vocab_size, (2, 48))
+        with torch.no_grad():
+            ours = model(tokens).numpy()
+        theirs = np.asarray(lab.forward(lab.params_of(model), jnp.asarray(tokens.numpy()), args))
+        untied = ModelArgs.preset("debug", n_heads=8, n_kv_heads=8, tie_embeddings=False)
+        p = lab.params_of(build_model(untied, "cpu"))
+        g = torch.Generator().manual_seed(1)
+        batches = []
+        for _ in range(2):
+            w = torch.randint(0, untied.vocab_size, (8, 33), generator=g)
+            batches.append((jnp.asarray(w[:, :-1].numpy()), jnp.asarray(w[:, 1:].numpy())))
+        runs = {l: lab.train_steps(p, batches, untied, l) for l in ("one", "dp", "fsdp", "tp", "2d")}
+        params = sum(int(np.prod(w.shape)) * 4 for w in p.values())
+        out = {
+            "gap": float(np.abs(theirs - ours).max()),
+            "losses": {l: r["losses"] for l, r in runs.items()},
+            "collectives": {l: r["collectives"] for l, r in runs.items()},
+            "params": params,
+        }
+        """
+    )
+    assert out["gap"] <= 1e-5
+    one = out["losses"]["one"]
+    assert one[1] < one[0] + 0.5  # it trains (SGD, two steps)
+    for layout in ("dp", "fsdp", "tp", "2d"):
+        assert max(abs(a - b) for a, b in zip(out["losses"][layout], one)) <= 1e-5, layout
+    c = out["collectives"]
+    assert c["one"] == {}
+    # untied: XLA all-reduces exactly the gradients, plus the 4-byte loss
+    assert c["dp"]["all_reduce"]["bytes"] == out["params"] + 4
+    assert all(c[layout] for layout in ("fsdp", "tp", "2d"))
+
+
+@pytest.mark.slow
+def test_a_ring_written_with_shard_map_equals_psum_and_xla_compiles_and_fuses():
+    out = _in_jax(
+        """
+        ring = lab.ring_all_reduce_shard_map(np.arange(8 * 64, dtype=np.float32), 8)
+        args = ModelArgs.preset("debug")
+        model = build_model(args, "cpu")
+        report = lab.compile_report(
+            lambda p, x: lab.forward(p, x, args), lab.params_of(model), jnp.zeros((1, 16), int)
+        )
+        out = {
+            "same": bool(np.array_equal(ring["by_hand"], ring["psum"])),
+            "sum": float(ring["psum"][0]),
+            "by_hand": lab.collectives(ring["by_hand_hlo"]),
+            "psum": lab.collectives(ring["psum_hlo"]),
+            "report": {k: v for k, v in report.items() if k != "hlo"},
+        }
+        """
+    )
+    assert out["same"] and out["sum"] == sum(64 * d for d in range(8))  # block 0: 0, 64, ..., 448
+    assert out["by_hand"] == {"collective_permute": {"calls": 7, "bytes": 7 * 64 * 4}}
+    assert out["psum"] == {"all_reduce": {"calls": 1, "bytes": 64 * 4}}
+    r = out["report"]
+    assert r["fusions"] > 0 and r["ops_after"] < r["ops_before"]
+
+
+def test_collectives_are_read_from_hlo_with_commcounters_byte_convention():
+    hlo = """
+  %all-reduce.1 = (f32[64,32]{1,0}, f32[]) all-reduce(f32[64,32]{1,0} %a, f32[] %b), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %all-gather.2 = bf16[8,16]{1,0} all-gather(bf16[1,16]{1,0} %c), dimensions={0}, replica_groups=[1,8]<=[8]
+  %reduce-scatter.3 = f32[4,16]{1,0} reduce-scatter(f32[16,16]{1,0} %d), replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %rs-start = f32[2]{0} reduce-scatter-start(f32[16]{0} %e), replica_groups=[1,8]<=[8]
+  %rs-done = f32[2]{0} reduce-scatter-done(%rs-start)
+  %gte = f32[64,32]{1,0} get-tuple-element(%all-reduce.1), index=0
+  %cp = f32[10]{0} collective-permute(f32[10]{0} %f), source_target_pairs={{0,1},{1,0}}
+"""
+    got = lab.collectives(hlo)
+    assert got == {
+        "all_reduce": {"calls": 1, "bytes": 64 * 32 * 4 + 4},
+        "all_gather": {"calls": 1, "bytes": 8 * 16 * 2},  # the output: the whole tensor
+        "reduce_scatter": {"calls": 2, "bytes": 4 * 16 * 4 * 4 + 2 * 4 * 8},  # output × group
+        "collective_permute": {"calls": 1, "bytes": 40},
+    }
+
+
+def test_partition_specs_follow_the_layouts():
+    q, o = "layers.0.attention.q_proj.weight", "layers.0.attention.o_proj.weight"
+    assert (
+        lab.spec_of("dp", q, (64, 64), 8) == () and lab.spec_of("dp", "batch", (), 8)[0] == "data"
+    )
+    assert lab.spec_of("fsdp", q, (64, 64), 8) == ("data", None)
+    assert lab.spec_of("fsdp", q, (60, 64), 8) == ()  # 8 does not divide 60: whole
+    assert lab.spec_of("fsdp", "norm.weight", (64,), 8) == ()
+    assert lab.spec_of("tp", q, (64, 64), 8) == ("model", None)
+    assert lab.spec_of("tp", o, (64, 64), 8) == (None, "model")
+    assert (
+        lab.spec_of("tp", "batch", (), 8) == () and lab.spec_of("2d", "batch", (), 4)[0] == "data"
+    )
+    assert lab.spec_of("2d", "tok_embeddings.weight", (512, 64), 4) == ()
+
+
+@pytest.mark.parametrize("layout", ["dp", "tp"])
+def test_dtensors_collectives_for_a_layout_match_their_formulas(layout):
+    args = ModelArgs.preset("debug", n_heads=8, n_kv_heads=8)
+    tokens = torch.randint(0, args.vocab_size, (2, 32))
+    got = lab.torch_collectives(args, layout, 8, tokens)
+    params = sum(
+        p.numel() * 4
+        for p in __import__("titanlite.models.llama", fromlist=["build_model"])
+        .build_model(args, "cpu")
+        .parameters()
+    )
+    if layout == "dp":
+        assert got == {"all_reduce": {"calls": got["all_reduce"]["calls"], "bytes": params}}
+    else:
+        B, T, D, V = 2, 32, args.dim, args.vocab_size
+        assert got["all_reduce"] == {
+            "calls": 4 * args.n_layers + 2,
+            "bytes": (4 * args.n_layers + 2) * B * T * D * 4,
+        }
+        assert got["all_gather"] == {"calls": 1, "bytes": B * T * V * 4}
+    assert not torch.distributed.is_initialized()  # its fake group is gone
+
+
+def test_the_alpha_beta_fit_recovers_a_known_link_and_busbw_is_nccl_tests():
+    alpha, bandwidth, n = 20e-6, 3e9, 4
+    sizes = [4096 * 4**k for k in range(8)]
+    rows = [
+        {"ranks": n, "bytes": s, "seconds": lab.ring_all_reduce_time(s, n, alpha, bandwidth)}
+        for s in sizes
+    ]
+    fit = lab.fit_alpha_beta(rows)
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+    assert fit["bandwidth"] == pytest.approx(bandwidth, rel=1e-6)
+    assert fit["worst_error"] < 1e-9
+    # latency only: no bandwidth term, never a negative one
+    flat = lab.fit_alpha_beta([{**r, "seconds": 1e-3} for r in rows])
+    assert flat["bandwidth"] == float("inf") and flat["alpha_s"] > 0
+    assert lab.bus_bandwidth(2**20, 1e-3, 8) == pytest.approx(2**20 / 1e-3 * 14 / 8)
+    assert lab.bus_bandwidth(2**20, 1e-3, 2) == pytest.approx(2**20 / 1e-3)
+
+
+def test_every_accelerator_has_a_source_and_predictions_respect_the_roofline():
+    chips = lab.accelerators()
+    names = " ".join(c["name"] for c in chips)
+    for wanted in (
+        "A100",
+        "H100",
+        "H200",
+        "B200",
+        "MI300X",
+        "MI325X",
+        "v5e",
+        "v5p",
+        "v6e",
+        "Ironwood",
+        "Trainium2",
+        "Gaudi 3",
+        "Apple M",
+    ):
+        assert wanted in names, wanted
+    assert all(c["source"].startswith("http") for c in chips)
+    h100 = next(c for c in chips if c["name"] == "NVIDIA H100 SXM")
+    assert h100["ridge_bf16"] == pytest.approx(989.5e12 / 3350e9)
+    cost = lab.step_cost(ModelArgs.preset("1B"), 1, 2048)
+    flops_per_token, n = __import__("titanlite.models.llama", fromlist=["count"]).count(
+        ModelArgs.preset("1B"), 2048
+    )
+    assert cost["flops"] == flops_per_token * 2048 and cost["params"] == n
+    for c in chips:
+        p = lab.predicted_step(cost, c["bf16_tflops"], c["memory_gbps"])
+        if p is None:
+            assert not (c["bf16_tflops"] and c["memory_gbps"])
+            continue
+        compute = cost["flops"] / (c["bf16_tflops"] * 1e12)
+        memory = cost["bytes"] / (c["memory_gbps"] * 1e9)
+        assert p["time_s"] == pytest.approx(max(compute, memory)) and 0 < p["mfu_bound"] <= 1
+
+
+def test_without_jax_the_notebook_names_the_one_command_that_adds_it(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_jax(name, *args, **kwargs):
+        if name == "jax" or name.startswith("jax."):
+            raise ImportError("No module named 'jax'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_jax)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    with pytest.raises(TitanliteError) as e:
+        lab.host_devices(8)
+    assert "pip install -e '.[tpu]'" in str(e.value) and "\n" not in str(e.value)
+    assert np.isfinite(lab.ring_all_reduce_time(1e6, 8, 1e-6, 1e9))
