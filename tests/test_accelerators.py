@@ -43,8 +43,9 @@ def _in_jax(code: str) -> dict:
 
 
 @pytest.mark.slow
-def test_jax_gives_titanlites_logits_and_spmd_layouts_train_like_one_device():
-    """GQA and a tied embedding (debug), an untied model with 8 heads for the SPMD layouts."""
+def test_jax_gives_titanlites_logits_spmd_trains_like_one_device_and_a_ring_equals_psum():
+    """One jax process: logits with GQA and a tied embedding (debug); the SPMD layouts on an
+    untied model with 8 heads; a shard_map ring against psum; what jax.jit compiles."""
     out = _in_jax(
         """
         torch.manual_seed(0)
@@ -63,7 +64,16 @@ def test_jax_gives_titanlites_logits_and_spmd_layouts_train_like_one_device():
             batches.append((jnp.asarray(w[:, :-1].numpy()), jnp.asarray(w[:, 1:].numpy())))
         runs = {l: lab.train_steps(p, batches, untied, l) for l in ("one", "dp", "fsdp", "tp", "2d")}
         params = sum(int(np.prod(w.shape)) * 4 for w in p.values())
+        ring = lab.ring_all_reduce_shard_map(np.arange(8 * 64, dtype=np.float32), 8)
+        report = lab.compile_report(
+            lambda p, x: lab.forward(p, x, args), lab.params_of(model), jnp.zeros((1, 16), int)
+        )
         out = {
+            "same": bool(np.array_equal(ring["by_hand"], ring["psum"])),
+            "sum": float(ring["psum"][0]),
+            "by_hand": lab.collectives(ring["by_hand_hlo"]),
+            "psum": lab.collectives(ring["psum_hlo"]),
+            "report": {k: v for k, v in report.items() if k != "hlo"},
             "gap": float(np.abs(theirs - ours).max()),
             "losses": {l: r["losses"] for l, r in runs.items()},
             "collectives": {l: r["collectives"] for l, r in runs.items()},
@@ -81,27 +91,7 @@ def test_jax_gives_titanlites_logits_and_spmd_layouts_train_like_one_device():
     # untied: XLA all-reduces exactly the gradients, plus the 4-byte loss
     assert c["dp"]["all_reduce"]["bytes"] == out["params"] + 4
     assert all(c[layout] for layout in ("fsdp", "tp", "2d"))
-
-
-@pytest.mark.slow
-def test_a_ring_written_with_shard_map_equals_psum_and_xla_compiles_and_fuses():
-    out = _in_jax(
-        """
-        ring = lab.ring_all_reduce_shard_map(np.arange(8 * 64, dtype=np.float32), 8)
-        args = ModelArgs.preset("debug")
-        model = build_model(args, "cpu")
-        report = lab.compile_report(
-            lambda p, x: lab.forward(p, x, args), lab.params_of(model), jnp.zeros((1, 16), int)
-        )
-        out = {
-            "same": bool(np.array_equal(ring["by_hand"], ring["psum"])),
-            "sum": float(ring["psum"][0]),
-            "by_hand": lab.collectives(ring["by_hand_hlo"]),
-            "psum": lab.collectives(ring["psum_hlo"]),
-            "report": {k: v for k, v in report.items() if k != "hlo"},
-        }
-        """
-    )
+    # a ring of ppermutes by hand = psum; XLA compiles the forward into fusions
     assert out["same"] and out["sum"] == sum(64 * d for d in range(8))  # block 0: 0, 64, ..., 448
     assert out["by_hand"] == {"collective_permute": {"calls": 7, "bytes": 7 * 64 * 4}}
     assert out["psum"] == {"all_reduce": {"calls": 1, "bytes": 64 * 4}}

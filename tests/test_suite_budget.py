@@ -23,6 +23,10 @@ LAUNCH = re.compile(
 ALLOWED = {
     "conftest.py": (3, "run_torchrun(torchrun=True): torchrun itself, for its own entry's tests"),
     "jupyter_browser.py": (1, "JupyterLab's server, which Chromium drives"),
+    "test_accelerators.py": (
+        1,
+        "jax in a fresh interpreter: its 8 host devices are fixed when it starts",
+    ),
     "test_bad_input.py": (1, "the CLI as a real process: the process boundary is the point"),
     "test_browser.py": (
         4,

@@ -27,7 +27,9 @@ def built(trainer) -> dict:
     weight = weight.to_local() if hasattr(weight, "to_local") else weight
     blocks = list(getattr(model, "layers", {}).values()) if hasattr(model, "layers") else []
     optimizer = trainer.optimizer
-    kernels = sdpa_priority(trainer.device.type)  # what attention asks SDPA for, on every call
+    cuda = trainer.device.type == "cuda"
+    capability = torch.cuda.get_device_capability(trainer.device) if cuda else None
+    kernels = sdpa_priority(trainer.device.type, capability)  # what attention asks SDPA for
     return {
         "rank": trainer.dist.rank,
         "device": str(trainer.device),

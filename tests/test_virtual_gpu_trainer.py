@@ -1,0 +1,272 @@
+"""The Trainer built on virtual GPUs: what it *built*, read back from the objects (run_record.built),
+for six machines a user may have — eight H100s, an A100, an RTX 4090, a T4, one GPU under two
+ranks, and SLURM's one GPU per task.
+
+This CPU build of torch cannot allocate a CUDA tensor, so the GPU is made of its facts (torch.cuda's
+answers: count, capability, name, UUIDs, memory) and the model's tensors of FakeTensorMode's fake
+CUDA tensors (shapes, dtypes and devices, no bytes): `Module.to` and `to_empty` onto a CUDA device
+land there. Everything else is the trainer's own code: the device policy, the precision, the
+layout, FSDP or DDP on torch's fake process group standing in for NCCL, the optimizer, the compile
+decision. What a CPU cannot run is answered as the GPU would answer it: the mixed-precision probe step, the
+FP8 probe and the trial compile (each runs kernels) say "works", and the bf16 check says what the
+capability says; FSDP wraps the modules under the fake-tensor mode (it allocates on the device)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny_overrides
+from torch import nn
+
+from titanlite import TitanliteError
+from titanlite._compat.torch_tools import FakeTensorMode
+
+H100 = ("NVIDIA H100 80GB HBM3", (9, 0))
+A100 = ("NVIDIA A100-SXM4-80GB", (8, 0))
+RTX4090 = ("NVIDIA GeForce RTX 4090", (8, 9))
+T4 = ("Tesla T4", (7, 5))
+
+
+@pytest.fixture
+def virtual_gpus(monkeypatch):
+    """`make(gpu, uuids)`: this process sees GPUs of that kind (one per UUID); returns what the
+    trial compile was asked (its param_dtype and autocast dtype)."""
+    from titanlite.efficiency import compile as compile_module
+    from titanlite.efficiency import fp8, mixed_precision
+    from titanlite.efficiency.compile_trial import CompileSupport
+
+    def make(gpu, uuids):
+        name, capability = gpu
+        memory = 80 * 2**30 if capability >= (8, 0) else 16 * 2**30
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "device_count", lambda: len(uuids))
+        monkeypatch.setattr(cuda, "set_device", lambda device: None)
+        monkeypatch.setattr(cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (memory, memory))
+        monkeypatch.setattr(
+            cuda, "is_bf16_supported", lambda including_emulation=True: capability >= (8, 0)
+        )
+
+        def properties(device=None):
+            index = torch.device(device).index or 0 if device is not None else 0
+            return SimpleNamespace(
+                uuid=uuids[index],
+                name=name,
+                major=capability[0],
+                minor=capability[1],
+                total_memory=memory,
+            )
+
+        monkeypatch.setattr(cuda, "get_device_properties", properties)
+        monkeypatch.setattr(torch.version, "cuda", "12.8")
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        # What a CPU cannot run, answered as this GPU would: its probe step trains.
+        monkeypatch.setattr(mixed_precision, "_probe_step", lambda mode, device: None)
+        trial = {}
+
+        def compile_support(device, block=None, **kwargs):
+            trial.update(kwargs, device=str(device))
+            return CompileSupport(torch.device(device).type, "inductor", True, "the trial compiled")
+
+        monkeypatch.setattr(compile_module, "compile_support", compile_support)
+        monkeypatch.setattr(fp8, "_fp8_linear_works", lambda device, recipe, emulate: True)
+        # TF32's switches are the process's: each machine starts from torch's defaults.
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+        _fake_cuda_tensors(monkeypatch)
+        return trial
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield make
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def _fake_cuda_tensors(monkeypatch):
+    """`Module.to(cuda)` and `Module.to_empty(device=cuda)` make fake CUDA tensors."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    to, to_empty = nn.Module.to, nn.Module.to_empty
+
+    def onto(args, kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        if target is None or isinstance(target, torch.dtype):
+            return None
+        return torch.device(target) if torch.device(target).type == "cuda" else None
+
+    def fake_to(self, *args, **kwargs):
+        if (device := onto(args, kwargs)) is None:
+            return to(self, *args, **kwargs)
+        dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), None))
+
+        def move(t):
+            t = t if isinstance(t, torch._subclasses.FakeTensor) else fake.from_tensor(t)
+            with fake:
+                return t.to(device=device, dtype=dtype if dtype and t.is_floating_point() else None)
+
+        return self._apply(move)
+
+    def fake_to_empty(self, *, device, recurse=True):
+        if torch.device(device).type != "cuda":
+            return to_empty(self, device=device, recurse=recurse)
+        with fake:
+            return to_empty(self, device=device, recurse=recurse)
+
+    monkeypatch.setattr(nn.Module, "to", fake_to)
+    monkeypatch.setattr(nn.Module, "to_empty", fake_to_empty)
+    # FSDP allocates its (empty) buffers on the mesh's device as it wraps each module.
+    from titanlite.distributed import fsdp
+
+    def fully_shard(module, **kwargs):
+        with fake:
+            return shard(module, **kwargs)
+
+    shard = fsdp.fully_shard
+    monkeypatch.setattr(fsdp, "fully_shard", fully_shard)
+
+    def shard_and_init(model, weights, mesh, device, **kwargs):
+        # FSDP wraps the model as parallelize asks (its kwargs: the dtypes); the shards stay on the
+        # meta device, unfilled: filling fake CUDA tensors (copy_, slicing) and broadcasting rank
+        # 0's weights need a CUDA build and real ranks, and no dtype or wrapper depends on them.
+        model = fsdp.apply_fsdp(model, mesh, **kwargs)
+        return model.to_empty(device="meta")
+
+    monkeypatch.setattr(fsdp, "shard_and_init", shard_and_init)
+
+
+def _join(monkeypatch, rank, local_rank, world, local_world, others: dict[int, str]):
+    """Start as rank `rank` of a torchrun job whose other ranks wrote their GPUs to the store
+    (`others`: rank -> "host/uuid"); NCCL is replaced by torch's fake process group. Returns
+    the arguments the trainer started its process group with."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titanlite.distributed import env
+
+    store = dist.HashStore()
+    for r, gpu in others.items():
+        dist.PrefixStore("titanlite-gpus", store).set(
+            str(r), gpu.replace("HOST", socket.gethostname())
+        )
+    started = {}
+    init = dist.init_process_group
+
+    def init_process_group(backend, **kwargs):
+        started.update(kwargs, backend=backend)
+        init("fake", store=FakeStore(), rank=kwargs["rank"], world_size=kwargs["world_size"])
+
+    monkeypatch.setattr(env, "die_with_parent", lambda: None)
+    monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: iter([(store, rank, world)]))
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    for name, value in {
+        "RANK": rank,
+        "LOCAL_RANK": local_rank,
+        "WORLD_SIZE": world,
+        "LOCAL_WORLD_SIZE": local_world,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": 29500,
+    }.items():
+        monkeypatch.setenv(name, str(value))
+    return started
+
+
+def _build(data_dir, tmp_path, **overrides):
+    from titanlite.config import load_config
+    from titanlite.run_record import built
+    from titanlite.tools.datasheet import datasheet_peak
+    from titanlite.train import Trainer
+
+    o = tiny_overrides(data_dir, tmp_path, **{"metrics.peak": "datasheet", **overrides})
+    trainer = Trainer(load_config(None, o), datasheet=datasheet_peak)
+    return trainer, built(trainer)
+
+
+@pytest.fixture
+def no_group_left():
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_eight_h100s_rank_5_fsdp_in_bf16_fused_compiled_cudnn_first(
+    data_dir, tmp_path, monkeypatch, virtual_gpus, no_group_left
+):
+    from titanlite import device_policy
+
+    trial = virtual_gpus(H100, [f"GPU-{i}" for i in range(8)])
+    monkeypatch.setattr(device_policy, "_CUDNN", [91501])  # a cuDNN where torch puts it first
+    started = _join(monkeypatch, 5, 5, 8, 8, {r: f"HOST/GPU-{r}" for r in range(8) if r != 5})
+    trainer, record = _build(data_dir, tmp_path, **{"training.batch_size": 8})
+    assert started["backend"] == "nccl" and started["device_id"] == torch.device("cuda", 5)
+    assert trainer.dims.strategy == "fsdp" and trainer.dims.dp_shard == 8
+    assert record["device"] == "cuda:5" and record["device_name"] == H100[0]
+    assert record["fsdp"] == {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32"}
+    assert record["weights_dtype"] == "torch.float32"  # the shards AdamW steps
+    assert record["autocast"] is None and record["grad_scaler"] is False
+    assert record["optimizer"] == "AdamW" and record["fused"] is True
+    assert record["compiled_blocks"] == [True, True] and record["compiled_model"] is False
+    assert record["sdpa_order"][0] == "CUDNN_ATTENTION"
+    assert record["tf32_matmul"] is True and record["allocator"] == "expandable_segments:True"
+    # the trial compile ran the graph training runs: bf16 weights, no autocast
+    assert trial["param_dtype"] == torch.bfloat16 and trial["autocast_dtype"] is None
+    assert trainer.compute_dtype == torch.bfloat16 and trainer.peak.flops == 989.5e12  # bf16
+
+
+def test_one_a100_autocasts_in_bf16_with_tf32_and_torchs_own_attention_order(
+    data_dir, tmp_path, virtual_gpus
+):
+    trial = virtual_gpus(A100, ["GPU-a100"])
+    trainer, record = _build(data_dir, tmp_path)
+    assert record["device"] == "cuda:0" and record["fsdp"] is None
+    assert record["weights_dtype"] == "torch.float32" and record["autocast"] == "torch.bfloat16"
+    assert record["fused"] is True and record["compiled_blocks"] == [True, True]
+    assert record["sdpa_order"] is None  # SM 8.0: torch's gate keeps cuDNN out of first place
+    assert record["tf32_matmul"] is True and record["allocator"] == "expandable_segments:True"
+    assert trial["autocast_dtype"] == torch.bfloat16 and trial["param_dtype"] is None
+
+
+def test_an_rtx_4090_trains_real_fp8_compiled_and_mfu_divides_by_bf16(
+    data_dir, tmp_path, virtual_gpus
+):
+    virtual_gpus(RTX4090, ["GPU-4090"])
+    trainer, record = _build(data_dir, tmp_path, **{"float8.enable": True, "float8.min_dim": 16})
+    assert record["float8"]["emulated"] is False and record["float8"]["converted"]
+    assert record["compiled_blocks"] == [True, True] and record["fused"] is True
+    assert record["autocast"] == "torch.bfloat16"
+    assert trainer.compute_dtype == torch.bfloat16
+
+
+def test_a_t4_autocasts_in_fp16_with_the_scaler_and_no_tf32(data_dir, tmp_path, virtual_gpus):
+    virtual_gpus(T4, ["GPU-t4"])
+    trainer, record = _build(data_dir, tmp_path)
+    assert record["autocast"] == "torch.float16" and record["grad_scaler"] is True
+    assert record["tf32_matmul"] is False  # no TF32 units before Ampere
+    assert record["fused"] is True and record["device_name"] == T4[0]
+    assert trainer.compute_dtype == torch.float16
+
+
+def test_one_gpu_two_ranks_is_refused_in_one_line_before_nccl(
+    data_dir, tmp_path, monkeypatch, virtual_gpus, no_group_left
+):
+    virtual_gpus(H100, ["GPU-only"])
+    started = _join(monkeypatch, 1, 1, 2, 2, {0: "HOST/GPU-only"})
+    with pytest.raises(TitanliteError) as e:
+        _build(data_dir, tmp_path)
+    assert "ranks 0, 1 took the same GPU" in str(e.value) and "\n" not in str(e.value)
+    assert started == {}  # NCCL never started
+
+
+def test_slurm_one_gpu_per_task_each_rank_trains_on_its_own_cuda_0(
+    data_dir, tmp_path, monkeypatch, virtual_gpus, no_group_left
+):
+    virtual_gpus(A100, ["GPU-task1"])  # this task sees one GPU, its own
+    started = _join(monkeypatch, 1, 1, 2, 2, {0: "HOST/GPU-task0"})
+    trainer, record = _build(data_dir, tmp_path)
+    assert started["backend"] == "nccl" and started["device_id"] == torch.device("cuda", 0)
+    assert record["rank"] == 1 and record["device"] == "cuda:0"
+    assert record["fsdp"] == {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32"}
+    assert record["fused"] is True
