@@ -10,6 +10,7 @@ drill's goodput against the model.
 
 from __future__ import annotations
 
+import math
 import textwrap
 from dataclasses import dataclass, field
 
@@ -25,7 +26,10 @@ def drift(rows: list[dict]) -> float:
 
 
 def verdict(ratio: float, band: float, what: str = "drift") -> str:
-    """A speed ratio read against a noise band: a direction only where it is beyond the noise."""
+    """A speed ratio read against a noise band: a direction only where it is beyond the noise.
+    An infinite band (the reference itself an outlier: `against_reference`) tells nothing."""
+    if math.isinf(band):
+        return "too noisy to tell here (its reference is an outlier)"
     if ratio > 1 + band:
         return f"faster (beyond {what})"
     if ratio < 1 - band:
@@ -44,13 +48,35 @@ def by_name(rows: list[dict]) -> dict[str, dict]:
 
 
 def against_reference(rows: list[dict]) -> list[tuple[dict, dict, float, float]]:
-    """(row, its reference row, speed ratio, noise band) for every measured row that has one."""
+    """(row, its reference row, speed ratio, noise band) for every measured row that has one; the
+    band is infinite where the reference is an outlier (`outlier_between`): read against it, every
+    later row would look faster (or slower) by the outlier's own gap."""
     named, out = by_name(rows), []
     for r in rows:
         ref = named.get(r.get("reference") or "")
         if ref is not None and "error" not in r and "error" not in ref:
-            out.append((r, ref, r["tokens_per_sec"] / ref["tokens_per_sec"], noise(r, ref, rows)))
+            band = math.inf if outlier_between(r, ref, named, rows) else noise(r, ref, rows)
+            out.append((r, ref, r["tokens_per_sec"] / ref["tokens_per_sec"], band))
     return out
+
+
+def outlier_between(row: dict, ref: dict, named: dict, rows: list[dict]) -> bool:
+    """Is `ref` one odd measurement between `row` and ref's own reference? It sits beyond noise
+    from its reference, `row` sits beyond noise from it the other way, and `row` lands within
+    noise of ref's reference: one slow (or fast) run in between, not two effects that cancel
+    exactly (which two runs of one noisy row could not tell apart from it either)."""
+    grand = named.get(ref.get("reference") or "")
+    if grand is None or "error" in grand:
+        return False
+    there = ref["tokens_per_sec"] / grand["tokens_per_sec"]
+    back = row["tokens_per_sec"] / ref["tokens_per_sec"]
+    b_there, b_back = noise(ref, grand, rows), noise(row, ref, rows)
+    opposite = (there > 1 + b_there and back < 1 - b_back) or (
+        there < 1 - b_there and back > 1 + b_back
+    )
+    return opposite and abs(row["tokens_per_sec"] / grand["tokens_per_sec"] - 1) <= noise(
+        row, grand, rows
+    )
 
 
 def _mfu(value: float | None) -> str:
@@ -83,15 +109,17 @@ def table(rows: list[dict]) -> str:
         ref, ratio, band = versus.get(r["row"], ("—", None, None))
         reading = (
             "" if ratio is None else verdict(ratio, band).split(" ")[0].replace("within", "noise")
-        )
+        ).replace("too", "outlier ref")
         out.append(
             f"{r['row']:18} {r['nproc']:5d} {r['tokens_per_sec']:9,.0f} "
-            f"{'' if ratio is None else f'{ratio:.2f}×':>6}  {ref:16} {'' if band is None else f'±{band:.0%}':>6}  "
+            f"{'' if ratio is None else f'{ratio:.2f}×':>6}  {ref:16} {'' if band is None else '?' if math.isinf(band) else f'±{band:.0%}':>6}  "
             f"{reading}"
         )
     out += textwrap.wrap(
         f"× ref: tokens/s over the reference row's; noise: the baselines' drift ({drift(rows):.1%}) "
-        "plus half of each row's step-to-step spread; a ratio inside it says nothing",
+        "plus half of each row's step-to-step spread; a ratio inside it says nothing; ?: the "
+        "reference is an outlier (beyond noise from its own reference, this row back within noise "
+        "of that one), so nothing can be read against it",
         WIDTH,
     )
     head = f"{'row':18} {'MFU':>7} {'sheet':>6} {'MiB/rank':>8} {'loss':>6} {'set-up s':>8} {'1st s':>6}  compute"
