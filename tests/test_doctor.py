@@ -156,6 +156,10 @@ def test_throughput_leaves_out_the_warm_up_and_says_the_spread():
         5.0,
     ]
     assert timing_plan("cpu", smoke=True)["warmup"] >= 2
+    # MFU is the median of the same intervals (not the last step's), as tokens/s is
+    with_mfu = [dict(r, mfu=r["tokens_per_sec"] / 1e5) for r in records]
+    assert throughput(with_mfu, warmup=2, log_every=1)["mfu"] == pytest.approx(0.1525)
+    assert "mfu" not in throughput(records, warmup=2, log_every=1)
 
 
 def test_on_a_gpu_unlogged_steps_run_under_torchs_sync_detector(data_dir, tmp_path, monkeypatch):

@@ -216,14 +216,21 @@ def throughput(records: list[dict], warmup: int, log_every: int) -> dict:
     rates = sorted(r["tokens_per_sec"] for r in records if r["step"] - log_every >= warmup)
     if not rates:
         raise TitanliteError(f"no step was timed after {warmup} warm-up steps: run more steps")
-    mid = len(rates) // 2
-    median = rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
-    return {
-        "tokens_per_sec": median,
+    timed = [r for r in records if r["step"] - log_every >= warmup]
+    out = {
+        "tokens_per_sec": _median(rates),
         "tokens_per_sec_range": [rates[0], rates[-1]],
         "timed_records": len(rates),
         "warmup_steps": warmup,
     }
+    if all(r.get("mfu") is not None for r in timed):  # MFU of the same intervals: a median too
+        out["mfu"] = _median(sorted(r["mfu"] for r in timed))
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 def _overrides(device, smoke, out, name, **extra) -> dict:
@@ -296,10 +303,14 @@ def _describe_run(r: dict) -> str:
         if "sync_checked_steps" in r
         else ""
     )
+    spread = (high - low) / r["tokens_per_sec"]
+    # A range this wide on a busy machine: two runs' figures can differ by as much, by noise alone.
+    noisy = f"; too noisy here to tell apart runs within {spread:.0%}" if spread > 0.2 else ""
     return (
-        f"loss {r['loss']:.3f} after {r['step']} steps, {r['tokens_per_sec']:,.0f} tokens/s (median of "
-        f"{r['timed_records']} logged intervals after {r['warmup_steps']} warm-up steps, range {low:,.0f}-"
-        f"{high:,.0f}), MFU {100 * r['mfu']:.2f}% (last step){busy}, {mem}{synced}"
+        f"loss {r['loss']:.3f} after {r['step']} steps, {r['tokens_per_sec']:,.0f} tokens/s and MFU "
+        f"{100 * r['mfu']:.2f}% (medians of {r['timed_records']} logged intervals after "
+        f"{r['warmup_steps']} warm-up steps; tokens/s range {low:,.0f}-{high:,.0f}){noisy}{busy}, "
+        f"{mem}{synced}"
     )
 
 
