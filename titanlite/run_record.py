@@ -26,10 +26,10 @@ def built(trainer) -> dict:
     weight = next(p for p in model.parameters())
     weight = weight.to_local() if hasattr(weight, "to_local") else weight
     blocks = list(getattr(model, "layers", {}).values()) if hasattr(model, "layers") else []
-    optimizer = trainer.optimizer
-    cuda = trainer.device.type == "cuda"
-    capability = torch.cuda.get_device_capability(trainer.device) if cuda else None
-    kernels = sdpa_priority(trainer.device.type, capability)  # what attention asks SDPA for
+    on_cuda = trainer.device.type == "cuda"  # attention asks for this GPU's capability's order
+    kernels = sdpa_priority(
+        trainer.device.type, torch.cuda.get_device_capability(trainer.device) if on_cuda else None
+    )
     return {
         "rank": trainer.dist.rank,
         "device": str(trainer.device),
@@ -38,8 +38,8 @@ def built(trainer) -> dict:
         "fsdp": fsdp_mixed_precision(trainer.model),  # None: not sharded by FSDP
         "autocast": str(trainer.precision.dtype) if trainer.precision.dtype else None,
         "grad_scaler": trainer.precision.scaler.is_enabled(),
-        "optimizer": type(optimizer).__name__,
-        "fused": bool(optimizer.defaults.get("fused")),
+        "optimizer": type(trainer.optimizer).__name__,
+        "fused": bool(trainer.optimizer.defaults.get("fused")),
         "compiled_blocks": [is_compiled_in_place(b) for b in blocks],
         "compiled_model": is_compiled_in_place(model)
         and not any(map(is_compiled_in_place, blocks)),
