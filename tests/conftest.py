@@ -109,3 +109,51 @@ def run_torchrun(script, *args, nproc: int = 2, timeout: float = 120, torchrun: 
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def torchrun_environment(monkeypatch, rank: int, local_rank: int, world: int, local_world: int):
+    """The variables torchrun gives rank `rank` of a `world`-rank job (`local_world` per machine)."""
+    for name, value in {
+        "RANK": rank,
+        "LOCAL_RANK": local_rank,
+        "WORLD_SIZE": world,
+        "LOCAL_WORLD_SIZE": local_world,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": 29500,
+    }.items():
+        monkeypatch.setenv(name, str(value))
+
+
+def join_as_rank(
+    monkeypatch, rank, local_rank, world, local_world, others: dict, fake_group: bool = False
+) -> dict:
+    """This process as rank `rank` of a torchrun job whose other ranks already wrote their GPUs to
+    the rendezvous store (`others`: rank -> "HOST/uuid", HOST for this machine's name). NCCL never
+    starts: init_process_group records its arguments (returned, filled once it is called) and,
+    with `fake_group`, starts torch's fake process group in NCCL's place."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titanlite.distributed import env
+
+    store = dist.HashStore()
+    for r, gpu in others.items():
+        gpu = gpu.replace("HOST", socket.gethostname())
+        dist.PrefixStore("titanlite-gpus", store).set(str(r), gpu)
+    started = {}
+    init = dist.init_process_group
+
+    def init_process_group(backend, **kwargs):
+        started.update(kwargs, backend=backend)
+        if fake_group:
+            init("fake", store=FakeStore(), rank=kwargs["rank"], world_size=kwargs["world_size"])
+
+    monkeypatch.setattr(env, "die_with_parent", lambda: None)
+    monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: iter([(store, rank, world)]))
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    if not fake_group:  # no group starts: the job must not look joined already
+        monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    torchrun_environment(monkeypatch, rank, local_rank, world, local_world)
+    return started

@@ -3,6 +3,7 @@ mistake listed here, at every seed of a sweep, each with its one-line message; a
 message is one line (a crash: its type, first line, the student's line and the seed); the
 student edition's stub is "not attempted"; notebooks carry nbgrader's metadata."""
 
+import functools
 import json
 import math
 import os
@@ -349,6 +350,27 @@ def _verdict(
         if ratio < 1 - d
         else "within drift"
     )
+
+
+def _spec_mistake(kind, layout, name, shape, n):
+    from titanlite.labs.nb19_accelerators import spec_of
+
+    right = spec_of(layout, name, shape, n)
+    if kind == "swapped" and layout in ("tp", "2d"):
+        return tuple(reversed(right))
+    if kind == "dim 1" and right == ("data", None) and name != "batch":
+        return (None, "data")
+    if kind == "tp batch" and name == "batch":
+        return ("data", None)
+    if kind == "uneven" and layout == "fsdp" and len(shape) == 2:
+        return ("data", None)
+    if kind == "norms" and layout == "fsdp" and len(shape) == 1:
+        return ("data",)
+    if kind == "embedding" and layout in ("tp", "2d") and name == "tok_embeddings.weight":
+        return ("model", None)
+    if kind == "2d batch" and layout == "2d" and name == "batch":
+        return ()
+    return right
 
 
 MISTAKES = {
@@ -699,41 +721,16 @@ MISTAKES = {
         ),
     ],
     "19_partition_spec": [
-        (
-            "column and row swapped",
-            lambda lay, nm, s, n: _spec_mistake("swapped", lay, nm, s, n),
-            "the spec of",
-        ),
-        (
-            "fsdp splits dim 1",
-            lambda lay, nm, s, n: _spec_mistake("dim 1", lay, nm, s, n),
-            "the spec of",
-        ),
-        (
-            "tp splits the batch",
-            lambda lay, nm, s, n: _spec_mistake("tp batch", lay, nm, s, n),
-            "the spec of",
-        ),
-        (
-            "fsdp splits what n does not divide",
-            lambda lay, nm, s, n: _spec_mistake("uneven", lay, nm, s, n),
-            "the spec of",
-        ),
-        (
-            "fsdp splits the norms",
-            lambda lay, nm, s, n: _spec_mistake("norms", lay, nm, s, n),
-            "the spec of",
-        ),
-        (
-            "the embedding split as a column",
-            lambda lay, nm, s, n: _spec_mistake("embedding", lay, nm, s, n),
-            "the spec of",
-        ),
-        (
-            "2d keeps the batch whole",
-            lambda lay, nm, s, n: _spec_mistake("2d batch", lay, nm, s, n),
-            "the spec of",
-        ),
+        (what, functools.partial(_spec_mistake, kind), "the spec of")
+        for what, kind in (
+            ("column and row swapped", "swapped"),
+            ("fsdp splits dim 1", "dim 1"),
+            ("tp splits the batch", "tp batch"),
+            ("fsdp splits what n does not divide", "uneven"),
+            ("fsdp splits the norms", "norms"),
+            ("the embedding split as a column", "embedding"),
+            ("2d keeps the batch whole", "2d batch"),
+        )
     ],
     "19_busbw": [
         ("algbw", lambda s, t, n: s / t, "busbw of an all-reduce"),
@@ -899,27 +896,6 @@ MISTAKES = {
         ),
     ],
 }
-
-
-def _spec_mistake(kind, layout, name, shape, n):
-    from titanlite.labs.nb19_accelerators import spec_of
-
-    right = spec_of(layout, name, shape, n)
-    if kind == "swapped" and layout in ("tp", "2d"):
-        return tuple(reversed(right))
-    if kind == "dim 1" and right == ("data", None) and name != "batch":
-        return (None, "data")
-    if kind == "tp batch" and name == "batch":
-        return ("data", None)
-    if kind == "uneven" and layout == "fsdp" and len(shape) == 2:
-        return ("data", None)
-    if kind == "norms" and layout == "fsdp" and len(shape) == 1:
-        return ("data",)
-    if kind == "embedding" and layout in ("tp", "2d") and name == "tok_embeddings.weight":
-        return ("model", None)
-    if kind == "2d batch" and layout == "2d" and name == "batch":
-        return ()
-    return right
 
 
 def _sac(op, save):

@@ -577,29 +577,11 @@ def _join_as(monkeypatch, rank, local_rank, world, local_world, others: dict[int
     arguments it would have started NCCL with)."""
     import socket
 
-    import torch.distributed as dist
+    from conftest import join_as_rank
 
     from titanlite.distributed import env
 
-    store = dist.HashStore()
-    for r, gpu in others.items():
-        dist.PrefixStore("titanlite-gpus", store).set(str(r), gpu)
-    started = {}
-    monkeypatch.setattr(env, "die_with_parent", lambda: None)
-    monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: iter([(store, rank, world)]))
-    monkeypatch.setattr(
-        dist, "init_process_group", lambda backend, **kw: started.update(kw, backend=backend)
-    )
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    for name, value in {
-        "RANK": rank,
-        "LOCAL_RANK": local_rank,
-        "WORLD_SIZE": world,
-        "LOCAL_WORLD_SIZE": local_world,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": 29500,
-    }.items():
-        monkeypatch.setenv(name, str(value))
+    started = join_as_rank(monkeypatch, rank, local_rank, world, local_world, others)
     try:
         out = env.init_distributed("auto", "auto", 60)
     except TitanliteError as e:
@@ -647,12 +629,11 @@ def test_eight_gpus_each_local_rank_takes_its_own(monkeypatch):
 def two_fake_ranks(monkeypatch):
     """This process as rank 0 of a 2-rank torchrun job on torch's fake process group: the Trainer
     builds exactly what it builds there (DDP, FSDP, their dtypes) while no collective moves data."""
+    from conftest import torchrun_environment
+
     from titanlite._compat.torch_tools import fake_process_group
 
-    for name, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2).items():
-        monkeypatch.setenv(name, str(value))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
+    torchrun_environment(monkeypatch, 0, 0, 2, 2)
     fake_process_group(2)
     yield
     torch.distributed.destroy_process_group()

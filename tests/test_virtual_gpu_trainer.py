@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import join_as_rank, tiny_overrides
 from torch import nn
 
 from titanlite import TitanliteError
@@ -136,44 +136,6 @@ def _fake_cuda_tensors(monkeypatch):
     monkeypatch.setattr(fsdp, "shard_and_init", shard_and_init)
 
 
-def _join(monkeypatch, rank, local_rank, world, local_world, others: dict[int, str]):
-    """Start as rank `rank` of a torchrun job whose other ranks wrote their GPUs to the store
-    (`others`: rank -> "host/uuid"); NCCL is replaced by torch's fake process group. Returns
-    the arguments the trainer started its process group with."""
-    import socket
-
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from titanlite.distributed import env
-
-    store = dist.HashStore()
-    for r, gpu in others.items():
-        dist.PrefixStore("titanlite-gpus", store).set(
-            str(r), gpu.replace("HOST", socket.gethostname())
-        )
-    started = {}
-    init = dist.init_process_group
-
-    def init_process_group(backend, **kwargs):
-        started.update(kwargs, backend=backend)
-        init("fake", store=FakeStore(), rank=kwargs["rank"], world_size=kwargs["world_size"])
-
-    monkeypatch.setattr(env, "die_with_parent", lambda: None)
-    monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: iter([(store, rank, world)]))
-    monkeypatch.setattr(dist, "init_process_group", init_process_group)
-    for name, value in {
-        "RANK": rank,
-        "LOCAL_RANK": local_rank,
-        "WORLD_SIZE": world,
-        "LOCAL_WORLD_SIZE": local_world,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": 29500,
-    }.items():
-        monkeypatch.setenv(name, str(value))
-    return started
-
-
 def _build(data_dir, tmp_path, **overrides):
     from titanlite.config import load_config
     from titanlite.run_record import built
@@ -199,7 +161,9 @@ def test_eight_h100s_rank_5_fsdp_in_bf16_fused_compiled_cudnn_first(
 
     trial = virtual_gpus(H100, [f"GPU-{i}" for i in range(8)])
     monkeypatch.setattr(device_policy, "_CUDNN", [91501])  # a cuDNN where torch puts it first
-    started = _join(monkeypatch, 5, 5, 8, 8, {r: f"HOST/GPU-{r}" for r in range(8) if r != 5})
+    started = join_as_rank(
+        monkeypatch, 5, 5, 8, 8, {r: f"HOST/GPU-{r}" for r in range(8) if r != 5}, fake_group=True
+    )
     trainer, record = _build(data_dir, tmp_path, **{"training.batch_size": 8})
     assert started["backend"] == "nccl" and started["device_id"] == torch.device("cuda", 5)
     assert trainer.dims.strategy == "fsdp" and trainer.dims.dp_shard == 8
@@ -253,7 +217,7 @@ def test_one_gpu_two_ranks_is_refused_in_one_line_before_nccl(
     data_dir, tmp_path, monkeypatch, virtual_gpus, no_group_left
 ):
     virtual_gpus(H100, ["GPU-only"])
-    started = _join(monkeypatch, 1, 1, 2, 2, {0: "HOST/GPU-only"})
+    started = join_as_rank(monkeypatch, 1, 1, 2, 2, {0: "HOST/GPU-only"}, fake_group=True)
     with pytest.raises(TitanliteError) as e:
         _build(data_dir, tmp_path)
     assert "ranks 0, 1 took the same GPU" in str(e.value) and "\n" not in str(e.value)
@@ -264,7 +228,7 @@ def test_slurm_one_gpu_per_task_each_rank_trains_on_its_own_cuda_0(
     data_dir, tmp_path, monkeypatch, virtual_gpus, no_group_left
 ):
     virtual_gpus(A100, ["GPU-task1"])  # this task sees one GPU, its own
-    started = _join(monkeypatch, 1, 1, 2, 2, {0: "HOST/GPU-task0"})
+    started = join_as_rank(monkeypatch, 1, 1, 2, 2, {0: "HOST/GPU-task0"}, fake_group=True)
     trainer, record = _build(data_dir, tmp_path)
     assert started["backend"] == "nccl" and started["device_id"] == torch.device("cuda", 0)
     assert record["rank"] == 1 and record["device"] == "cuda:0"

@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import shutil
+import statistics
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -218,19 +219,14 @@ def throughput(records: list[dict], warmup: int, log_every: int) -> dict:
         raise TitanliteError(f"no step was timed after {warmup} warm-up steps: run more steps")
     timed = [r for r in records if r["step"] - log_every >= warmup]
     out = {
-        "tokens_per_sec": _median(rates),
+        "tokens_per_sec": statistics.median(rates),
         "tokens_per_sec_range": [rates[0], rates[-1]],
         "timed_records": len(rates),
         "warmup_steps": warmup,
     }
     if all(r.get("mfu") is not None for r in timed):  # MFU of the same intervals: a median too
-        out["mfu"] = _median(sorted(r["mfu"] for r in timed))
+        out["mfu"] = statistics.median(r["mfu"] for r in timed)
     return out
-
-
-def _median(xs: list[float]) -> float:
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 def _overrides(device, smoke, out, name, **extra) -> dict:
