@@ -22,6 +22,7 @@ import warnings
 import numpy as np
 
 from ..errors import TitanliteError
+from ..tools.comm import bus_factor  # 2(n−1)/n for an all-reduce: notebook 09's counter's
 
 # ----- eight XLA devices on the host ------------------------------------------------------------
 
@@ -476,7 +477,7 @@ def predicted_step(cost: dict, tflops: float | None, gbps: float | None) -> dict
 def bus_bandwidth(nbytes: int, seconds: float, n: int) -> float:
     """nccl-tests' bus bandwidth of an all-reduce: algbw = S / t, busbw = algbw · 2(n−1)/n (what
     each rank's link carried, comparable across n)."""
-    return nbytes / seconds * 2 * (n - 1) / n
+    return nbytes / seconds * bus_factor("all_reduce", n)
 
 
 def all_reduce_times(sizes: list[int], reps: int = 5) -> list[dict]:
@@ -510,7 +511,7 @@ def fit_alpha_beta(rows: list[dict]) -> dict:
     *relative* error (times span orders of magnitude: plain least squares would fit only the
     largest messages), with α, 1/B ≥ 0 (a negative one is fitted as 0 and the other refitted)."""
     n = rows[0]["ranks"]
-    x = np.array([r["bytes"] for r in rows], dtype=float) * 2 * (n - 1) / n
+    x = np.array([r["bytes"] for r in rows], dtype=float) * bus_factor("all_reduce", n)
     t = np.array([r["seconds"] for r in rows])
     design = np.stack([np.ones_like(x), x], axis=1) / t[:, None]  # each row divided by its t
     (intercept, slope), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
@@ -529,7 +530,7 @@ def fit_alpha_beta(rows: list[dict]) -> dict:
 
 def ring_all_reduce_time(nbytes: float, n: int, alpha_s: float, bandwidth: float) -> float:
     """The α–β model's ring all-reduce: 2(n−1) steps, each one latency and S/n bytes."""
-    return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * nbytes / bandwidth
+    return 2 * (n - 1) * alpha_s + bus_factor("all_reduce", n) * nbytes / bandwidth
 
 
 # Interconnects for the prediction: bandwidth per direction per GPU/chip from the datasheets
