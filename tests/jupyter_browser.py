@@ -260,10 +260,27 @@ def accept_kernel_dialog(page, wait_ms: int = 1500) -> None:
     page.click(".jp-Dialog .jp-mod-accept")
 
 
-def run_all_cells(page) -> None:
-    """Run ▸ Run All Cells, through the menu bar as a learner would."""
-    page.click('.lm-MenuBar-itemLabel:text-is("Run")')
-    page.click('.lm-Menu-itemLabel:text-is("Run All Cells")')
+# Run All has started once some prompt leaves "[ ]"; before that, "idle" means nothing.
+STARTED_JS = """() => [...document.querySelectorAll('.jp-NotebookPanel .jp-InputArea-prompt')]
+                         .some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))"""
+
+
+def run_all_cells(page, started_timeout_s: float = 45) -> None:
+    """Run ▸ Run All Cells, through the menu bar as a learner would, and wait until a cell is
+    queued. On a loaded machine a starved browser once dropped the click (no prompt changed in
+    30 s): the menu is used again, only when no cell was queued, so nothing runs twice."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for attempt in range(2):
+        page.click('.lm-MenuBar-itemLabel:text-is("Run")')
+        page.click('.lm-Menu-itemLabel:text-is("Run All Cells")')
+        try:
+            page.wait_for_function(STARTED_JS, timeout=started_timeout_s * 1000)
+            return
+        except PlaywrightTimeout:
+            if attempt:
+                raise
+            page.keyboard.press("Escape")  # close the menu if it is still open
 
 
 # One snapshot of the notebook: each code cell's prompt ("[*]:", "[3]:", "[ ]:") and text of

@@ -185,13 +185,7 @@ def test_live_plot_updates_in_jupyterlab(lab_and_browser, tmp_path):
     try:
         open_notebook(page, lab, NOTEBOOK.name)
         opened_s = time.monotonic() - t0
-        run_all_cells(page)
-        # Run All has started once some prompt leaves "[ ]"; before that, "idle" means nothing.
-        page.wait_for_function(
-            """() => [...document.querySelectorAll('.jp-NotebookPanel .jp-InputArea-prompt')]
-                                  .some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))""",
-            timeout=30_000,
-        )
+        run_all_cells(page)  # returns once a cell is queued
         snap = wait_until_done(page, timeout_s=RUN_TIMEOUT_S)
         live = page.evaluate("() => window.__tlLive")
         plot_sizes = page.evaluate("""() => [...document.querySelectorAll('img.titanlite-live-plot')]
@@ -279,12 +273,20 @@ FIRST_RUN_NOTEBOOKS = {
     "16_capstone": 420,
 }  # notebook -> seconds allowed
 # Every text a live plot's status line shows while the notebook runs (a long compile must say so).
+# And every status line that wrapped onto a second screen line (one <code> laid out as several
+# line boxes): the progress line once wrapped at 1366 px.
 STATUS_JS = """
 window.__tlStatus = [];
+window.__tlWrapped = [];
 new MutationObserver(() => {
   for (const e of document.querySelectorAll('.widget-html-content')) {
     const t = e.textContent;
     if (t && !window.__tlStatus.includes(t)) window.__tlStatus.push(t);
+    for (const c of e.querySelectorAll('code')) {
+      const lines = new Set([...c.getClientRects()].map(r => Math.round(r.top)));
+      if (lines.size > 1 && !window.__tlWrapped.includes(c.textContent))
+        window.__tlWrapped.push(c.textContent);
+    }
   }
 }).observe(document, {subtree: true, childList: true, characterData: true});
 """
@@ -311,11 +313,6 @@ def test_first_run_all_in_a_fresh_kernel_on_a_laptop_screen(name, tmp_path):
         t0 = time.monotonic()
         open_notebook(page, lab, f"notebooks/{notebook.name}")
         run_all_cells(page)
-        page.wait_for_function(
-            """() => [...document.querySelectorAll('.jp-NotebookPanel .jp-InputArea-prompt')]
-                                  .some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))""",
-            timeout=30_000,
-        )
         snap = wait_until_done(page, timeout_s=FIRST_RUN_NOTEBOOKS[name])
         plots = page.evaluate("""() => [...document.querySelectorAll('img.titanlite-live-plot')].map(i => {
             const area = i.closest('.jp-OutputArea-output') || i.parentElement;
@@ -348,6 +345,8 @@ def test_first_run_all_in_a_fresh_kernel_on_a_laptop_screen(name, tmp_path):
             problems.append(f"kernel is {snap['status']}, not idle")
         problems += [f"a message glued onto a status line: {text[-300:]}" for text in glued]
         statuses = page.evaluate("() => window.__tlStatus")
+        wrapped = page.evaluate("() => window.__tlWrapped")
+        problems += [f"a status line wrapped at 1280 px: {t!r}" for t in wrapped]
         if name == "16_capstone" and not any(
             re.search(r"compiling .* elapsed", t) for t in statuses
         ):

@@ -98,6 +98,8 @@ def test_doctor_runs_here_in_smoke_scale_passes_and_writes_a_report(tmp_path, ca
         ]
         > 0
     )
+    fp8 = report["checks"][[c["name"] for c in report["checks"]].index("fp8 (emulated)")]
+    assert "the fp32 run's tokens/s" in fp8["detail"] and "slower than fp32" not in fp8["detail"]
     # The doctor's peak is the one a run's MFU reads: offered to the same cache, best one kept.
     matmul = report["checks"][[c["name"] for c in report["checks"]].index("matmul float32")]
     assert 0 <= matmul["data"]["spread"] < 1
@@ -113,6 +115,32 @@ def test_doctor_runs_here_in_smoke_scale_passes_and_writes_a_report(tmp_path, ca
     assert main(["doctor", "--smoke", "--out", str(out)]) == 0
     again = json.loads((out / "report.json").read_text())
     assert again["passed"] and {c["name"]: c["status"] for c in again["checks"]} == statuses
+
+
+def test_the_fp8_row_says_its_speed_from_the_numbers():
+    """Against the fp32 run of the same doctor, beyond the wider of the two runs' ranges: a fixed
+    "slower than fp32" was once printed beside an FP8 run that measured 2.3x faster."""
+    from titanlite.tools.doctor import Check, _compare_fp8
+
+    def row(name, rate, low, high):
+        data = {"tokens_per_sec": rate, "tokens_per_sec_range": [low, high]}
+        return Check(name, "pass", "emulated" if name.startswith("fp8") else "", data)
+
+    def reading(fp8_rate, fp32_range=(950, 1050)):
+        checks = [row("train fp32", 1000, *fp32_range), row("fp8 (emulated)", fp8_rate, 0, 0)]
+        checks[1].data["tokens_per_sec_range"] = [fp8_rate * 0.95, fp8_rate * 1.05]
+        _compare_fp8(checks)
+        return checks[1]
+
+    fast, slow, level = reading(2300), reading(500), reading(1050)
+    assert "2.30× the fp32 run's tokens/s (faster" in fast.detail
+    assert "0.50× the fp32 run's tokens/s (slower" in slow.detail
+    assert "(level, within noise" in level.detail and level.data["vs_fp32"]["band"] == 0.1
+    # A noisy reference widens the band: the same 2.3x then says nothing.
+    assert "(level, within noise" in reading(2300, fp32_range=(400, 1800)).detail
+    skipped = [row("train fp32", 1000, 950, 1050), Check("fp8 (emulated)", "skipped", "no")]
+    _compare_fp8(skipped)
+    assert skipped[1].detail == "no"
 
 
 def test_the_doctor_never_deletes_a_folder_it_did_not_make(tmp_path, capsys):

@@ -70,6 +70,11 @@ def test_cpu_name_says_cpu_and_threads():
     assert name.endswith(f"(CPU, {torch.get_num_threads()} threads)") and len(name) > len(
         "(CPU, 1 threads)"
     )
+    # The threads a run will use, where they differ from this process's (notebook 16's smoke
+    # rows run one thread each on a 2-thread machine: it once said "2 threads").
+    assert hardware.device_name("cpu", torch.get_num_threads() + 3).endswith(
+        f"(CPU, {torch.get_num_threads() + 3} threads)"
+    )
 
 
 # ---- dtypes --------------------------------------------------------------------------------
@@ -504,6 +509,59 @@ def test_measured_points_and_plot():
     ax = roofline.plot_roofline([mm, add], Peak(1e12, "measured", "plot peak"), bandwidth=1e10)
     assert ax.get_xscale() == "log" and len(ax.lines) >= 4  # roof, ridge, two points
     plt.close(ax.figure)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_every_roofline_label_stays_inside_the_plot(seed):
+    """Notebook 00's roofline on machines from 10 GFLOP/s to 1 PFLOP/s and 3 GB/s to 3 TB/s, in
+    float32 or bfloat16, its sweep in smoke (to 1024³) or full scale (to 8192³), each point
+    somewhere under its roof: no label runs outside the axes (a student once saw "add 134,217,728
+    0.1%" cut off)."""
+    import random
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rng = random.Random(seed)
+    dtype = rng.choice([torch.float32, torch.bfloat16])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    peak, bandwidth = Peak(10 ** rng.uniform(10, 15), "measured", "p"), 10 ** rng.uniform(9.5, 12.5)
+
+    def under_roof(name, flops, nbytes, efficiency):
+        attainable = min(peak.flops, bandwidth * flops / nbytes)
+        return roofline.OpPoint(name, flops, nbytes, flops / (efficiency * attainable))
+
+    largest = rng.choice([1024, 8192])
+    points = [
+        under_roof(f"{n}^3", *roofline.matmul_cost(n, n, n, dtype), rng.uniform(0.001, 1.0))
+        for n in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+        if n <= largest
+    ]
+    buffer = rng.choice([64, 256]) * 2**20
+    side, numel = int((buffer / itemsize) ** 0.5), buffer // itemsize
+    points += [
+        under_roof(
+            f"mat-vec {side}", *roofline.matmul_cost(side, 1, side, dtype), rng.uniform(0.05, 1.1)
+        ),
+        under_roof(f"add {numel:,}", numel, 3 * itemsize * numel, rng.uniform(0.05, 1.1)),
+    ]
+    ax = roofline.plot_roofline(points, peak, bandwidth, title="roofline")
+    ax.figure.canvas.draw()
+    renderer, box = ax.figure.canvas.get_renderer(), ax.get_window_extent()
+    outside = [
+        t.get_text()
+        for t in ax.texts
+        if not (
+            box.x0 <= t.get_window_extent(renderer).x0
+            and t.get_window_extent(renderer).x1 <= box.x1
+            and box.y0 <= t.get_window_extent(renderer).y0
+            and t.get_window_extent(renderer).y1 <= box.y1
+        )
+    ]
+    plt.close(ax.figure)
+    assert not outside, f"labels outside the axes: {outside}"
 
 
 # ---- accelerators (skipped cleanly without one) ----------------------------------------------

@@ -3,6 +3,8 @@ from the right rank, timeouts reported, interrupts and crashes leave no process 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import socket
@@ -152,6 +154,26 @@ def test_a_killed_rank_is_named_even_when_its_peer_is_stamped_first(tmp_path):
     )
     (tmp_path / "launcher.log").write_text(_summary([(1, 1, peer), (0, -15, "<N/A>")]))
     assert "rank 1 failed: ValueError: bad" in str(_failure(tmp_path, 1, ""))
+    # The peer's "connection closed" seen before the rank whose own exception caused it (seen
+    # once on CI, notebook 13): the exception is the root cause, and its traceback is shown.
+    closed, injected = tmp_path / "closed.json", tmp_path / "injected.json"
+    for path, message, stack in (
+        (closed, "RuntimeError: Connection closed by peer [127.0.0.1]:25496", "all_reduce"),
+        (injected, "InjectedFailure: injected failure on rank 1 at step 2", "inject_fault"),
+    ):
+        path.write_text(
+            json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": stack}}})
+        )
+    (tmp_path / "launcher.log").write_text(_summary([(0, 1, closed), (1, 1, injected)]))
+    shown = io.StringIO()
+    with contextlib.redirect_stderr(shown):
+        error = str(_failure(tmp_path, 1, ""))
+    assert error.startswith("rank 1 failed: InjectedFailure") and "step 2" in error
+    assert "inject_fault" in shown.getvalue() and "all_reduce" not in shown.getvalue()
+    # Only peers' deaths reported: the first observed stays the root cause.
+    (tmp_path / "launcher.log").write_text(_summary([(0, 1, closed), (1, 1, closed)]))
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert str(_failure(tmp_path, 1, "")).startswith("rank 0 failed: RuntimeError: Connection")
 
 
 def test_a_hung_rank_times_out_instead_of_hanging(data_dir, tmp_path):

@@ -363,6 +363,22 @@ def test_progress_counts_steps_elapsed_and_remaining():
     assert "/" not in LivePlot(mode="off")._status_text()  # no total given: no fraction
 
 
+def test_the_status_is_two_short_lines_beside_the_progress_bar():
+    """Where the run is, then what it measures: one line of both wrapped on a 1366-px screen
+    (the bar takes 240 px of a ~1,000-px output area, leaving room for about 85 characters)."""
+    import re
+
+    plot = LivePlot(mode="off", metrics=("loss",), steps=1000)
+    plot(train(1, elapsed_s=1.0, run="16-+FP8 tensorwise", rank=0))
+    record = train(999, 3.95, elapsed_s=3599.0, run="16-+FP8 tensorwise", rank=0, val_loss=3.25)
+    plot({**record, "tokens_per_sec": 123456.0, "mfu": 0.4567})
+    where, measured = re.findall(r"<code>(.*?)</code>", plot._status_html())
+    assert where.startswith("16-+FP8 tensorwise rank 0 · step 999/1000") and "left" in where
+    assert measured == "loss 3.9500 · val 3.2500 · 123,456 tok/s · MFU 45.67%", measured
+    assert max(len(where), len(measured)) <= 85
+    assert plot._status_text() == f"{where} · {measured}"  # the text copy: one line, as before
+
+
 def test_short_runs_get_integer_steps_and_smoothed_throughput(tmp_path):
     plot = LivePlot(mode="off", metrics=("loss", "tokens_per_sec", "mfu"))
     for step in range(1, 11):

@@ -121,15 +121,16 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def device_name(device) -> str:
-    """Human name: the GPU's marketing name, "Apple MPS (<chip>)", or "<cpu> (CPU, N threads)"."""
+def device_name(device, threads: int | None = None) -> str:
+    """Human name: the GPU's marketing name, "Apple MPS (<chip>)", or "<cpu> (CPU, N threads)":
+    the threads torch uses now, or those a run will use (`threads`)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "mps":
         chip = _cpu_model() if sys.platform == "darwin" else ""
         return f"Apple MPS ({chip})" if chip else "Apple MPS"
-    return f"{_cpu_model()} (CPU, {torch.get_num_threads()} threads)"
+    return f"{_cpu_model()} (CPU, {threads or torch.get_num_threads()} threads)"
 
 
 def synchronize(device) -> None:

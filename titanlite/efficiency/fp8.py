@@ -147,7 +147,7 @@ def fp8_support(device: torch.device | str, recipe: str = "tensorwise") -> FP8Su
             False,
             True,
             f"{kind} has no FP8 matrix units: torchao emulates FP8 "
-            f"(quantise, then multiply in fp32) - same numerics, slower than fp32",
+            f"(quantise, then multiply in fp32) - same numerics, and the casts are extra work",
         )
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):

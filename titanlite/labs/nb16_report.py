@@ -236,7 +236,8 @@ def why_cpu_differs(
 
     def measured(name: str) -> str:
         ref, ratio, band = steps[name]
-        return f"{name} ran at {ratio:.2f}× {ref['row']} ({verdict(ratio, band, 'noise')})"
+        # The verdict after a comma: it carries its own parentheses ("faster (beyond noise)").
+        return f"{name} ran at {ratio:.2f}× {ref['row']}, {verdict(ratio, band, 'noise')}"
 
     if "+bf16" in steps:
         ref, ratio, band = steps["+bf16"]

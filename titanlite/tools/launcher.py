@@ -672,26 +672,29 @@ def _failure_of(run_dir: Path, failed: list[dict], last_steps: str) -> Titanlite
     """Show the failing rank's traceback; return the one-line error to raise. `failed`: the
     failed ranks ({rank, code, error_file}), the first observed first.
 
-    The first rank observed to fail is the root cause; the other ranks usually fail *because* of
-    it (a closed connection, a timed-out collective). torchrun's clock has one-second resolution
-    and a poll sees exits in batches, so a peer's "connection closed" can be seen before the
-    killed rank: a rank killed by a signal (other than the SIGTERM that stops the rest) is then
-    the better root cause."""
+    The first rank observed to fail is usually the root cause; the other ranks fail *because* of
+    it (a closed connection, a timed-out collective). But exits are seen in batches (torchrun's
+    clock has one-second resolution, our fast path polls), so a peer's "connection closed" can be
+    seen before the rank that caused it. When the first rank's error is a peer's death, the root
+    cause is the first rank whose own error is not; failing that, a rank killed by a signal
+    (other than the SIGTERM that stops the rest)."""
     where = f"last step per rank: {last_steps or 'none logged'}; logs in {run_dir / 'logs'}"
-    root, *others = failed
-    message = None
-    info = _read_report(root["error_file"])
-    if info is not None:
-        message = info["message"].strip().splitlines()[-1]
-        killed = [f for f in others if f["code"] < 0 and -f["code"] != signal.SIGTERM]
-        if killed and _PEER_GONE.search(message):
-            root, message = killed[0], None
-        else:
-            print(
-                f"--- rank {root['rank']} failed; its traceback: ---\n"
-                f"{info['extraInfo']['py_callstack']}",
-                file=sys.stderr,
-            )
+    reports = {f["rank"]: _read_report(f["error_file"]) for f in failed}
+    last_line = {r: info["message"].strip().splitlines()[-1] for r, info in reports.items() if info}
+    own_error = [
+        f for f in failed if f["rank"] in last_line and not _PEER_GONE.search(last_line[f["rank"]])
+    ]
+    killed = [f for f in failed if f["code"] < 0 and -f["code"] != signal.SIGTERM]
+    root = failed[0]
+    if root["rank"] in last_line and _PEER_GONE.search(last_line[root["rank"]]):
+        root = (own_error or killed or failed)[0]
+    message = last_line.get(root["rank"])
+    if message is not None:
+        print(
+            f"--- rank {root['rank']} failed; its traceback: ---\n"
+            f"{reports[root['rank']]['extraInfo']['py_callstack']}",
+            file=sys.stderr,
+        )
     rank, code = root["rank"], root["code"]
     if message is not None:
         hint = " - a peer stopped answering (hung or dead rank?)" if "imed out" in message else ""

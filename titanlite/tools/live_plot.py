@@ -605,16 +605,19 @@ class LivePlot:
             if self._bar is not None and self._progress.step is not None:
                 self._bar.value = int(min(self._progress.step, self.steps))
 
-    def _status_text(self) -> str:
+    def _status_lines(self) -> list[str]:
+        """The status, in two lines that each fit beside the progress bar on a laptop screen:
+        where the run is (run, rank, step, elapsed, left), then what it measures."""
         if self._phase is not None:  # between records: what is happening, and for how long
             text, since = self._phase
-            return f"{text} · {_short_clock(time.monotonic() - since)} elapsed"
+            return [f"{text} · {_short_clock(time.monotonic() - since)} elapsed"]
         r = self._last
         rank = None if r.get("rank") is None else f"rank {r['rank']}"
-        parts = [
+        where = [
             " ".join(str(v) for v in (r.get("run"), rank) if v is not None),
             self._progress.text(),
         ]
+        measured = []
         for key, fmt in (
             ("loss", "loss {:.4f}"),
             ("val_loss", "val {:.4f}"),
@@ -622,14 +625,18 @@ class LivePlot:
             ("mfu", "MFU {:.2%}"),
         ):
             if (value := _num(r.get(key))) is not None:
-                parts.append(fmt.format(value))
-        parts = [p for p in parts if p]
-        return " · ".join(parts) or "waiting for the first step…"
+                measured.append(fmt.format(value))
+        lines = [" · ".join(p for p in part if p) for part in (where, measured)]
+        return [line for line in lines if line] or ["waiting for the first step…"]
+
+    def _status_text(self) -> str:
+        return " · ".join(self._status_lines())
 
     def _status_html(self) -> str:
         # A block of its own: a message printed while training (a stream output) never reads as
         # part of the status line, in the page or in a copy of its text.
-        return f"<div><code>{html.escape(self._status_text())}</code></div>"
+        lines = "".join(f"<div><code>{html.escape(t)}</code></div>" for t in self._status_lines())
+        return f"<div>{lines}</div>"
 
     # --- showing ------------------------------------------------------------------------
     def _build_widget(self, show: bool) -> None:
