@@ -237,6 +237,49 @@ def test_a_save_of_a_step_in_flight_waits_for_it_instead_of_writing_over_it(tmp_
         assert torch.equal(loaded["w"], torch.full((1 << 16,), value)), step
 
 
+def test_a_save_whose_group_is_torn_down_before_it_writes_is_never_committed(tmp_path, monkeypatch):
+    """Seen on a loaded CI machine: rank 1 was killed during the async save of step 6; rank 0's
+    next collective failed, it left the process group, and only then did its background write of
+    step 6 begin. DCP, finding no group, quietly saved rank 0's shards alone - and that was
+    committed, so the restart resumed from half a checkpoint. Replayed here in one process: the
+    write is held until the group is gone; it must not become a checkpoint."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import _async_thread_executor
+
+    from titanlite.resilience.checkpoint import Checkpointer
+    from titanlite.resilience.checkpoint_files import committed
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ckpt = Checkpointer(tmp_path / "ck", mode="async", keep_latest_k=0)
+    try:
+        state = {"w": torch.ones(1 << 10)}
+        ckpt.save(state, 1)
+        ckpt.wait()  # a save in a live group commits
+        assert [p.name for p in committed(tmp_path / "ck")] == ["step-00000001"]
+        go, original = threading.Event(), _async_thread_executor.save_wrapper
+
+        def held(*args, **kwargs):
+            go.wait(30)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(_async_thread_executor, "save_wrapper", held)
+        ckpt.save(state, 2)
+        ckpt.wait_for_staging()
+        dist.destroy_process_group()  # as a failing rank leaves: its peer is gone
+        ckpt._pg = None  # destroyed with the rest
+        go.set()
+        ckpt.wait()
+        assert [p.name for p in committed(tmp_path / "ck")] == ["step-00000001"]
+    finally:
+        ckpt._pg = None
+        ckpt.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _every_kind_of_entry():
     import torch
 

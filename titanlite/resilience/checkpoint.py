@@ -219,7 +219,10 @@ class Checkpointer:
 
     def _commit(self, tmp: Path, final: Path, step: int) -> None:
         """Rank 0: record every file's size and CRC, then rename: the checkpoint exists."""
-        if self.rank != 0:
+        # A group torn down under a save still in flight (a peer died and this rank is exiting):
+        # DCP then quietly saves this rank's shards alone, a checkpoint that resumes wrong. Seen
+        # on a loaded CI machine: never commit it.
+        if self.rank != 0 or (self.distributed and not dist.is_initialized()):
             return
         commit(tmp, final, {"step": step, **self._described})
         if threading.current_thread() is threading.main_thread():  # sync: prune behind training
