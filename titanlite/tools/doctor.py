@@ -302,7 +302,7 @@ def _describe_run(r: dict) -> str:
         if "sync_checked_steps" in r
         else ""
     )
-    spread = (high - low) / r["tokens_per_sec"]
+    spread = _spread(r)
     # A range this wide on a busy machine: two runs' figures can differ by as much, by noise alone.
     noisy = f"; too noisy here to tell apart runs within {spread:.0%}" if spread > 0.2 else ""
     return (
@@ -311,6 +311,12 @@ def _describe_run(r: dict) -> str:
         f"{r['warmup_steps']} warm-up steps; tokens/s range {low:,.0f}-{high:,.0f}){noisy}{busy}, "
         f"{mem}{synced}"
     )
+
+
+def _spread(r: dict) -> float:
+    """A run's tokens/s range as a fraction of its median: how far two runs can differ by noise."""
+    low, high = r["tokens_per_sec_range"]
+    return (high - low) / r["tokens_per_sec"]
 
 
 def _finite(r: dict) -> str:
@@ -524,10 +530,7 @@ def _compare_fp8(checks: list[Check]) -> None:
         return
     ref = rows["train fp32"].data
     ratio = fp8.data["tokens_per_sec"] / ref["tokens_per_sec"]
-    band = max(
-        (r["tokens_per_sec_range"][1] - r["tokens_per_sec_range"][0]) / r["tokens_per_sec"]
-        for r in (fp8.data, ref)
-    )
+    band = max(_spread(fp8.data), _spread(ref))
     reading = (
         "faster" if ratio > 1 + band else "slower" if ratio < 1 - band else "level, within noise"
     )

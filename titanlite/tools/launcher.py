@@ -681,12 +681,11 @@ def _failure_of(run_dir: Path, failed: list[dict], last_steps: str) -> Titanlite
     where = f"last step per rank: {last_steps or 'none logged'}; logs in {run_dir / 'logs'}"
     reports = {f["rank"]: _read_report(f["error_file"]) for f in failed}
     last_line = {r: info["message"].strip().splitlines()[-1] for r, info in reports.items() if info}
-    own_error = [
-        f for f in failed if f["rank"] in last_line and not _PEER_GONE.search(last_line[f["rank"]])
-    ]
-    killed = [f for f in failed if f["code"] < 0 and -f["code"] != signal.SIGTERM]
+    peer_gone = {r for r, line in last_line.items() if _PEER_GONE.search(line)}
     root = failed[0]
-    if root["rank"] in last_line and _PEER_GONE.search(last_line[root["rank"]]):
+    if root["rank"] in peer_gone:
+        own_error = [f for f in failed if f["rank"] in last_line.keys() - peer_gone]
+        killed = [f for f in failed if f["code"] < 0 and -f["code"] != signal.SIGTERM]
         root = (own_error or killed or failed)[0]
     message = last_line.get(root["rank"])
     if message is not None:
