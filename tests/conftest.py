@@ -76,7 +76,7 @@ def run_torchrun(script, *args, nproc: int = 2, timeout: float = 120, torchrun: 
     import tempfile
 
     from titanlite import TitanliteError
-    from titanlite.tools.launcher import _free_port, launch_script, rank_output
+    from titanlite.tools.launcher import launch_script, rank_output
 
     if not torchrun:
         run_dir = Path(tempfile.mkdtemp(prefix="ranks-"))
@@ -91,12 +91,9 @@ def run_torchrun(script, *args, nproc: int = 2, timeout: float = 120, torchrun: 
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # its agent binds a port the kernel picks: none to race for
         "--nproc-per-node",
         str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
         str(script),
         *map(str, args),
     ]

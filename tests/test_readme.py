@@ -113,14 +113,12 @@ def test_the_torchrun_commands_train(data_dir, tmp_path):
 def test_the_restart_drill_restarts_and_reports_goodput(data_dir, tmp_path):
     """The drill as shown, with torchrun itself (its agent restarts the job): rank 1 dies at step
     7, the job restarts, resumes from step 4's checkpoint, finishes and prints its goodput."""
-    from titanlite.tools.launcher import _free_port
-
     (block,) = [t for _, t in BLOCKS if "--max-restarts 3" in t]
     export, argv = _commands(block)
     assert export == ["export", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
     assert argv[0] == ".venv/bin/torchrun"
     port = argv.index("--rdzv-endpoint") + 1
-    argv[port] = f"127.0.0.1:{_free_port()}"  # 29500 may be taken on a shared machine
+    argv[port] = "127.0.0.1:0"  # 29500 may be taken on a shared machine; 0: the agent binds one
     argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
     argv = [str(ROOT / a) if a.startswith("configs/") else a for a in argv]
     short = _short(data_dir, tmp_path) + ["--training.steps", "10"]

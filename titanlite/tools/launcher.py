@@ -228,7 +228,7 @@ def _run(
 ) -> LaunchResult:
     start = time.perf_counter()  # the launch: a warm server's first start counts in it
     _check_machine(nproc, device, backend)
-    port = _free_port() if port is None else _check_port(port)
+    port = None if port is None else _check_port(port)  # None: each path binds port 0
     job_id = uuid.uuid4().hex
     env = dict(os.environ, PYTHONUNBUFFERED="1", TITANLITE_JOB_DIR=str(run_dir))
     env[JOB_ENV] = job_id
@@ -311,7 +311,7 @@ def _run_torchrun(
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
+        f"127.0.0.1:{port or 0}",  # 0: the agent binds a port the kernel picks (as --standalone)
         "--rdzv-id",
         job_id[:12],
         "--max-restarts",
@@ -363,6 +363,8 @@ def _run_forked(
     (logs/<id>/attempt_0/<rank>/), the same teardown when one rank fails (the others are stopped),
     the same error reports. No agent: this loop is the agent."""
     logs = run_dir / "logs" / job_id[:12] / "attempt_0"
+    store = _job_store(port)
+    port = store.port
     shown = "torchrun " + shlex.join(
         ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port)]
         + module_args
@@ -374,6 +376,7 @@ def _run_forked(
         folder.mkdir(parents=True, exist_ok=True)
         rank_env = dict(env, **_torchrun_env(rank, nproc, port, job_id))
         rank_env[LAUNCH_ENV] = "fork"
+        rank_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank a client of `store`
         rank_env["TORCHELASTIC_ERROR_FILE"] = str(folder / "error.json")
         ranks[rank] = server.spawn(
             module_args,
@@ -417,6 +420,7 @@ def _run_forked(
         raise
     finally:
         _stop_forked(server, ranks, job_id)  # a no-op when every rank has ended
+        del store  # its server stops: no rank is left to read it
         if echoes is not None:
             echoes.show()
     _finish(result, tail, callbacks, start)
@@ -754,6 +758,16 @@ def _check_machine(nproc: int, device: str, backend: str) -> None:
             f"which is fine for checking results but makes speed numbers meaningless",
             stacklevel=3,
         )
+
+
+def _job_store(port: int | None):
+    """The job's TCPStore, hosted by the launcher as torchrun's agent hosts its own; each rank a
+    client (TORCHELASTIC_USE_AGENT_STORE). Bound as it is made, on port 0 unless one was asked for:
+    a port picked free and left for rank 0 to bind could be taken in between by another job on a
+    busy machine (EADDRINUSE, seen in CI with tests running side by side)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port or 0, is_master=True, wait_for_workers=False)
 
 
 def _free_port() -> int:
