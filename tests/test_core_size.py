@@ -27,8 +27,10 @@ PACKAGE = Path(titanlite.__file__).parent
 # measured peak shared by the doctor, the trainer and notebook 00. Raised again to 3,090 / 4,710 for
 # the mixture of experts: moe.py (201) and expert_parallel.py (49), reached only from a run with
 # experts (a dense run does not load them), and their keys, checks and the sixth mesh dim (+77 loaded;
-# notebook 01's part 1,720 -> 1,770: the [model] keys and preflight's checks of them).
-LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 3_090, 4_710, 1_770  # statements
+# notebook 01's part 1,720 -> 1,770: the [model] keys and preflight's checks of them). Reachable
+# raised to 4,718 for the mixture of experts under tensor parallelism (ExpertTensorParallel and the
+# MoE plan, +22), less what unifying the dense MLP with the shared experts' SwiGLU gave back (-14).
+LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 3_090, 4_718, 1_770  # statements
 MODULE_BUDGET = 300  # lines, as `ruff format` leaves them
 
 # A technique's module opens with the technique: its first public function or class is this.

@@ -171,7 +171,7 @@ def test_bad_mixtures_are_one_line():
 
 # ----- the trainer: expert parallel = one process ------------------------------------------------
 
-MOE = {"model.n_experts": 4, "model.experts_per_token": 2}
+MOE = {"model.n_experts": 4, "model.experts_per_token": 2, "model.n_shared_experts": 1}
 
 
 def _overrides(data_dir, tmp_path, **extra):
@@ -189,10 +189,15 @@ def reference(data_dir, tmp_path_factory):
     [
         (2, {"parallel.ep": 2, "parallel.dp_shard": 1, "training.batch_size": 4}),
         (4, {"parallel.ep": 2, "parallel.dp_shard": 2, "training.batch_size": 2}),
+        (2, {"parallel.tp": 2, "parallel.dp_shard": 1}),
+        (2, {"parallel.tp": 2, "parallel.dp_shard": 1, "parallel.sequence_parallel": False}),
+        (4, {"parallel.tp": 2, "parallel.dp_shard": 2, "training.batch_size": 4}),
     ],
-    ids=["ep2", "ep2-fsdp2"],
+    ids=["ep2", "ep2-fsdp2", "tp2-sp", "tp2", "tp2-fsdp2"],
 )
-def test_expert_parallel_trains_like_one_process(nproc, layout, data_dir, tmp_path, reference):
+def test_expert_and_tensor_parallel_train_like_one_process(
+    nproc, layout, data_dir, tmp_path, reference
+):
     result = launch(
         load_config(None, _overrides(data_dir, tmp_path)), nproc=nproc, overrides=layout
     )
@@ -227,6 +232,20 @@ def test_an_ep_checkpoint_resumes_exactly_and_loads_into_one_process_and_ep4(dat
     eight = {**o, "metrics.run_name": "eight", "checkpoint.load": str(path), "model.n_experts": 8}
     with pytest.raises(TitanliteError, match="n_experts"):
         Trainer(load_config(None, eight)).fit()
+
+
+def test_a_tp_mixtures_checkpoint_loads_into_one_process_exactly(data_dir, tmp_path):
+    """The experts saved split over tp on their hidden units (Shard(1), Shard(2)) load whole."""
+    o = _overrides(data_dir, tmp_path, **{"checkpoint.enable": True, "checkpoint.every": 2})
+    tp2 = {"parallel.tp": 2, "parallel.dp_shard": 1}
+    run = launch(load_config(None, {**o, "metrics.run_name": "tp"}), nproc=2, overrides=tp2)
+    path = committed(run.run_dir / "checkpoints")[-1]
+    trainer = Trainer(load_config(None, {**o, "checkpoint.enable": False}))
+    assert Checkpointer(path.parent).load(trainer.train_state(), path) == 4
+    saved = load_model(path).state_dict()
+    assert saved["layers.0.feed_forward.experts.w_down"].shape == (4, 64, 192)  # [E, D, H]: whole
+    assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in saved.items())
+    trainer.close()
 
 
 # ----- Hugging Face: Mixtral -------------------------------------------------------------------

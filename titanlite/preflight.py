@@ -120,10 +120,12 @@ def check_experts(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
             f"model.n_experts={moe.n_experts} does not divide over --parallel.ep {dims.ep}: "
             f"choose n_experts a multiple of ep"
         )
-    if moe is not None and (dims.tp > 1 or dims.pp > 1):
+    # Each router's load is summed over all ranks after a step: PP's stages hold different routers.
+    if moe is not None and (dims.pp > 1 or dims.tp > 1 and dims.ep > 1):
         raise TitanliteError(
-            "a mixture of experts with tensor or pipeline parallelism is not supported here: "
-            "split the experts with --parallel.ep and the rest with FSDP (--parallel.dp_shard)"
+            "a mixture of experts with pipeline parallelism, or with tensor and expert parallelism "
+            "together, is not supported here: split the experts with --parallel.ep or "
+            "--parallel.tp, the rest with FSDP (--parallel.dp_shard)"
         )
 
 

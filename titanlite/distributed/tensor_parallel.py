@@ -18,11 +18,19 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -58,7 +66,16 @@ def apply_tp(
     parallelize_module(
         model, tp_mesh, {k: v for k, v in ends.items() if getattr(model, k) is not None}
     )
+    mlp = {
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(between,), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.gate_proj": ColwiseParallel(),  # SwiGLU is elementwise per hidden unit
+        "feed_forward.up_proj": ColwiseParallel(),
+        "feed_forward.down_proj": RowwiseParallel(output_layouts=between),
+    }
     for block in model.layers.values():
+        ffn = block.feed_forward  # a dense MLP, or a mixture of experts (models/moe.py)
         parallelize_module(
             block,
             tp_mesh,
@@ -76,12 +93,7 @@ def apply_tp(
                     output_layouts=between
                 ),  # sum of partial outputs
                 "ffn_norm": norm(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(between,), desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.gate_proj": ColwiseParallel(),  # SwiGLU is elementwise per hidden unit
-                "feed_forward.up_proj": ColwiseParallel(),
-                "feed_forward.down_proj": RowwiseParallel(output_layouts=between),
+                **(_moe_plan(ffn, between) if hasattr(ffn, "experts") else mlp),
             },
         )
     if model.args.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
@@ -94,6 +106,53 @@ def apply_tp(
         model.register_forward_pre_hook(lambda m, args: _pad_sequence(m, args, tp))
         model.register_forward_hook(_cut_padding)
     return model
+
+
+def _moe_plan(moe, between) -> dict:
+    """A mixture of experts: the whole sequence in, as a plain tensor (each rank routes every
+    token, alike); the router replicated; each expert split as the dense MLP is (ExpertTensorParallel);
+    the shared experts as the dense MLP; the whole output back to the residual's layout."""
+    plan = {
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(between,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(between,),
+        ),
+        "feed_forward.router.gate": ReplicateParallel(),
+        "feed_forward.experts": ExpertTensorParallel(),
+    }
+    if moe.shared is not None:
+        plan |= {
+            "feed_forward.shared.gate_proj": ColwiseParallel(),
+            "feed_forward.shared.up_proj": ColwiseParallel(),
+            "feed_forward.shared.down_proj": RowwiseParallel(output_layouts=Replicate()),
+        }
+    return plan
+
+
+class ExpertTensorParallel(ParallelStyle):
+    """Every expert's hidden units split over tp, as the dense MLP's: w_gate and w_up [E, H, D] by
+    rows (Shard(1)), w_down [E, D, H] by columns (Shard(2)). The token rows arrive whole on every
+    rank, each rank's experts give partial outputs, and one all-reduce sums them *before* the
+    router's weights combine them, so all that follows is whole, as in one process (it moves k rows
+    a token where reducing after the combine would move one: the simpler of the two). Backward:
+    the rows' gradient is partial likewise, and all-reduced on its way out."""
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        for name, dim in (("w_gate", 1), ("w_up", 1), ("w_down", 2)):
+            whole = getattr(module, name).detach()
+            setattr(module, name, nn.Parameter(distribute_tensor(whole, mesh, [Shard(dim)])))
+
+        def rows_in(mod, inputs, mesh):  # identity forward, all-reduced gradient
+            rows = DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False)
+            return (rows.to_local(grad_placements=[Partial()]), *inputs[1:])
+
+        def summed_out(mod, out, mesh):  # all-reduced forward, the gradient as it is
+            return DTensor.from_local(out, mesh, [Partial()], run_check=False).full_tensor()
+
+        return distribute_module(module, mesh, input_fn=rows_in, output_fn=summed_out)
 
 
 def _pad_sequence(model, args, tp):
@@ -166,6 +225,8 @@ def check_tp(args, tp: int, seq_len: int | None = None, sequence_parallel: bool 
         "dim": (args.dim, "o_proj and down_proj split their inputs evenly"),
         "vocab_size": (args.vocab_size, "embedding rows and logits split evenly"),
     }
+    if args.moe is not None and args.moe.hidden_dim:
+        splits["expert_hidden_dim"] = (args.moe.hidden_dim, "each expert's units split evenly")
     if sequence_parallel:
         splits["max_seq_len"] = (
             args.max_seq_len,

@@ -76,10 +76,11 @@ class ModelArgs:
                     f"model.rope_scaling={self.rope_scaling} is not supported: use None or "
                     f"{{'rope_type': 'llama3', {', '.join(sorted(keys))}}} (Llama 3.1+)"
                 )
-        if self.moe is not None:  # a dict when read back from a checkpoint's record
+        if self.moe is not None:
             from .moe import MoEArgs
 
-            self.moe = MoEArgs.of(self.moe).validate(self.n_layers)
+            moe = self.moe  # a dict when read back from a checkpoint's record
+            self.moe = (MoEArgs(**moe) if isinstance(moe, dict) else moe).validate(self.n_layers)
         return self
 
     @staticmethod
@@ -168,17 +169,21 @@ def causal_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
-class FeedForward(nn.Module):
+class FeedForward(nn.Module):  # the SwiGLU MLP: a dense block's, and an MoE's shared experts
     skipped_per_token = 0  # parameters a token does not use: none, in a dense block
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
-        self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for lin, s in ((self.gate_proj, std), (self.up_proj, std), (self.down_proj, out_std)):
+            nn.init.normal_(lin.weight, std=s)
 
 
 class TransformerBlock(nn.Module):
@@ -189,7 +194,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         # A mixture of experts where [model] asks for one (moe.py: which blocks), else SwiGLU.
         moe = args.moe.feed_forward(layer, args.dim, args.hidden_dim) if args.moe else None
-        self.feed_forward = moe if moe is not None else FeedForward(args)
+        self.feed_forward = moe if moe is not None else FeedForward(args.dim, args.hidden_dim)
 
     def forward(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -228,15 +233,11 @@ class Transformer(nn.Module):
         std, out_std = self.args.init_std, self.args.init_std / math.sqrt(2 * self.args.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for block in self.layers.values():
-            a, f = block.attention, block.feed_forward
-            dense = isinstance(f, FeedForward)
-            for lin in (a.q_proj, a.k_proj, a.v_proj) + ((f.gate_proj, f.up_proj) if dense else ()):
+            a = block.attention
+            for lin in (a.q_proj, a.k_proj, a.v_proj):
                 nn.init.normal_(lin.weight, std=std)
             nn.init.normal_(a.o_proj.weight, std=out_std)
-            if dense:
-                nn.init.normal_(f.down_proj.weight, std=out_std)
-            else:
-                f.init_weights(std, out_std)
+            block.feed_forward.init_weights(std, out_std)  # FeedForward or MoE
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         self.norm.reset_parameters()

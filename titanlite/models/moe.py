@@ -35,6 +35,7 @@ from torch import nn
 from .._compat.torch_internals import in_backward
 from ..device_policy import capability_of
 from ..errors import TitanliteError
+from .llama import FeedForward  # the shared experts: one SwiGLU MLP as wide as they are
 
 ROUTERS, BALANCES = ("softmax", "sigmoid"), ("aux_free", "aux_loss", "none")
 
@@ -71,10 +72,6 @@ class MoEArgs:
             )
         return self
 
-    @staticmethod
-    def of(moe: MoEArgs | dict) -> MoEArgs:  # a dict: read back from a checkpoint's record
-        return moe if isinstance(moe, MoEArgs) else MoEArgs(**moe)
-
     def feed_forward(self, layer: int, dim: int, dense_hidden: int) -> MoE | None:
         """Block `layer`'s mixture of experts, or None where the block stays dense (`every`)."""
         return MoE(dim, self, dense_hidden) if (layer + 1) % self.every == 0 else None
@@ -89,7 +86,9 @@ class MoE(nn.Module):
         hidden = args.hidden_dim or dense_hidden
         self.router = Router(dim, args)
         self.experts = Experts(args.n_experts, dim, hidden)
-        self.shared = SwiGLU(dim, hidden * args.n_shared_experts) if args.n_shared_experts else None
+        self.shared = (
+            FeedForward(dim, hidden * args.n_shared_experts) if args.n_shared_experts else None
+        )
         self.dispatch = LocalDispatch()  # expert parallel: distributed/expert_parallel.py
         self.dropped = 0  # token choices the capacity dropped, since the counter was last read
 
@@ -213,23 +212,6 @@ class Experts(nn.Module):
     def init_weights(self, std: float, out_std: float) -> None:
         for w, s in ((self.w_gate, std), (self.w_up, std), (self.w_down, out_std)):
             nn.init.normal_(w, std=s)
-
-
-class SwiGLU(nn.Module):
-    """The shared experts: one SwiGLU MLP as wide as they are together."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        for lin, s in ((self.gate_proj, std), (self.up_proj, std), (self.down_proj, out_std)):
-            nn.init.normal_(lin.weight, std=s)
 
 
 class LocalDispatch:
