@@ -120,12 +120,13 @@ def check_experts(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
             f"model.n_experts={moe.n_experts} does not divide over --parallel.ep {dims.ep}: "
             f"choose n_experts a multiple of ep"
         )
-    # Each router's load is summed over all ranks after a step: PP's stages hold different routers.
+    # torch's pipeline stages run a first forward to learn their shapes, which a router would
+    # count as tokens (its balancing then differs from one process's); tp × ep: not built.
     if moe is not None and (dims.pp > 1 or dims.tp > 1 and dims.ep > 1):
         raise TitanliteError(
-            "a mixture of experts with pipeline parallelism, or with tensor and expert parallelism "
-            "together, is not supported here: split the experts with --parallel.ep or "
-            "--parallel.tp, the rest with FSDP (--parallel.dp_shard)"
+            "a mixture of experts with pipeline parallelism, or split by tensor and expert "
+            "parallelism together, is not supported here: split the experts with --parallel.ep "
+            "or --parallel.tp, the rest with FSDP (--parallel.dp_shard)"
         )
 
 
