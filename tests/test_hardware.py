@@ -67,9 +67,11 @@ def test_malformed_index_is_rejected():
 
 def test_cpu_name_says_cpu_and_threads():
     name = hardware.device_name("cpu")
-    assert name.endswith(f"(CPU, {torch.get_num_threads()} threads)") and len(name) > len(
-        "(CPU, 1 threads)"
+    n = torch.get_num_threads()
+    assert name.endswith(f"(CPU, {n} thread{'s' * (n != 1)})") and len(name) > len(
+        "(CPU, 1 thread)"
     )
+    assert hardware.device_name("cpu", 1).endswith("(CPU, 1 thread)")  # not "1 threads"
     # The threads a run will use, where they differ from this process's (notebook 16's smoke
     # rows run one thread each on a 2-thread machine: it once said "2 threads").
     assert hardware.device_name("cpu", torch.get_num_threads() + 3).endswith(

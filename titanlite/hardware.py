@@ -130,7 +130,9 @@ def device_name(device, threads: int | None = None) -> str:
     if device.type == "mps":
         chip = _cpu_model() if sys.platform == "darwin" else ""
         return f"Apple MPS ({chip})" if chip else "Apple MPS"
-    return f"{_cpu_model()} (CPU, {threads or torch.get_num_threads()} threads)"
+    return (
+        f"{_cpu_model()} (CPU, {(n := threads or torch.get_num_threads())} thread{'s' * (n != 1)})"
+    )
 
 
 def synchronize(device) -> None:
