@@ -71,6 +71,21 @@ def test_a_built_model_starts_with_no_bias_and_no_counted_tokens():
         assert router.expert_bias.eq(0).all() and router.tokens_per_expert.eq(0).all()
 
 
+def test_a_mixture_trains_under_autocast_as_gpus_run_it():
+    """bf16 autocast (the CUDA default): the experts' outputs come out bf16, the router's weights
+    fp32; the combine once refused to add one to the other (index_add_ dtype error)."""
+    model = build_model(ModelArgs.preset("debug", moe=MoEArgs(n_experts=4, n_shared_experts=1)))
+    tokens = torch.randint(0, model.args.vocab_size, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens)
+    with torch.no_grad():
+        fp32 = model(tokens)
+    assert logits.dtype == torch.bfloat16 and (logits.float() - fp32).abs().max() < 0.1
+    logits.float().logsumexp(-1).mean().backward()
+    experts = model.layers["0"].feed_forward.experts
+    assert experts.w_gate.grad.dtype == torch.float32 and experts.w_gate.grad.abs().sum() > 0
+
+
 def test_a_capacity_drops_only_the_choices_beyond_it_and_dropless_drops_none():
     x = torch.randn(1, 64, 8)
     dropless = MoE(8, MoEArgs(n_experts=4), 16)

@@ -233,8 +233,9 @@ def sort_by_expert(chosen: torch.Tensor, n_experts: int):
 
 def combine(out, order, weights, chosen, tokens):
     """Each choice's expert output (in `order`), weighted by its score and summed per token."""
-    weighted = out * weights.flatten()[order, None]
-    result = torch.zeros_like(tokens, dtype=out.dtype)
+    # Summed in fp32: under autocast the experts' outputs are bf16 and the weights fp32.
+    weighted = out.float() * weights.flatten()[order, None].float()
+    result = torch.zeros_like(tokens, dtype=torch.float32)
     return result.index_add(0, order // chosen.shape[1], weighted).to(tokens.dtype)
 
 
