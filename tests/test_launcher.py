@@ -583,3 +583,16 @@ def test_a_port_taken_between_its_pick_and_its_bind_cannot_fail_a_job(tmp_path, 
         result = launcher.launch_script([script, tmp_path], 2, run_dir=tmp_path / "job", threads=1)
     assert [(tmp_path / f"r{r}").read_text() for r in (0, 1)] == ["3.0", "3.0"]
     assert f"--master-port {port} " not in result.command
+
+
+def test_a_port_asked_for_and_taken_before_the_store_binds_it_is_one_line():
+    from titanlite.tools import launcher
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(TitanliteError, match=rf"^port {port} is already in use"):
+            launcher._job_store(port)
+    store = launcher._job_store(None)  # port 0: the kernel's pick, bound as it is made
+    assert store.port > 0

@@ -175,6 +175,30 @@ def test_the_grouped_gemm_path_computes_what_the_loop_computes(monkeypatch):
         assert (g - grads_looped[name]).abs().max() / scale < 5e-2, name
 
 
+def test_under_autocast_the_kernel_is_chosen_and_fed_in_the_autocast_dtype(monkeypatch):
+    """fp32 weights under bf16 autocast (one GPU's default): the rows reach the experts in fp32,
+    yet the matmuls run in bf16, so an H100 must get the grouped GEMM, fed bf16 (it takes no
+    fp32), not the loop. Spied on CPU autocast: the dtype the choice sees, and the kernel's."""
+    from titanlite.models import moe
+
+    seen, fed = [], []
+    monkeypatch.setattr(moe, "expert_kernel", lambda dev, dtype, cap=None: seen.append(dtype))
+    grouped = moe.grouped_swiglu
+    monkeypatch.setattr(
+        moe, "grouped_swiglu", lambda x, *w: fed.append(x.dtype) or grouped(x.float(), *w)
+    )
+    model = build_model(ModelArgs.preset("debug", moe=MoEArgs(n_experts=4)))
+    tokens = torch.randint(0, model.args.vocab_size, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens)
+    model(tokens)
+    assert seen == [torch.bfloat16] * 2 + [torch.float32] * 2 and not fed  # the loop ran
+    monkeypatch.setattr(moe, "expert_kernel", lambda *a, **k: "grouped_mm")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens)
+    assert fed == [torch.bfloat16] * 2
+
+
 def test_bad_mixtures_are_one_line():
     with pytest.raises(TitanliteError, match="at least 2 experts"):
         ModelArgs.preset("debug", moe=MoEArgs(n_experts=1))

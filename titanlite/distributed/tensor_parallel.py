@@ -142,12 +142,12 @@ class ExpertTensorParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
         for name, dim in (("w_gate", 1), ("w_up", 1), ("w_down", 2)):
-            whole = getattr(module, name).detach()
+            whole = getattr(module, name).detach()  # the same on every rank: one seed
             setattr(module, name, nn.Parameter(distribute_tensor(whole, mesh, [Shard(dim)])))
 
-        def rows_in(mod, inputs, mesh):  # identity forward, all-reduced gradient
+        def rows_in(mod, inputs, mesh):  # (rows, counts): rows as they are, gradient all-reduced
             rows = DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False)
-            return (rows.to_local(grad_placements=[Partial()]), *inputs[1:])
+            return rows.to_local(grad_placements=[Partial()]), inputs[1]
 
         def summed_out(mod, out, mesh):  # all-reduced forward, the gradient as it is
             return DTensor.from_local(out, mesh, [Partial()], run_check=False).full_tensor()
@@ -233,11 +233,10 @@ def check_tp(args, tp: int, seq_len: int | None = None, sequence_parallel: bool 
             "sequence parallel pads sequences to a multiple of tp",
         )
     if bad := [f"model.{k}={v} ({why})" for k, (v, why) in splits.items() if v % tp]:
-        g = math.gcd(*(v for v, _ in splits.values()))
-        valid = ", ".join(str(d) for d in range(1, g + 1) if g % d == 0)
+        g = math.gcd(*(v for v, _ in splits.values()))  # the degrees that divide them all
         raise TitanliteError(
-            f"tensor-parallel degree {tp} (parallel.tp) does not divide "
-            f"{'; '.join(bad)}: choose one of {valid}"
+            f"tensor-parallel degree {tp} (parallel.tp) does not divide {'; '.join(bad)}: "
+            f"choose one of {', '.join(str(d) for d in range(1, g + 1) if g % d == 0)}"
         )
     if sequence_parallel and seq_len is not None and seq_len % tp:
         raise TitanliteError(

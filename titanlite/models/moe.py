@@ -193,13 +193,19 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens grouped by expert, counts[e] of them for local expert e, in order."""
         # Under expert parallelism the stacked weights are DTensors: compute on this rank's experts.
-        stacked = (self.w_gate, self.w_up, self.w_down)
-        weights = [w.to_local() if hasattr(w, "to_local") else w for w in stacked]
+        weights = [
+            w.to_local() if hasattr(w, "to_local") else w
+            for w in (self.w_gate, self.w_up, self.w_down)
+        ]
         if self.grad_scale != 1.0:
             weights = [ScaleGrad.apply(w, self.grad_scale) for w in weights]
         w_gate, w_up, w_down = weights
-        if expert_kernel(x.device.type, x.dtype, capability_of(x)) == "grouped_mm":
-            return grouped_swiglu(x, w_gate, w_up, w_down, counts.cumsum(0).to(torch.int32))
+        # Under autocast (CUDA's default) the rows arrive in fp32: choose and feed the kernel in
+        # the dtype autocast computes matmuls in (cast here: CPU autocast leaves _grouped_mm be).
+        on = x.device.type
+        dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else x.dtype
+        if expert_kernel(on, dtype, capability_of(x)) == "grouped_mm":
+            return grouped_swiglu(x.to(dtype), w_gate, w_up, w_down, counts.cumsum(0).int())
         outs, start = [], 0
         for e, n in enumerate(counts.tolist()):  # the loop needs the sizes on the host
             xe = x[start : start + n]
@@ -242,9 +248,9 @@ def combine(out, order, weights, chosen, tokens):
 def grouped_swiglu(x, w_gate, w_up, w_down, ends: torch.Tensor) -> torch.Tensor:
     """Every expert's SwiGLU on its rows of x (rows ends[e-1]:ends[e]), three grouped GEMMs; the
     ends stay on the device, so nothing waits for it."""
-    gate = torch._grouped_mm(x, w_gate.transpose(-2, -1), offs=ends)
-    up = torch._grouped_mm(x, w_up.transpose(-2, -1), offs=ends)
-    return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=ends)
+    gate = torch._grouped_mm(x, w_gate.transpose(-2, -1).to(x.dtype), offs=ends)
+    up = torch._grouped_mm(x, w_up.transpose(-2, -1).to(x.dtype), offs=ends)
+    return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1).to(x.dtype), offs=ends)
 
 
 def expert_kernel(device_type: str, dtype: torch.dtype, capability=None) -> str:

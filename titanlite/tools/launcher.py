@@ -767,7 +767,10 @@ def _job_store(port: int | None):
     busy machine (EADDRINUSE, seen in CI with tests running side by side)."""
     from torch.distributed import TCPStore
 
-    return TCPStore("127.0.0.1", port or 0, is_master=True, wait_for_workers=False)
+    try:
+        return TCPStore("127.0.0.1", port or 0, is_master=True, wait_for_workers=False)
+    except RuntimeError:  # a port asked for, taken since _check_port looked
+        raise _port_taken(port) from None
 
 
 def _free_port() -> int:
@@ -781,11 +784,15 @@ def _check_port(port: int) -> int:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise TitanliteError(
-                f"port {port} is already in use (another job, or one still shutting "
-                f"down): pass another port, or port=None to pick a free one"
-            ) from None
+            raise _port_taken(port) from None
     return port
+
+
+def _port_taken(port: int) -> TitanliteError:
+    return TitanliteError(
+        f"port {port} is already in use (another job, or one still shutting "
+        f"down): pass another port, or port=None to pick a free one"
+    )
 
 
 def to_toml(doc: dict) -> str:

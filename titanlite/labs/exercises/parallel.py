@@ -237,14 +237,14 @@ def fsdp_shard(c, fn):
 
 @exercise("09_tp_mlp", "a column-parallel then row-parallel SwiGLU MLP")
 def tp_mlp(c, fn):
-    from ...models.llama import FeedForward, ModelArgs
+    from ...models.llama import FeedForward
 
     tp = c.rng.choice([2, 4])
     with (
         torch.random.fork_rng()
     ):  # the model's init draws from the global generator: not the student's
         torch.manual_seed(c.seed)
-        full = FeedForward(ModelArgs(dim=16, ffn_hidden_dim=8 * tp, n_heads=2, n_kv_heads=1))
+        full = FeedForward(16, 8 * tp)  # dim 16, 8·tp hidden units
     x = torch.randn(2, 5, 16, generator=c.gen)
     partials = []
     h = full.gate_proj.out_features
