@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -63,12 +62,6 @@ def browser_missing() -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class JupyterLabServer:
     """`jupyter lab` on a free localhost port with a random token, run by this interpreter (so
     its kernels are this venv's python), shut down with all its kernels on exit."""
@@ -76,8 +69,10 @@ class JupyterLabServer:
     def __init__(self, root_dir, env: dict | None = None, scratch=None, startup_timeout_s=90):
         self.root_dir = Path(root_dir)
         self.scratch = Path(scratch or self.root_dir.parent / "jupyter-scratch")
-        self.port, self.token = free_port(), secrets.token_hex(16)
-        self.base = f"http://127.0.0.1:{self.port}"
+        # Port 0: the server binds one the kernel picks and writes it to its runtime file. (A port
+        # picked here and bound by the server seconds later could be taken meanwhile on a busy
+        # machine, as the launcher's once was.)
+        self.port, self.token = None, secrets.token_hex(16)
         self.startup_timeout_s = startup_timeout_s
         self.extra_env = env or {}
         self.proc = None
@@ -102,6 +97,10 @@ class JupyterLabServer:
         return env
 
     def start(self) -> JupyterLabServer:
+        for stale in (self.scratch / "runtime").glob(
+            "jpserver-*"
+        ):  # a killed server's, in our scratch
+            stale.unlink()
         settings = self.scratch / "settings"
         for rel, values in LAB_SETTINGS.items():
             (settings / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +112,7 @@ class JupyterLabServer:
             "lab",
             "--no-browser",
             "--ServerApp.ip=127.0.0.1",
-            f"--ServerApp.port={self.port}",
+            "--ServerApp.port=0",
             "--ServerApp.port_retries=0",
             f"--IdentityProvider.token={self.token}",
             f"--ServerApp.root_dir={self.root_dir}",
@@ -144,13 +143,23 @@ class JupyterLabServer:
                     f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}"
                 )
             try:
+                self.port = self.port or self._bound_port()
                 self.api("status")
                 return self
-            except OSError:
+            except (OSError, ValueError, KeyError):  # not bound yet, or its file half written
                 time.sleep(0.3)
         raise RuntimeError(
             f"jupyter lab did not answer in {self.startup_timeout_s}s:\n{self.log_tail()}"
         )
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _bound_port(self) -> int:
+        # Its runtime folder is this server's alone (jupyter_core may exec a child: any pid).
+        (info,) = (self.scratch / "runtime").glob("jpserver-*.json")
+        return int(json.loads(info.read_text())["port"])
 
     def api(self, path: str, method: str = "GET"):
         req = urllib.request.Request(
