@@ -415,8 +415,6 @@ def test_a_kill_while_a_peer_writes_its_report_always_restarts(tmp_path):
     """torch's `record` writes error.json in place: the agent, tearing rank 0 down mid-report after
     rank 1 died, parsed half a file and exited instead of restarting (JSONDecodeError). Each try
     here kills rank 1 while rank 0 is writing; every one must restart and finish."""
-    from titanlite.tools.launcher import _free_port
-
     script = tmp_path / "worker.py"
     script.write_text(REPORT_RACE_WORKER)
     for attempt in range(3):
@@ -431,13 +429,15 @@ def test_a_kill_while_a_peer_writes_its_report_always_restarts(tmp_path):
                 "2",
                 "--max-restarts",
                 "1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(_free_port()),
+                # As the launcher's own torchrun path: the agent binds a port the kernel picks.
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                "127.0.0.1:0",
                 str(script),
                 str(out),
             ],
+            env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # as the launcher
             capture_output=True,
             text=True,
             timeout=120,
