@@ -97,10 +97,6 @@ class JupyterLabServer:
         return env
 
     def start(self) -> JupyterLabServer:
-        for stale in (self.scratch / "runtime").glob(
-            "jpserver-*"
-        ):  # a killed server's, in our scratch
-            stale.unlink()
         settings = self.scratch / "settings"
         for rel, values in LAB_SETTINGS.items():
             (settings / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -124,6 +120,18 @@ class JupyterLabServer:
         ]
         if os.geteuid() == 0:  # CI containers run as root; jupyter refuses without this
             cmd.append("--allow-root")
+        # Port 0 narrows the race for a port to the server's own bind-read-close-listen (jupyter
+        # does that itself); should another process still win it, the server exits and we retry.
+        for _ in range(3):
+            if self._launch(cmd):
+                return self
+        raise RuntimeError(f"jupyter lab found its port taken 3 times:\n{self.log_tail()}")
+
+    def _launch(self, cmd) -> bool:
+        """Start the server; True once it answers, False if it exited at once on a taken port."""
+        for stale in (self.scratch / "runtime").glob("jpserver-*"):  # a killed server's, ours
+            stale.unlink()
+        self.port = None
         log = open(self.log_path, "wb")
         # Own session (process group): on exit we can signal the server and every kernel it
         # started, and nothing outlives the test.
@@ -139,13 +147,15 @@ class JupyterLabServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "already in use" in self.log_tail():
+                    return False
                 raise RuntimeError(
                     f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}"
                 )
             try:
                 self.port = self.port or self._bound_port()
                 self.api("status")
-                return self
+                return True
             except (OSError, ValueError, KeyError):  # not bound yet, or its file half written
                 time.sleep(0.3)
         raise RuntimeError(
@@ -159,7 +169,10 @@ class JupyterLabServer:
     def _bound_port(self) -> int:
         # Its runtime folder is this server's alone (jupyter_core may exec a child: any pid).
         (info,) = (self.scratch / "runtime").glob("jpserver-*.json")
-        return int(json.loads(info.read_text())["port"])
+        port = int(json.loads(info.read_text())["port"])
+        if port == 0:  # older jupyter_servers wrote the port asked for (jupyter-server#1650)
+            raise RuntimeError(f"{info} says port 0: upgrade jupyter_server (2.21 works)")
+        return port
 
     def api(self, path: str, method: str = "GET"):
         req = urllib.request.Request(
@@ -183,9 +196,10 @@ class JupyterLabServer:
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        try:  # polite first: the server shuts its kernels down cleanly
-            self.api("shutdown", method="POST")
-            self.proc.wait(timeout=15)
+        try:  # polite first: the server shuts its kernels down cleanly (once we know its port)
+            if self.port:
+                self.api("shutdown", method="POST")
+                self.proc.wait(timeout=15)
         except (OSError, subprocess.TimeoutExpired):
             pass
         for sig in (signal.SIGTERM, signal.SIGKILL):

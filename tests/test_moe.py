@@ -138,12 +138,7 @@ def test_the_grouped_gemm_path_takes_the_experts_weights_as_they_are_stacked():
     assert out.shape == (40, 64) and out.dtype == torch.bfloat16
 
 
-def test_the_grouped_gemm_path_computes_what_the_loop_computes(monkeypatch):
-    """The numbers too, not only the shapes: torch's CPU `_grouped_mm` runs the GPU path's very
-    code here. A whole MoE model, forward and backward, with an expert that gets no token, in
-    bf16: the grouped path (forced) against the loop, outputs and every gradient."""
-    from titanlite.models import moe
-
+def skip_without_cpu_grouped_gemm():
     probe = torch.ones(2, 8, dtype=torch.bfloat16)
     try:
         torch._grouped_mm(
@@ -153,6 +148,15 @@ def test_the_grouped_gemm_path_computes_what_the_loop_computes(monkeypatch):
         )
     except (RuntimeError, NotImplementedError) as e:  # CPU grouped GEMM arrived after torch 2.11
         pytest.skip(f"this torch has no CPU _grouped_mm: {str(e).splitlines()[0]}")
+
+
+def test_the_grouped_gemm_path_computes_what_the_loop_computes(monkeypatch):
+    """The numbers too, not only the shapes: torch's CPU `_grouped_mm` runs the GPU path's very
+    code here. A whole MoE model, forward and backward, with an expert that gets no token, in
+    bf16: the grouped path (forced) against the loop, outputs and every gradient."""
+    from titanlite.models import moe
+
+    skip_without_cpu_grouped_gemm()
 
     def run(kernel):
         monkeypatch.setattr(moe, "expert_kernel", lambda *a, **k: kernel)
@@ -184,19 +188,21 @@ def test_under_autocast_the_kernel_is_chosen_and_fed_in_the_autocast_dtype(monke
     seen, fed = [], []
     monkeypatch.setattr(moe, "expert_kernel", lambda dev, dtype, cap=None: seen.append(dtype))
     grouped = moe.grouped_swiglu
-    monkeypatch.setattr(
-        moe, "grouped_swiglu", lambda x, *w: fed.append(x.dtype) or grouped(x.float(), *w)
-    )
+    monkeypatch.setattr(moe, "grouped_swiglu", lambda x, *w: fed.append(x.dtype) or grouped(x, *w))
     model = build_model(ModelArgs.preset("debug", moe=MoEArgs(n_experts=4)))
     tokens = torch.randint(0, model.args.vocab_size, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(tokens)
     model(tokens)
     assert seen == [torch.bfloat16] * 2 + [torch.float32] * 2 and not fed  # the loop ran
+    skip_without_cpu_grouped_gemm()
     monkeypatch.setattr(moe, "expert_kernel", lambda *a, **k: "grouped_mm")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the kernel itself, bf16 in and out
+        logits = model(tokens)
+    logits.float().square().mean().backward()
     assert fed == [torch.bfloat16] * 2
+    w_gate = model.layers["0"].feed_forward.experts.w_gate
+    assert w_gate.dtype == w_gate.grad.dtype == torch.float32 and w_gate.grad.abs().sum() > 0
 
 
 def test_bad_mixtures_are_one_line():
