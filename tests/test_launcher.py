@@ -557,32 +557,33 @@ def test_a_forked_rank_gets_its_own_threads_seeds_and_environment(tmp_path):
     assert ranks[0]["argv"] == [str(tmp_path), "x"]
 
 
-def test_a_port_taken_between_its_pick_and_its_bind_cannot_fail_a_job(tmp_path, monkeypatch):
+def test_the_ranks_meet_at_a_store_the_launcher_bound_before_they_started(tmp_path):
     """CI on a busy machine: the launcher picked a free port, released it, and before rank 0 bound
-    it another job had taken it (EADDRINUSE, the job dead before step 1). Replayed: the port a
-    pick would return is held by this test. The launcher binds the job's store itself, on a port
-    the kernel gives it, so the job runs."""
+    it another job had taken it (EADDRINUSE, the job dead before step 1). Now no port is picked and
+    left for a rank to bind: the launcher binds the job's store on a port the kernel gives it, and
+    every rank is its client (TORCHELASTIC_USE_AGENT_STORE), as under torchrun's agent."""
     from titanlite.tools import launcher
 
     script = tmp_path / "ranks.py"
     script.write_text(
         textwrap.dedent("""
-        import os, sys, torch, torch.distributed as dist
+        import json, os, sys, torch, torch.distributed as dist
         dist.init_process_group("gloo")
         x = torch.tensor([float(dist.get_rank() + 1)])
         dist.all_reduce(x)
-        open(os.path.join(sys.argv[1], f"r{dist.get_rank()}"), "w").write(str(x.item()))
+        seen = {k: os.environ[k] for k in ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")}
+        with open(os.path.join(sys.argv[1], f"r{dist.get_rank()}"), "w") as f:
+            json.dump({"sum": x.item(), **seen}, f)
         dist.destroy_process_group()
         """)
     )
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        monkeypatch.setattr(launcher, "_free_port", lambda: port)
-        result = launcher.launch_script([script, tmp_path], 2, run_dir=tmp_path / "job", threads=1)
-    assert [(tmp_path / f"r{r}").read_text() for r in (0, 1)] == ["3.0", "3.0"]
-    assert f"--master-port {port} " not in result.command
+    result = launcher.launch_script([script, tmp_path], 2, run_dir=tmp_path / "job", threads=1)
+    import json
+
+    ranks = [json.loads((tmp_path / f"r{r}").read_text()) for r in (0, 1)]
+    assert [r["sum"] for r in ranks] == [3.0, 3.0]
+    assert all(r["TORCHELASTIC_USE_AGENT_STORE"] == "True" for r in ranks)
+    assert f"--master-port {ranks[0]['MASTER_PORT']} " in result.command
 
 
 def test_a_port_asked_for_and_taken_before_the_store_binds_it_is_one_line():

@@ -202,9 +202,9 @@ class Experts(nn.Module):
         w_gate, w_up, w_down = weights
         # Under autocast (CUDA's default) the rows arrive in fp32: choose and feed the kernel in
         # the dtype autocast computes matmuls in (cast here: CPU autocast leaves _grouped_mm be).
-        on = x.device.type
-        dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else x.dtype
-        if expert_kernel(on, dtype, capability_of(x)) == "grouped_mm":
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        if expert_kernel(kind, dtype, capability_of(x)) == "grouped_mm":
             return grouped_swiglu(x.to(dtype), w_gate, w_up, w_down, counts.cumsum(0).int())
         outs, start = [], 0
         for e, n in enumerate(counts.tolist()):  # the loop needs the sizes on the host

@@ -769,14 +769,8 @@ def _job_store(port: int | None):
 
     try:
         return TCPStore("127.0.0.1", port or 0, is_master=True, wait_for_workers=False)
-    except RuntimeError:  # a port asked for, taken since _check_port looked
+    except RuntimeError:  # a port asked for, taken since _check_port looked at it
         raise _port_taken(port) from None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_port(port: int) -> int:
