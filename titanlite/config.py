@@ -288,10 +288,5 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | dict | None = None
 ) -> Config:
     """A Config from defaults ← TOML file ← overrides (['--a.b', 'v', ...] or {'a.b': v})."""
-    cfg = Config()
-    if path is not None:
-        for key, value in read_toml(path).items():
-            set_value(cfg, key, value, source=str(path))
-    for key, value in parse_overrides(cfg, overrides):
-        set_value(cfg, key, value, source="command line")
-    return cfg.validate()
+    cfg = Config().with_overrides(read_toml(path) if path is not None else {}, source=str(path))
+    return cfg.with_overrides(parse_overrides(cfg, overrides), source="command line").validate()

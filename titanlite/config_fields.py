@@ -15,9 +15,7 @@ import dataclasses
 import difflib
 import math
 import re
-import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 
 try:
@@ -27,31 +25,29 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, before it joined th
 
 from .errors import TitanliteError, closest
 
-INF = math.inf
-
 
 def ranged(default, interval: str, also: tuple = ()):
     """A number in `interval`, written as in maths: "[1, inf)", "(0, 1]"; `also`: extra
     allowed values outside it (dp_shard's -1). Floats must be finite whatever the interval."""
     lo, hi = (float(x) for x in interval[1:-1].split(","))
-    return field(
+    return dataclasses.field(
         default=default,
         metadata={"range": Range(lo, hi, interval[0] == "(", interval[-1] == ")", also, interval)},
     )
 
 
 def one_of(*choices: str):
-    return field(default=choices[0], metadata={"choices": choices})
+    return dataclasses.field(default=choices[0], metadata={"choices": choices})
 
 
 def matching(default: str, regex: str, shape: str, example: str | None = None):
     """A string matching `regex` in full; `shape` says which in words; `example` is the value an
     error message suggests where the default (say, "" for off) would not show the shape."""
     meta = {"pattern": (regex, shape)} | ({"example": example} if example is not None else {})
-    return field(default=default, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Range:
     lo: float
     hi: float
@@ -68,15 +64,14 @@ class Range:
         )
 
     def describe(self) -> str:
-        if self.hi == INF:
-            words = {
-                (0, True): "positive",
-                (1, False): "positive",
-                (0, False): "zero or positive",
-            }.get((self.lo, self.lo_open), f"{'>' if self.lo_open else '>='} {_num(self.lo)}")
-        else:
-            words = f"between {_num(self.lo)} and {_num(self.hi)}, in {self.text}"
-        return words + "".join(f" or {a}" for a in self.also)
+        open_ended = {
+            (0, True): "positive",
+            (1, False): "positive",
+            (0, False): "zero or positive",
+        }.get((self.lo, self.lo_open), f"{'>' if self.lo_open else '>='} {_num(self.lo)}")
+        bounded = f"between {_num(self.lo)} and {_num(self.hi)}, in {self.text}"
+        also = "".join(f" or {a}" for a in self.also)
+        return (open_ended if self.hi == math.inf else bounded) + also
 
 
 def _num(x: float) -> str:
@@ -92,14 +87,14 @@ def check_field(cfg, key: str, value, f: dataclasses.Field) -> None:
     if isinstance(value, bool) != (base is bool) or not isinstance(value, accepted):
         raise TitanliteError(
             f"{key} must be {_TYPE_NAMES[base]}, got {value!r} "
-            f"({type(value).__name__}): e.g. {key} = {_example(key, f)!r}"
+            f"({type(value).__name__}): e.g. {key} = {_example(f)!r}"
         )
     meta = f.metadata
     if "range" in meta and not meta["range"].admits(value):
         finite = "" if math.isfinite(value) or value in meta["range"].also else "a finite number "
         raise TitanliteError(
             f"{key} must be {finite}{meta['range'].describe()}, got {value!r}: "
-            f"e.g. --{key} {_example(key, f)}"
+            f"e.g. --{key} {_example(f)}"
         )
     if "choices" in meta and value not in meta["choices"]:
         raise TitanliteError(
@@ -108,25 +103,23 @@ def check_field(cfg, key: str, value, f: dataclasses.Field) -> None:
         )
     if "pattern" in meta and not re.fullmatch(meta["pattern"][0], value):
         raise TitanliteError(
-            f"{key} must be {meta['pattern'][1]}, got {value!r}: e.g. --{key} {_example(key, f)!r}"
+            f"{key} must be {meta['pattern'][1]}, got {value!r}: e.g. --{key} {_example(f)!r}"
         )
 
 
-def _example(key: str, f: dataclasses.Field):
-    """The default, or a sensible value where the default is None (keep the preset's)."""
-    if "example" in f.metadata:
-        return f.metadata["example"]
-    if f.default is not None:
-        return f.default
+def _example(f: dataclasses.Field):
+    """The declared example, else the default, else (a default of None keeps the preset's) the
+    least value of the range."""
     r = f.metadata.get("range")
-    return _num(r.lo + (1 if r.lo_open else 0)) if r is not None else "none"
+    least = _num(r.lo + (1 if r.lo_open else 0)) if r is not None else "none"
+    return f.metadata.get("example", least if f.default is None else f.default)
 
 
-def parse_overrides(cfg, overrides) -> list[tuple[str, object]]:
-    """['--a.b', 'v', '--c.d=w', '--flag'] or {'a.b': v} as (key, value) pairs."""
+def parse_overrides(cfg, overrides) -> dict:
+    """['--a.b', 'v', '--c.d=w', '--flag'] or {'a.b': v} as {key: value}."""
     if overrides is None or isinstance(overrides, dict):
-        return list((overrides or {}).items())
-    pairs, args = [], list(overrides)
+        return dict(overrides or {})
+    pairs, args = {}, list(overrides)
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
@@ -134,16 +127,14 @@ def parse_overrides(cfg, overrides) -> list[tuple[str, object]]:
                 f"unexpected argument '{arg}': overrides look like "
                 f"--section.key value (e.g. --training.steps 50)"
             )
-        key = arg[2:]
-        if "=" in key:
-            key, value = key.split("=", 1)
-        elif args and not args[0].startswith("--"):
-            value = args.pop(0)
-        elif _field_type(cfg, key)[0] is bool:
+        key, equals, value = arg[2:].partition("=")  # --key=value
+        if not equals and args and not args[0].startswith("--"):
+            value = args.pop(0)  # --key value
+        elif not equals and _field_type(cfg, key)[0] is bool:
             value = "true"  # a bare boolean flag switches it on
-        else:
+        elif not equals:
             raise TitanliteError(f"option --{key} needs a value, e.g. --{key} <value>")
-        pairs.append((key, value))
+        pairs[key] = value
     return pairs
 
 
@@ -154,56 +145,49 @@ def set_value(cfg, dotted: str, value, source: str = "override") -> None:
         s.name: [f.name for f in dataclasses.fields(getattr(cfg, s.name))]
         for s in dataclasses.fields(cfg)
     }
-    if section_name not in keys or not key:
-        # '--steps': a key without its section. Same name first (training.steps, then profile.steps), then near.
-        word = key or section_name
-        rank = {
-            f"{s}.{n}": (n != word, -difflib.SequenceMatcher(None, word, n).ratio())
-            for s in keys
-            for n in keys[s]
+    if key not in keys.get(section_name, ()):
+        # How close each valid key is to the one given: whole dotted keys, so that a typo in
+        # either part shows (training.stesp, trainig.steps); a bare --steps, to the names alone.
+        ratio = {
+            f"{s}.{n}": difflib.SequenceMatcher(None, f"{s}.{n}" if key else n, dotted).ratio()
+            for s, names in keys.items()
+            for n in names
         }
-        hits = ", ".join(
-            [k for k in sorted(rank, key=rank.get) if rank[k][1] <= -0.6 or word in k][:3]
+        # A typo (training.step) beats the same key in another section (--training.lr →
+        # optimizer.lr; --steps → training.steps, then profile.steps: sorted() keeps the
+        # sections' order), which beats a vaguer near miss (training.seed).
+        word = key or section_name
+        hits = sorted(
+            (k for k in ratio if ratio[k] >= 0.6 or word in k),
+            key=lambda k: (ratio[k] < 0.85, not k.endswith(f".{word}"), -ratio[k]),
+        )[:3]
+        valid = (
+            f"valid keys in [{section_name}]: {', '.join(keys[section_name])}"
+            if key and section_name in keys
+            else f"sections are {', '.join(keys)}"
         )
-        raise TitanliteError(
-            f"unknown config key '{dotted}' ({source}){f' (did you mean: {hits}?)' if hits else ''}; "
-            f"sections are {', '.join(keys)}"
-        )
-    names = keys[section_name]
-    if key not in names:
-        # A typo in this section (training.step) beats the same key in another section (fault.step;
-        # --training.lr → optimizer.lr), which beats a vaguer near miss (training.seed).
-        near = difflib.get_close_matches(dotted, [f"{section_name}.{n}" for n in names], 3, 0.6)
-        close = [h for h in near if difflib.SequenceMatcher(None, dotted, h).ratio() >= 0.85]
-        same_name = [f"{s}.{key}" for s in keys if key in keys[s]]
-        hits = list(dict.fromkeys(close + same_name + near))
-        hint = f" (did you mean: {', '.join(hits[:3])}?)" if hits else ""
-        raise TitanliteError(
-            f"unknown config key '{dotted}' ({source}){hint}; "
-            f"valid keys in [{section_name}]: {', '.join(names)}"
-        )
-    setattr(getattr(cfg, section_name), key, _convert(value, _field_type(cfg, dotted), dotted))
+        hint = f" (did you mean: {', '.join(hits)}?)" if hits else ""
+        raise TitanliteError(f"unknown config key '{dotted}' ({source}){hint}; {valid}")
+    setattr(getattr(cfg, section_name), key, _convert(value, *_field_type(cfg, dotted), dotted))
 
 
 def _field_type(cfg, dotted: str) -> tuple[type | None, bool]:
     """(the key's type, whether None is allowed): `int | None` is (int, True)."""
     section_name, _, key = dotted.partition(".")
-    section = getattr(cfg, section_name, None)
-    tp = typing.get_type_hints(type(section)).get(key) if section is not None else None
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+    # no such section: the hints of None's type, {}; no such key: None
+    tp = typing.get_type_hints(type(getattr(cfg, section_name, None))).get(key)
+    if type(None) in typing.get_args(tp):
         return next(a for a in typing.get_args(tp) if a is not type(None)), True
     return tp, False
 
 
-def _convert(value, tp_optional: tuple[type | None, bool], dotted: str):
-    tp, optional = tp_optional
+# A TOML value or command-line text as the key's type `tp` (None where `optional`).
+def _convert(value, tp: type, optional: bool, dotted: str):
     text = value.lower() if isinstance(value, str) else None
     if optional and (value is None or text in ("none", "null", "")):
         return None
-    if tp not in _TYPE_NAMES:
-        return value
-    if tp is bool and (isinstance(value, bool) or text in _TRUE + _FALSE):
-        return value if isinstance(value, bool) else text in _TRUE
+    if tp is bool and (isinstance(value, bool) or text in _BOOLS):
+        return _BOOLS.get(text, value)  # a TOML true/false is a bool already
     if tp is not bool and not isinstance(value, bool):  # true is neither 1 nor "True" here
         with contextlib.suppress(TypeError, ValueError):
             if tp is int and not (isinstance(value, float) and not value.is_integer()):
@@ -218,7 +202,16 @@ def _convert(value, tp_optional: tuple[type | None, bool], dotted: str):
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+_BOOLS = {
+    "true": True,
+    "1": True,
+    "yes": True,
+    "on": True,
+    "false": False,
+    "0": False,
+    "no": False,
+    "off": False,
+}
 
 
 def parse_steps(text: str, total_steps: int) -> tuple[int, int] | None:
@@ -257,9 +250,7 @@ def read_toml(path) -> dict:
         doc = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise TitanliteError(f"config file '{p}' is not valid TOML ({e}): fix the syntax") from None
-    out = {}
     for section, values in doc.items():
         if not isinstance(values, dict):
             raise TitanliteError(f"'{section}' in {p} must be a [section] table, not a value")
-        out.update({f"{section}.{key}": value for key, value in values.items()})
-    return out
+    return {f"{section}.{key}": v for section, values in doc.items() for key, v in values.items()}

@@ -85,49 +85,35 @@ def model_args_for(cfg: Config, vocab_size: int, start_from=None) -> ModelArgs:
             n_layers=m.n_layers,
             n_heads=m.n_heads,
             n_kv_heads=m.n_kv_heads,
-            vocab_size=m.vocab_size,
+            # unset: the tokenizer's for the presets trained here, else the preset's own
+            vocab_size=m.vocab_size or (vocab_size if m.preset in VOCAB_FROM_TOKENIZER else None),
             max_seq_len=m.max_seq_len,
             tie_embeddings=m.tie_embeddings,
             moe=moe_args_of(m),
         )
-        if m.vocab_size is None and m.preset in VOCAB_FROM_TOKENIZER:
-            args.vocab_size = vocab_size
-    if args.vocab_size < vocab_size:
-        raise TitanliteError(
+    refuse_first(
+        (
+            args.vocab_size < vocab_size,
             f"the tokenizer has {vocab_size} tokens but the model's vocab_size is "
             f"{args.vocab_size}, so token ids would be out of range: set --model.vocab_size "
-            f"{vocab_size} (or leave it unset), or use a smaller tokenizer"
-        )
-    if cfg.training.seq_len > args.max_seq_len:
-        raise TitanliteError(
+            f"{vocab_size} (or leave it unset), or use a smaller tokenizer",
+        ),
+        (
+            cfg.training.seq_len > args.max_seq_len,
             f"training.seq_len={cfg.training.seq_len} exceeds the model's maximum "
             f"({args.max_seq_len} for preset '{m.preset}'): lower --training.seq_len or "
-            "raise --model.max_seq_len"
-        )
+            "raise --model.max_seq_len",
+        ),
+    )
     return args
 
 
-def check_experts(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
-    """Mixture of experts and expert parallelism: what they combine with here."""
-    moe = args.moe
-    if dims.ep > 1 and moe is None:
-        raise TitanliteError(
-            f"--parallel.ep {dims.ep} splits the experts of a mixture of experts, and this model "
-            f"has none: set --model.n_experts (a multiple of {dims.ep}), or leave ep at 1"
-        )
-    if moe is not None and moe.n_experts % dims.ep:
-        raise TitanliteError(
-            f"model.n_experts={moe.n_experts} does not divide over --parallel.ep {dims.ep}: "
-            f"choose n_experts a multiple of ep"
-        )
-    # torch's pipeline stages run a first forward to learn their shapes, which a router would
-    # count as tokens (its balancing then differs from one process's); tp × ep: not built.
-    if moe is not None and (dims.pp > 1 or dims.tp > 1 and dims.ep > 1):
-        raise TitanliteError(
-            "a mixture of experts with pipeline parallelism, or split by tensor and expert "
-            "parallelism together, is not supported here: split the experts with --parallel.ep "
-            "or --parallel.tp, the rest with FSDP (--parallel.dp_shard)"
-        )
+def refuse_first(*refusals: tuple[object, str]) -> None:
+    """Each refusal is (what cannot work, the one line that says so and how to fix it): raise
+    the first whose condition holds. The conditions are cheap, so all are worked out at once."""
+    for broken, message in refusals:
+        if broken:
+            raise TitanliteError(message)
 
 
 def moe_args_of(m):
@@ -154,39 +140,43 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
     """Combinations of layout and techniques that cannot work, refused before any model exists."""
     fsdp = dims.strategy in ("fsdp", "hsdp")
     p, t = cfg.parallel, cfg.training
-    if cfg.float8.enable and cfg.float8.fsdp_all_gather and not fsdp:
-        raise TitanliteError(
+    n_experts = args.moe.n_experts if args.moe else 0
+    pieces = 2 * dims.cp if p.cp_layout == "zigzag" else dims.cp  # zigzag: 2 chunks a rank
+    refuse_first(
+        (
+            cfg.float8.enable and cfg.float8.fsdp_all_gather and not fsdp,
             "float8.fsdp_all_gather needs FSDP (parallel.dp_shard > 1), but this run "
-            f"is '{dims.strategy}': drop --float8.fsdp_all_gather or run under FSDP"
-        )
-    if fsdp and t.mixed_precision == "fp16":
-        raise TitanliteError(
+            f"is '{dims.strategy}': drop --float8.fsdp_all_gather or run under FSDP",
+        ),
+        (
+            fsdp and t.mixed_precision == "fp16",
             "fp16 with a GradScaler is not supported with FSDP here (every rank "
             "would have to agree on skipped steps): use --training.mixed_precision "
-            "bf16, or --parallel.param_dtype bfloat16"
-        )
-    if not fsdp and (p.param_dtype == "bfloat16" or p.cpu_offload) and dims.world_size > 1:
-        raise TitanliteError(
+            "bf16, or --parallel.param_dtype bfloat16",
+        ),
+        (
+            not fsdp and (p.param_dtype == "bfloat16" or p.cpu_offload) and dims.world_size > 1,
             f"parallel.param_dtype / parallel.cpu_offload are FSDP options, but "
             f"this run is '{dims.strategy}': set parallel.dp_shard > 1, or use "
-            f"training.mixed_precision for autocast"
-        )
-    if dims.strategy == "ddp" and (dims.tp > 1 or dims.pp > 1):
-        raise TitanliteError(
+            f"training.mixed_precision for autocast",
+        ),
+        (
+            dims.strategy == "ddp" and (dims.tp > 1 or dims.pp > 1),
             "combine tensor or pipeline parallelism with FSDP (parallel.dp_shard), "
-            "not DDP: set --parallel.dp_replicate 1 and --parallel.dp_shard -1"
-        )
-    if (dims.tp > 1 or dims.pp > 1) and cfg.float8.enable:
-        raise TitanliteError(
+            "not DDP: set --parallel.dp_replicate 1 and --parallel.dp_shard -1",
+        ),
+        (
+            (dims.tp > 1 or dims.pp > 1) and cfg.float8.enable,
             "FP8 with tensor or pipeline parallelism is not supported here: turn off "
-            "--float8.enable, or use FSDP only"
-        )
-    if (dims.pp > 1 or dims.tp > 1) and t.mixed_precision == "fp16":
-        raise TitanliteError(
+            "--float8.enable, or use FSDP only",
+        ),
+        (
+            (dims.pp > 1 or dims.tp > 1) and t.mixed_precision == "fp16",
             "fp16 + GradScaler is not supported with tensor or pipeline parallelism "
             "(each rank would check only its own shard for overflow): use "
-            "--training.mixed_precision bf16"
-        )
+            "--training.mixed_precision bf16",
+        ),
+    )
     if dims.tp > 1:
         from .distributed.tensor_parallel import check_tp  # loads TP's part of torch: tp > 1 only
 
@@ -196,18 +186,36 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
             seq_len=t.seq_len // dims.cp,  # what a cp rank holds of each sequence
             sequence_parallel=sequence_parallel_enabled(p, dims),
         )
-    pieces = 2 * dims.cp if p.cp_layout == "zigzag" else dims.cp  # zigzag: 2 chunks a rank
-    if dims.cp > 1 and t.seq_len % pieces:
-        raise TitanliteError(
+    refuse_first(
+        (
+            dims.cp > 1 and t.seq_len % pieces,
             f"training.seq_len={t.seq_len} does not cut into {pieces} equal chunks for "
-            f"--parallel.cp {dims.cp} ({p.cp_layout}): use a seq_len that is a multiple of {pieces}"
-        )
-    check_experts(cfg, dims, args)
-    if dims.pp > 1 and p.pp_schedule == "zbv" and cfg.eval.every:
-        raise TitanliteError(
+            f"--parallel.cp {dims.cp} ({p.cp_layout}): use a seq_len that is a multiple of {pieces}",
+        ),
+        (
+            dims.ep > 1 and not n_experts,
+            f"--parallel.ep {dims.ep} splits the experts of a mixture of experts, and this model "
+            f"has none: set --model.n_experts (a multiple of {dims.ep}), or leave ep at 1",
+        ),
+        (
+            n_experts % dims.ep,
+            f"model.n_experts={n_experts} does not divide over --parallel.ep {dims.ep}: "
+            f"choose n_experts a multiple of ep",
+        ),
+        # torch's pipeline stages run a first forward to learn their shapes, which a router would
+        # count as tokens (its balancing then differs from one process's); tp × ep: not built.
+        (
+            n_experts and (dims.pp > 1 or dims.tp > 1 and dims.ep > 1),
+            "a mixture of experts with pipeline parallelism, or split by tensor and expert "
+            "parallelism together, is not supported here: split the experts with --parallel.ep "
+            "or --parallel.tp, the rest with FSDP (--parallel.dp_shard)",
+        ),
+        (
+            dims.pp > 1 and p.pp_schedule == "zbv" and cfg.eval.every,
             "torch's zero-bubble V schedule cannot run forward-only, so it cannot "
-            "evaluate: set --eval.every 0, or use --parallel.pp_schedule interleaved_zb"
-        )
+            "evaluate: set --eval.every 0, or use --parallel.pp_schedule interleaved_zb",
+        ),
+    )
     if dims.pp > 1:
         from .distributed.pipeline import check_pipeline, microbatches  # pipelining: pp > 1 only
 
@@ -268,5 +276,9 @@ def prepare_process(plan: Plan, cfg: Config) -> None:
     hardware.use_allocator_settings(allocator_settings(device.type))
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     limit = memory_limit_bytes(device)
-    where = hardware.device_name(device) + (f" (÷ {sharing} ranks)" if sharing > 1 else "")
-    check_memory_fits(plan, cfg, limit and limit // sharing, where)
+    check_memory_fits(
+        plan,
+        cfg,
+        limit and limit // sharing,
+        where=hardware.device_name(device) + (f" (÷ {sharing} ranks)" if sharing > 1 else ""),
+    )
