@@ -11,14 +11,15 @@ Sections mirror torchtitan's job config, trimmed to what titanlite teaches."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from .config_fields import (
-    check_all,
+    check_field,
     matching,
     one_of,
     parse_overrides,
+    parse_steps,
     ranged,
     read_toml,
     set_value,
@@ -279,8 +280,13 @@ class Config:
         return copy
 
     def validate(self) -> Config:
-        """Every key against its declaration (`ranged`, `one_of`, `matching`), then rules spanning keys."""
-        check_all(self)
+        """Every key against its declaration (`ranged`, `one_of`, `matching`), then rules spanning
+        keys: the profiled steps within the run's (and first <= last)."""
+        for section in fields(self):
+            values = getattr(self, section.name)
+            for f in fields(values):
+                check_field(self, f"{section.name}.{f.name}", getattr(values, f.name), f)
+        parse_steps(self.profile.steps, self.training.steps)
         return self
 
 

@@ -43,8 +43,9 @@ def one_of(*choices: str):
 def matching(default: str, regex: str, shape: str, example: str | None = None):
     """A string matching `regex` in full; `shape` says which in words; `example` is the value an
     error message suggests where the default (say, "" for off) would not show the shape."""
-    meta = {"pattern": (regex, shape)} | ({"example": example} if example is not None else {})
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(
+        default=default, metadata={"pattern": (regex, shape), "example": example}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,7 @@ def check_field(cfg, key: str, value, f: dataclasses.Field) -> None:
     base, optional = _field_type(cfg, key)
     if value is None and optional:
         return
+    # an int is a number too; a bool, though an int to Python, is not one here
     accepted = (int, float) if base is float else base
     if isinstance(value, bool) != (base is bool) or not isinstance(value, accepted):
         raise TitanliteError(
@@ -112,7 +114,7 @@ def _example(f: dataclasses.Field):
     least value of the range."""
     r = f.metadata.get("range")
     least = _num(r.lo + (1 if r.lo_open else 0)) if r is not None else "none"
-    return f.metadata.get("example", least if f.default is None else f.default)
+    return f.metadata.get("example") or (least if f.default is None else f.default)
 
 
 def parse_overrides(cfg, overrides) -> dict:
@@ -227,16 +229,6 @@ def parse_steps(text: str, total_steps: int) -> tuple[int, int] | None:
             f"got {text!r}: e.g. --profile.steps {min(2, total_steps)}-{min(3, total_steps)}"
         )
     return first, last
-
-
-def check_all(cfg) -> None:
-    """Every key of every section against its declaration (`check_field`), then the profiled
-    steps against the run's (inside it, first <= last)."""
-    for section in dataclasses.fields(cfg):
-        values = getattr(cfg, section.name)
-        for f in dataclasses.fields(values):
-            check_field(cfg, f"{section.name}.{f.name}", getattr(values, f.name), f)
-    parse_steps(cfg.profile.steps, cfg.training.steps)
 
 
 def read_toml(path) -> dict:
