@@ -2,8 +2,6 @@
 
 Files are written under a temporary name, then `os.replace`d (never seen half-written); builds take a lock."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import os
@@ -57,31 +55,25 @@ def fingerprint(*parts: str | bytes, length: int = 12) -> str:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path):
-    """Yield a temporary path; on success it becomes `path` in one step, on error it vanishes."""
+def atomic_file(path: Path, *, is_dir: bool = False):
+    """Yield a temporary path (an empty folder if is_dir); on success it becomes `path` in one step,
+    on error it vanishes. A folder another process published first (no lock) wins over ours."""
     # In the target's folder, so os.replace is a rename on one filesystem (atomic).
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def atomic_dir(path: Path):
-    """Like `atomic_file` for a folder; if another process published `path` first (no lock), theirs wins."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-    tmp.mkdir(parents=True)
+    if is_dir:
+        tmp.mkdir(parents=True)
     try:
         yield tmp
         try:
             os.replace(tmp, path)
-        except OSError:
-            if not path.is_dir():
+        except OSError:  # a folder can't replace a non-empty one
+            if not (is_dir and path.is_dir()):
                 raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if is_dir:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

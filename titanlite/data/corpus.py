@@ -5,8 +5,6 @@
 on every run with the same Python. ``"file:<path>"`` (or a path): a .txt file, or a folder of .txt/.md
 files. ``"tinyshakespeare"``, ``"hf:<name>[:<config>]"``: fetched before (tools/corpora.py): no network."""
 
-from __future__ import annotations
-
 import ast
 import itertools
 import json

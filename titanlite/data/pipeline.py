@@ -3,8 +3,6 @@
 Validation holds out whole *documents*, spread evenly: none neighbours a training window, and they cover
 the same kinds of text. Too few documents (TinyShakespeare): the last val_fraction of tokens, as nanoGPT."""
 
-from __future__ import annotations
-
 import math
 import zipfile
 from dataclasses import dataclass
@@ -167,28 +165,17 @@ def cached_token_stream(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, doc_lengths) for the corpus, from cache/tokens/ or encoded and saved there."""
     file = cache_subdir(data_dir, "tokens") / f"{cid}-{tokenizer_hash(tok)}.npz"
-    if (cached := _read_stream(file)) is not None:
-        return cached
-    with build_lock(file):
-        if (
-            cached := _read_stream(file)
-        ) is not None:  # another rank may have written it while we waited
-            return cached
+    with build_lock(file):  # one rank encodes, the others wait and then read its file
+        try:  # a missing file is an OSError too
+            with np.load(file) as saved:
+                return saved["tokens"], saved["doc_lengths"]
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+            pass  # not built yet, or unreadable (e.g. a disk filled up): build it
         tokens, doc_lengths = encode_documents(tok, docs)
-        with (
-            atomic_file(file) as tmp,
-            open(tmp, "wb") as f,
-        ):  # a file object: numpy appends no ".npz"
+        # a file object: numpy appends no ".npz"
+        with atomic_file(file) as tmp, open(tmp, "wb") as f:
             np.savez(f, tokens=tokens, doc_lengths=doc_lengths)
     return tokens, doc_lengths
-
-
-def _read_stream(file: Path) -> tuple[np.ndarray, np.ndarray] | None:
-    try:  # a missing file is an OSError too
-        with np.load(file) as saved:
-            return saved["tokens"], saved["doc_lengths"]
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-        return None  # unreadable cache (e.g. a disk filled up): rebuild it
 
 
 def split_train_val(
@@ -199,9 +186,8 @@ def split_train_val(
     val_total = seen = 0
     for i, n in enumerate(doc_lengths.tolist()):
         seen += n
-        if (
-            val_total + n / 2 < val_fraction * seen
-        ):  # taking it moves the val share closer to its target
+        # taking it moves the val share closer to its target
+        if val_total + n / 2 < val_fraction * seen:
             is_val[i] = True
             val_total += n
     if min_tokens <= val_total <= len(tokens) - min_tokens:

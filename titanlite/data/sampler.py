@@ -4,8 +4,6 @@ Windows of seq_len+1 tokens are visited once per epoch e, in a `torch.randperm` 
 alone; each global micro-step takes the next batch_size * world_size windows (rank r: the r-th slice), and
 a step that no longer fits starts the next epoch. Any rank's (epoch, position) resumes every rank exactly."""
 
-from __future__ import annotations
-
 import hashlib
 
 import torch
@@ -60,22 +58,15 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TitanliteError(f"seed must be an integer, got {seed!r}; pass e.g. seed=0")
         self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.global_batch = batch_size * world_size  # windows per global micro-step, all ranks
         self.epoch, self.position, self.steps = 0, 0, 0
         self._orders: dict[int, torch.Tensor] = {}  # epoch -> window order
-
-    @property
-    def global_batch(self) -> int:
-        return self.batch_size * self.world_size
 
     def order(self, epoch: int) -> torch.Tensor:
         """The window order of one epoch (computed once, kept while that epoch lasts)."""
         if epoch not in self._orders:
             self._orders = {epoch: _seeded_permutation(self.num_windows, self.seed, epoch)}
         return self._orders[epoch]
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return max(1, self.num_windows // self.global_batch)
 
     def next_indices(self) -> list[int]:
         """Advance one global micro-step; return this rank's batch_size window indices."""
@@ -123,9 +114,10 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
                 "to resume exactly"
             )
         position = state["position"]
+        steps_per_epoch = max(1, self.num_windows // self.global_batch)
         if (
             position % self.global_batch
-            or position >= self.steps_per_epoch * self.global_batch
+            or position >= steps_per_epoch * self.global_batch
             or state["epoch"] < 0
         ):
             raise TitanliteError(
@@ -155,25 +147,18 @@ class TokenBatches:
         seed: int = 0,
     ):
         self.seq_len = _positive_int("seq_len", seq_len, 128)
-        self.batch_size = _positive_int("batch_size", batch_size)
-        if (num_windows := len(tokens) // (seq_len + 1)) == 0:
+        self.num_windows = len(tokens) // (seq_len + 1)
+        if self.num_windows == 0:
             raise TitanliteError(
                 f"{len(tokens)} tokens do not fill one window of seq_len+1 = "
                 f"{seq_len + 1}; use seq_len <= {max(len(tokens) - 1, 1)}"
             )
-        flat = torch.as_tensor(tokens).to(torch.int32)  # half the memory; batch_of widens to int64
-        self.windows = flat[: num_windows * (seq_len + 1)].view(num_windows, seq_len + 1)
-        self.sampler = StatefulBatchSampler(
-            num_windows, batch_size, rank=rank, world_size=world_size, seed=seed
+        # [num_windows, seq_len + 1], in int32: half the memory; batch_of widens it to int64
+        whole_windows = torch.as_tensor(tokens)[: self.num_windows * (seq_len + 1)]
+        self.windows = whole_windows.to(torch.int32).view(-1, seq_len + 1)
+        self.sampler = StatefulBatchSampler(  # checks batch_size, rank, world_size and seed
+            self.num_windows, batch_size, rank=rank, world_size=world_size, seed=seed
         )
-
-    @property
-    def num_windows(self) -> int:
-        return self.windows.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.windows.numel()
 
     def batch_of(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.windows[torch.as_tensor(indices, dtype=torch.long)].long()
@@ -183,9 +168,6 @@ class TokenBatches:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next training batch: x and y are int64 [batch_size, seq_len], y = x shifted."""
         return self.batch_of(self.sampler.next_indices())
-
-    def __iter__(self):
-        return iter(self.next_batch, None)  # forever
 
     def eval_batches(self, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The same batches on every call, for any training seed (val losses compare); training untouched."""

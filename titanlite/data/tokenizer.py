@@ -3,18 +3,16 @@
 The base vocabulary is the 256 bytes: any text encodes (no unknown token) and decodes back exactly.
 Llama 3's split keeps words, numbers (<= 3 digits), punctuation and whitespace apart: no merge spans two."""
 
-from __future__ import annotations
-
 import time
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from tokenizers.pre_tokenizers import ByteLevel, Split
+from tokenizers.pre_tokenizers import ByteLevel
 from transformers import PreTrainedTokenizerFast
 
 from ..errors import TitanliteError
-from ._cache import atomic_dir, build_lock, cache_subdir, fingerprint
+from ._cache import atomic_file, build_lock, cache_subdir, fingerprint
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2
@@ -28,11 +26,19 @@ RECIPE = "bytelevel-bpe-llama3split-v1"  # bump when the training recipe changes
 
 def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE tokenizer. Deterministic: same documents, same tokenizer."""
-    check_vocab_size(vocab_size)
+    if (
+        isinstance(vocab_size, bool)
+        or not isinstance(vocab_size, int)
+        or vocab_size < MIN_VOCAB_SIZE
+    ):
+        raise TitanliteError(
+            f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + "
+            f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size!r}; try 4096"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
             ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -46,18 +52,6 @@ def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
     )
     tok.train_from_iterator(documents, trainer=trainer, length=len(documents))
     return tok
-
-
-def check_vocab_size(vocab_size) -> None:
-    if (
-        isinstance(vocab_size, bool)
-        or not isinstance(vocab_size, int)
-        or vocab_size < MIN_VOCAB_SIZE
-    ):
-        raise TitanliteError(
-            f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + "
-            f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size!r}; try 4096"
-        )
 
 
 def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
@@ -88,52 +82,45 @@ def get_tokenizer(
             "get_tokenizer needs either path= (an existing tokenizer) or "
             "documents= (text to train one on); pass one of them"
         )
-    check_vocab_size(vocab_size)
     corpus_id = corpus_id or f"corpus-{fingerprint(*documents)}"
     folder = (
         cache_subdir(data_dir, "tokenizers")
         / f"{corpus_id}-bpe{vocab_size}-{fingerprint(RECIPE)[:6]}"
     )
-    if not (folder / "tokenizer.json").is_file():
-        with build_lock(folder):  # one rank trains, the others wait and then load
-            if not (folder / "tokenizer.json").is_file():
-                start = time.perf_counter()
-                with atomic_dir(folder) as tmp:
-                    wrap(train_bpe(documents, vocab_size)).save_pretrained(str(tmp))
-                if verbose:
-                    print(
-                        f"trained a {vocab_size}-token BPE tokenizer in "
-                        f"{time.perf_counter() - start:.1f}s -> {folder}"
-                    )
+    with build_lock(folder):  # one rank trains, the others wait and then load
+        if not (folder / "tokenizer.json").is_file():  # train_bpe checks vocab_size
+            start = time.perf_counter()
+            with atomic_file(folder, is_dir=True) as tmp:
+                wrap(train_bpe(documents, vocab_size)).save_pretrained(str(tmp))
+            if verbose:
+                print(
+                    f"trained a {vocab_size}-token BPE tokenizer in "
+                    f"{time.perf_counter() - start:.1f}s -> {folder}"
+                )
     return load_tokenizer(folder)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """A folder saved by `save_pretrained`, or a bare tokenizer.json file."""
     path = Path(path).expanduser()
+    if not path.is_file() and not (path / "tokenizer.json").is_file():
+        raise TitanliteError(
+            f"no tokenizer at {path} (expected a tokenizer.json file or a folder "
+            "containing one); check the path, or pass tokenizer=None to train one "
+            "on the corpus"
+        )
     try:
         if path.is_file():
             tok = wrap(Tokenizer.from_file(str(path)))
-        elif (
-            path / "tokenizer.json"
-        ).is_file():  # a checkpoint's own (e.g. Llama 3's): never downloaded
+        else:  # a checkpoint's own folder (e.g. Llama 3's): never downloaded
             tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-        else:
-            raise TitanliteError(
-                f"no tokenizer at {path} (expected a tokenizer.json file or a folder "
-                "containing one); check the path, or pass tokenizer=None to train one "
-                "on the corpus"
-            )
-    except TitanliteError:
-        raise
     except Exception as err:
         raise TitanliteError(
             f"cannot load the tokenizer at {path} ({str(err)[:200]}); "
             "point to a valid Hugging Face tokenizer.json"
         ) from None
-    if (
-        tok.eos_token_id is None
-    ):  # documents are separated by eos in the token stream: one must exist
+    # documents are separated by eos in the token stream: one must exist
+    if tok.eos_token_id is None:
         if EOS not in tok.get_vocab():
             raise TitanliteError(
                 f"the tokenizer at {path} has no eos token; set "

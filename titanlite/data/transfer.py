@@ -5,8 +5,6 @@ and torch's pinned-memory allocator keeps the source alive until the copy is don
 copy whose source is freed before the copy runs reads freed memory: silently wrong batches, no error
 (pytorch#189690). Fresh batches are freed at once, so everywhere but CUDA the copy blocks."""
 
-from __future__ import annotations
-
 import torch
 
 
