@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -33,9 +34,7 @@ def cache_subdir(data_dir: str | os.PathLike | None, name: str) -> Path:
     )
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        probe.touch()
-        probe.unlink()
+        tempfile.TemporaryFile(dir=folder).close()  # can we write there? (it deletes itself)
     except OSError as err:
         raise TitanliteError(
             f"cannot write the data cache at {folder} ({err.strerror or err}); "
