@@ -82,8 +82,12 @@ def parse_dataset(dataset: str, path: str | None = None) -> tuple[str, str | Non
         return name, str(path)
     if name.startswith("file:") or (name.startswith("hf:") and len(name) > 3):
         return name.partition(":")[::2]  # (kind, target)
-    looks_like_path = "/" in name or "\\" in name or name.lower().endswith(TEXT_SUFFIXES)
-    if looks_like_path or Path(name).expanduser().exists():
+    if (  # looks like a path, or is one
+        "/" in name
+        or "\\" in name
+        or name.lower().endswith(TEXT_SUFFIXES)
+        or Path(name).expanduser().exists()
+    ):
         return "file", name
     raise TitanliteError(
         f"unknown dataset {name!r}{closest(name, DATASETS[:2])}; "

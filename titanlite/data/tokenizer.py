@@ -43,14 +43,17 @@ def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=ByteLevel.alphabet(),
+    tok.train_from_iterator(
+        documents,
+        trainer=trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=2,
+            show_progress=False,
+            special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=ByteLevel.alphabet(),
+        ),
+        length=len(documents),
     )
-    tok.train_from_iterator(documents, trainer=trainer, length=len(documents))
     return tok
 
 
