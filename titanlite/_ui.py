@@ -7,13 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-import torch
 from tqdm import tqdm
-
-
-def eager():
-    """Run compiled code eagerly."""
-    return torch.compiler.set_stance("force_eager")
 
 
 def in_notebook() -> bool:

@@ -1,6 +1,6 @@
 """What the model can do so far: its loss on held-out text, and text it writes.
 
-loss = validation_loss(loss_on, batches, device)         # mean over target tokens
+loss = validation_loss(model_parts, loss_on, batches, device)   # mean over target tokens
 text = generate(model, tokenizer, "The ", max_new_tokens=48, context=256)
 """
 
@@ -10,21 +10,29 @@ import contextlib
 
 import torch
 
-from ._ui import eager
 from .data.transfer import to_device
 from .distributed.env import all_reduce_sum
 from .efficiency.accumulation import count_targets
 
 
 @torch.no_grad()
-def validation_loss(loss_on, batches, device, distributed: bool = False) -> float:
+def validation_loss(parts, loss_on, batches, device, distributed: bool = False) -> float:
     """Mean loss per target token over `batches` (each data-parallel rank passes its own
-    shard's), summed over every rank. `loss_on(x, y)` is one batch's mean token loss."""
+    shard's), summed over every rank. `loss_on(x, y)` is one batch's mean token loss (a number or
+    a one-element tensor). The
+    model's `parts` are in eval mode meanwhile (no dropout-like behaviour; no autograd either),
+    and back in training mode afterwards."""
+    for part in parts:
+        part.eval()
     loss_total, tokens = 0.0, 0
-    for batch in batches:
-        x, y = to_device(batch, device)
-        n = max(1, count_targets(batch[1]))  # counted on the host copy
-        loss_total, tokens = loss_total + loss_on(x, y) * n, tokens + n
+    try:
+        for batch in batches:
+            x, y = to_device(batch, device)
+            n = max(1, count_targets(batch[1]))  # counted on the host copy
+            loss_total, tokens = loss_total + float(loss_on(x, y)) * n, tokens + n
+    finally:
+        for part in parts:
+            part.train()
     if distributed:
         # TP and PP ranks of one slice add the same pair twice over: the ratio is unchanged;
         # CP ranks each add their part of the sequences.
@@ -33,26 +41,14 @@ def validation_loss(loss_on, batches, device, distributed: bool = False) -> floa
     return loss_total / tokens
 
 
-@torch.no_grad()
-def evaluate_parts(parts, loss_on, batches, device, distributed: bool = False) -> float:
-    """`validation_loss` with the model's `parts` in eval mode (no dropout-like behaviour, no
-    autograd), and back in training mode afterwards."""
-    for part in parts:
-        part.eval()
-    try:
-        return validation_loss(loss_on, batches, device, distributed)
-    finally:
-        for part in parts:
-            part.train()
-
-
 @contextlib.contextmanager
-def whole_sequences(model: torch.nn.Module | None):
+def whole_sequences(model: torch.nn.Module):
     """`model` on whole sequences for a while (generating text under context parallelism): its
     layers (models/llama.py's Transformer and Attention) set their cp group aside, and get it
     back after."""
-    modules = model.modules() if model is not None else ()
-    held = [(m, m.context_parallel) for m in modules if getattr(m, "context_parallel", None)]
+    held = [
+        (m, m.context_parallel) for m in model.modules() if getattr(m, "context_parallel", None)
+    ]
     for module, _ in held:
         module.context_parallel = None
     try:
@@ -83,7 +79,7 @@ def generate(
     for _ in range(max_new_tokens):
         # eager: prompts of every length would each trigger a recompile; whole sequences: under
         # context parallelism every rank runs the whole prompt (a few tokens, not worth cutting)
-        with eager(), whole_sequences(model):
+        with torch.compiler.set_stance("force_eager"), whole_sequences(model):
             logits = model(x[:, -context:])
         # TP: vocab-sharded
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
@@ -95,15 +91,3 @@ def generate(
         )
     model.train(was_training)
     return tokenizer.decode(x[0].tolist())
-
-
-def sample_text(
-    model, tokenizer, eval_section, context: int, prompt=None, max_new_tokens=None, **kwargs
-) -> str:
-    """`generate` as [eval] says (its prompt and length unless given); "" without a model (a
-    pipeline rank other than 0)."""
-    if model is None:
-        return ""
-    prompt = eval_section.prompt if prompt is None else prompt
-    tokens = max_new_tokens or eval_section.sample_tokens
-    return generate(model, tokenizer, prompt, tokens, context, **kwargs)

@@ -44,65 +44,23 @@ class History:
         return [r["val_loss"] for r in self.val]
 
 
-def train_record(
-    step: int,
-    out: dict,
-    *,
-    lr: float,
-    step_time: float,
-    elapsed: float,
-    tokens_per_step: int,
-    achieved_flops: float,
-    peak,
-    datasheet,
-    device,
-    world_size: int,
-    precision,
-    extra: dict,
-) -> dict:
-    """The record of a logged step: its loss and gradient norm (`out`, train_step's result),
-    speed, MFU against `peak`, memory, and what watchers added (`extra`)."""
-    record = {
-        "kind": "train",
-        "step": step,
-        "loss": out["loss"],
-        "lr": lr,
-        "grad_norm": out["grad_norm"],
-        "tokens_per_sec": tokens_per_step / step_time,
-        "mfu": peaks.mfu(achieved_flops, peak),
-        # the figure published MFUs (torchtitan, nanoGPT, PaLM) use; None off the table
-        "mfu_datasheet": achieved_flops / datasheet.flops if datasheet else None,
-        "peak_memory_bytes": peak_memory_bytes(device),
-        **allocator_readings(device),  # reserved, retries (CUDA)
-        "step_time_s": step_time,
-        "elapsed_s": elapsed,
-        "tokens": step * tokens_per_step,
-        "peak_label": peak.label,
-        "ready_s": out["ready_s"],
-    }
-    if world_size > 1:  # MFU is per device: the job's FLOPs over all peaks
-        record.update(world_size=world_size)
-    record.update(extra)
-    if precision.scaler.is_enabled():
-        record.update(
-            loss_scale=precision.scale,
-            skipped=bool(out["skipped"]),  # a device bool, read on logged steps only
-            skipped_steps=int(precision.skipped_steps),
-        )
-    return record
+class TrainLog:
+    # A watcher (watchers.py) like the others, defined here beside what it writes.
+    """Where records go: metrics.jsonl (metrics.rank<r>.jsonl off rank 0: step times and memory
+    differ per rank; a restarted attempt appends), TensorBoard if asked, the History, the
+    callbacks, the progress bar. `lr()`: the learning rate of the step about to run; `precision`:
+    the run's Precision (loss scale)."""
 
-
-class MetricsLogger:
-    def __init__(
-        self, run_dir: str | Path, tensorboard: bool = False, filename: str = "metrics.jsonl"
-    ):
-        self.run_dir = check_output_dir(run_dir, "run folder (metrics.log_dir / metrics.run_name)")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / filename
+    def __init__(self, run: Run, history: History, callbacks, lr, precision):
+        self.run, self.history, self.callbacks = run, history, callbacks
+        self.lr_now, self.precision, self.lr = lr, precision, 0.0
+        run_dir = check_output_dir(run.run_dir, "run folder (metrics.log_dir / metrics.run_name)")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / ("metrics.jsonl" if run.is_main else f"metrics.rank{run.rank}.jsonl")
         with writing(self.path, "the metrics"):
-            self._file = self.path.open("a", buffering=1)  # line-buffered: readers see whole lines
-        self._tb = None
-        if tensorboard:
+            self.file = self.path.open("a", buffering=1)  # line-buffered: readers see whole lines
+        self.tensorboard = None
+        if run.cfg.metrics.tensorboard and run.is_main:
             try:
                 from torch.utils.tensorboard import (
                     SummaryWriter,  # optional: tensorboard is not a dependency
@@ -112,44 +70,7 @@ class MetricsLogger:
                     f"metrics.tensorboard=true needs the tensorboard package "
                     f"({e}): pip install tensorboard"
                 ) from None
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-
-    def log(self, record: dict) -> None:
-        line = json.dumps(record, default=lambda x: x.item() if hasattr(x, "item") else str(x))
-        with writing(self.path, "the metrics"):
-            self._file.write(line + "\n")
-        if self._tb is not None:
-            for key, value in record.items():
-                if (
-                    key != "step"
-                    and isinstance(value, (int, float))
-                    and not isinstance(value, bool)
-                ):
-                    self._tb.add_scalar(
-                        f"{record.get('kind', 'train')}/{key}", value, record["step"]
-                    )
-
-    def close(self) -> None:
-        with writing(self.path, "the metrics"):  # closing flushes: a full disk can show here
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-
-
-class TrainLog:
-    # A watcher (watchers.py) like the others, defined here beside what it writes.
-    """Where records go: metrics.jsonl (metrics.rank<r>.jsonl off rank 0: step times and memory
-    differ per rank; a restarted attempt appends), the History, the callbacks, the progress bar.
-    `lr()`: the learning rate of the step about to run; `precision`: the run's Precision (loss scale)."""
-
-    def __init__(self, run: Run, history: History, callbacks, lr, precision):
-        self.run, self.history, self.callbacks = run, history, callbacks
-        self.lr_now, self.precision, self.lr = lr, precision, 0.0
-        self.logger = MetricsLogger(
-            run.run_dir,
-            run.cfg.metrics.tensorboard and run.is_main,
-            "metrics.jsonl" if run.is_main else f"metrics.rank{run.rank}.jsonl",
-        )
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         self.bar = progress_bar(
             run.cfg.training.steps,
             enabled=run.cfg.metrics.progress and run.is_main,
@@ -173,11 +94,19 @@ class TrainLog:
             record["rank"] = self.run.rank
         if attempt():
             record["attempt"] = attempt()
-        self.logger.log(record)
-        history = self.history
-        {"train": history.train, "val": history.val}.get(
-            record["kind"], history.checkpoints
-        ).append(record)
+        line = json.dumps(record, default=lambda x: x.item() if hasattr(x, "item") else str(x))
+        with writing(self.path, "the metrics"):
+            self.file.write(line + "\n")
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if (
+                    key != "step"
+                    and isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                ):
+                    self.tensorboard.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+        history = {"train": self.history.train, "val": self.history.val}  # else checkpoints
+        history.get(record["kind"], self.history.checkpoints).append(record)
         for callback in self.callbacks:
             callback(record)
 
@@ -206,7 +135,9 @@ class TrainLog:
                 )
 
     def train_record(self, end: StepEnd) -> dict:
-        run = self.run
+        """The record of a logged step: its loss and gradient norm (`end.out`, train_step's
+        result), speed, MFU against the peak, memory, and what watchers added (`end.extra`)."""
+        run, out = self.run, end.out
         step_time = self.interval_s / self.interval_steps
         # per device
         achieved = run.flops_per_token * run.tokens_per_step / step_time / run.world_size
@@ -214,21 +145,34 @@ class TrainLog:
             self.peak = peaks.recheck_peak(
                 achieved, self.peak, run.device, run.compute_dtype, self.say, run.datasheet
             )
-        return train_record(
-            end.step,
-            end.out,
-            lr=self.lr,
-            step_time=step_time,
-            elapsed=self.elapsed(),
-            tokens_per_step=run.tokens_per_step,
-            achieved_flops=achieved,
-            peak=self.peak,
-            datasheet=run.datasheet,
-            device=run.device,
-            world_size=run.world_size,
-            precision=self.precision,
-            extra=end.extra,
-        )
+        record = {
+            "kind": "train",
+            "step": end.step,
+            "loss": out["loss"],
+            "lr": self.lr,
+            "grad_norm": out["grad_norm"],
+            "tokens_per_sec": run.tokens_per_step / step_time,
+            "mfu": peaks.mfu(achieved, self.peak),
+            # the figure published MFUs (torchtitan, nanoGPT, PaLM) use; None off the table
+            "mfu_datasheet": achieved / run.datasheet.flops if run.datasheet else None,
+            "peak_memory_bytes": peak_memory_bytes(run.device),
+            **allocator_readings(run.device),  # reserved, retries (CUDA)
+            "step_time_s": step_time,
+            "elapsed_s": self.elapsed(),
+            "tokens": end.step * run.tokens_per_step,
+            "peak_label": self.peak.label,
+            "ready_s": out["ready_s"],
+        }
+        if run.distributed:  # MFU is per device: the job's FLOPs over all peaks
+            record["world_size"] = run.world_size
+        record.update(end.extra)
+        if self.precision.scaler.is_enabled():
+            record.update(
+                loss_scale=self.precision.scale,
+                skipped=bool(out["skipped"]),  # a device bool, read on logged steps only
+                skipped_steps=int(self.precision.skipped_steps),
+            )
+        return record
 
     def on_train_end(self) -> None:
         for callback in self.callbacks:
@@ -238,4 +182,7 @@ class TrainLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        self.logger.close()
+        with writing(self.path, "the metrics"):  # closing flushes: a full disk can show here
+            self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

@@ -31,7 +31,7 @@ from .distributed.parallelize import Techniques, loss_context_for, parallelize
 from .efficiency.accumulation import count_targets, global_tokens_per_rank, loss_sum
 from .efficiency.mixed_precision import Precision
 from .errors import TitanliteError, writing
-from .evaluate import evaluate_parts, sample_text
+from .evaluate import generate, validation_loss
 from .metrics import History
 from .models.llama import count
 from .optimizer import build_optimizer, lr_lambda
@@ -147,13 +147,13 @@ class Trainer:
                 if self.pipe is not None:
                     with self.precision.autocast(), record_function("forward_backward"):
                         total += self.pipe.step(x, y, num_tokens=num_tokens)
-                    continue
-                # record_function: labels a profiler trace shows; nearly free when off
-                with record_function("forward"):
-                    loss = self.loss_on(x, y, num_tokens=num_tokens)
-                with record_function("backward"):
-                    self.precision.backward(loss)
-                total += loss.detach()
+                else:
+                    # record_function: labels a profiler trace shows; nearly free when off
+                    with record_function("forward"):
+                        loss = self.loss_on(x, y, num_tokens=num_tokens)
+                    with record_function("backward"):
+                        self.precision.backward(loss)
+                    total += loss.detach()
         return total
 
     def train_step(self, micro_batches: list, read: bool = True) -> dict:
@@ -169,9 +169,7 @@ class Trainer:
         total = self.forward_backward(micro_batches, num_tokens)
         params = [q for part in self.model_parts for q in part.parameters()]
         # An async save's copy of the weights must be done before the weights change.
-        staging_wait_s = (
-            self.checkpointer.wait_for_staging() if self.checkpointer is not None else 0.0
-        )
+        staging_wait_s = self.checkpointer.wait_for_staging() if self.checkpointer else 0.0
         with record_function("optimizer"):  # clip, step, schedule, zero_grad
             # A pipeline clips by the norm of all stages' gradients, summed over its ranks.
             clip = self.pipe.clip_grad_norm_ if self.pipe is not None else None
@@ -212,24 +210,24 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean validation loss per target token over every data-parallel rank's batches."""
-        one = (
-            self.pipe.eval_loss if self.pipe is not None else lambda x, y: self.loss_on(x, y).item()
-        )
+        one = self.pipe.eval_loss if self.pipe is not None else self.loss_on
         batches = self.data.val.eval_batches(self.cfg.eval.batches)
         with self.loss_context():
-            return evaluate_parts(
+            return validation_loss(
                 self.model_parts, one, batches, self.device, self.dist.distributed
             )
 
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, **kwargs) -> str:
         """Continue `prompt` (default: eval.prompt) with the model (evaluate.py). A pipeline's
         stages are gathered into one model on rank 0, which samples alone ("" elsewhere)."""
-        model = self.model
+        model, args = self.model, self.model_args
         if self.pipe is not None:
-            args, is_main = self.model_args, self.dist.is_main
-            model = self.pipe.whole_model(self.model_parts, args, self.dtype, is_main)
-        e, context = self.cfg.eval, self.model_args.max_seq_len
-        return sample_text(model, self.tokenizer, e, context, prompt, max_new_tokens, **kwargs)
+            model = self.pipe.whole_model(self.model_parts, args, self.dtype, self.dist.is_main)
+        if model is None:  # a pipeline's rank other than 0
+            return ""
+        prompt = self.cfg.eval.prompt if prompt is None else prompt
+        tokens = max_new_tokens or self.cfg.eval.sample_tokens
+        return generate(model, self.tokenizer, prompt, tokens, args.max_seq_len, **kwargs)
 
     def train_state(self):
         """Everything a checkpoint holds, as of now (resilience/train_state.py)."""
@@ -242,7 +240,6 @@ class Trainer:
         `watchers`: more watchers, each made by `make(run)` (e.g. tools.profiling.StepProfiler)."""
         cfg = self.cfg
         run_dir = Path(cfg.metrics.log_dir) / env.broadcast_from_rank0(run_name_for(cfg))
-        history = History(run_dir=run_dir)
         # Everything that can refuse this start has run (config, data and layout in __init__,
         # another run in the folder and the checkpoint here) before anything in the run folder changes.
         record = run_record(self, env.gather_from_ranks(built(self)))
@@ -253,10 +250,9 @@ class Trainer:
             raise TitanliteError(refusal)
         opened = open_checkpoint(cfg.checkpoint, run_dir, self)
         self.checkpointer, self.step = opened.checkpointer, opened.step
-        history.resumed_from = opened.source
-        run = Run.of(self, run_dir, restore_s=opened.seconds)
+        history = History(run_dir=run_dir, resumed_from=opened.source)
         chain = build_watchers(
-            run,
+            Run.of(self, run_dir, restore_s=opened.seconds),
             history,
             callbacks=callbacks,
             extra=watchers,
@@ -271,19 +267,19 @@ class Trainer:
             with writing(run_dir / "run.json", "the run's record"):
                 (run_dir / "run.json").write_text(json.dumps(record, indent=2))
         try:
-            chain.on_train_start()
+            chain.call("on_train_start")
             while self.step < cfg.training.steps:
                 self._step_start = time.perf_counter()
-                chain.on_step_start(self.step + 1)
+                chain.call("on_step_start", self.step + 1)
                 last = self.step + 1 == cfg.training.steps
                 logged = (self.step + 1) % cfg.metrics.log_every == 0 or last
                 out = self.train_step(self.next_micro_batches(), read=logged)
                 self.step += 1
                 seconds = time.perf_counter() - self._step_start
-                chain.on_step_end(StepEnd(self.step, seconds, out, logged))
+                chain.call("on_step_end", StepEnd(self.step, seconds, out, logged))
         finally:
-            chain.close()
-        chain.on_train_end()
+            chain.call("close")
+        chain.call("on_train_end")
         self.checkpointer = None  # closed by its watcher once the last save committed
         return history
 

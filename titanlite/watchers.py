@@ -40,6 +40,8 @@ class Run:
     compute_dtype: torch.dtype  # what the matmuls run in: the MFU peak's dtype
     peak: peaks.Peak  # the MFU denominator at the start
     datasheet: peaks.Peak | None  # the vendor's figure, if a tool looked it up
+    is_main: bool  # rank 0, the one that prints
+    distributed: bool  # more than one rank
     start_step: int = 0  # a resumed run starts at its checkpoint's step
     restore_s: float | None = None  # and took this long to load it
 
@@ -57,17 +59,11 @@ class Run:
             compute_dtype=trainer.compute_dtype,
             peak=trainer.peak,
             datasheet=trainer.datasheet_peak,
+            is_main=trainer.dist.is_main,
+            distributed=trainer.dist.distributed,
             start_step=trainer.step,
             restore_s=restore_s,
         )
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
 
 
 @dataclass
@@ -87,31 +83,17 @@ class Watcher:
     def close(self) -> None: ...
 
 
-class Watchers(Watcher):
-    """The watchers of one run, called in order (on_train_end in reverse)."""
+class Watchers:
+    """The watchers of one run: `call(hook, ...)` calls `hook` on each in order (on_train_end in
+    reverse)."""
 
     def __init__(self, watchers: list[Watcher]):
         self.watchers = watchers
 
-    def on_train_start(self) -> None:
-        for w in self.watchers:
-            w.on_train_start()
-
-    def on_step_start(self, step: int) -> None:
-        for w in self.watchers:
-            w.on_step_start(step)
-
-    def on_step_end(self, end: StepEnd) -> None:
-        for w in self.watchers:
-            w.on_step_end(end)
-
-    def on_train_end(self) -> None:
-        for w in reversed(self.watchers):
-            w.on_train_end()
-
-    def close(self) -> None:
-        for w in self.watchers:
-            w.close()
+    def call(self, hook: str, *args) -> None:
+        order = reversed(self.watchers) if hook == "on_train_end" else self.watchers
+        for w in order:
+            getattr(w, hook)(*args)
 
 
 class Faults(Watcher):
@@ -135,16 +117,12 @@ class Samples(Watcher):
         text = self.history.samples[self.step] = self.sample()
         return text
 
-    def on_train_start(self) -> None:
-        self.take()
+    on_train_start = on_train_end = take  # a sample before the first step and after the last
 
     def on_step_end(self, end: StepEnd) -> None:
         self.step = end.step
         if self.every and end.step % self.every == 0:
             self.log.say(f"[step {end.step}] {self.take()!r}")
-
-    def on_train_end(self) -> None:
-        self.take()
 
 
 class Checkpoints(Watcher):
@@ -155,32 +133,28 @@ class Checkpoints(Watcher):
         self.run, self.log, self.last = run, log, None
         self.checkpointer, self.train_state = checkpointer, train_state
 
-    def due(self, step: int) -> bool:
-        every = self.run.cfg.checkpoint.every
-        return step == self.run.cfg.training.steps or (every > 0 and step % every == 0)
-
     def on_step_end(self, end: StepEnd) -> None:
         self.last = end
-        if not self.due(end.step):
-            return
-        # [fault] during="save" strikes before the commit
-        saved = self.checkpointer.save(
-            self.train_state(),
-            end.step,
-            before_commit=lambda: inject_fault(
-                self.run.cfg.fault, end.step, self.run.rank, phase="save"
-            ),
-        )
-        # What training stood still for, for watchers that account for it (tools.goodput).
-        end.extra["checkpoint_blocked_s"] = saved.blocked_s
-        self.log.emit(
-            {
-                "kind": "checkpoint",
-                "step": end.step,
-                "blocked_s": saved.blocked_s,
-                "mode": saved.mode,
-            }
-        )
+        every = self.run.cfg.checkpoint.every
+        if end.step == self.run.cfg.training.steps or (every > 0 and end.step % every == 0):
+            # [fault] during="save" strikes before the commit
+            saved = self.checkpointer.save(
+                self.train_state(),
+                end.step,
+                before_commit=lambda: inject_fault(
+                    self.run.cfg.fault, end.step, self.run.rank, phase="save"
+                ),
+            )
+            # What training stood still for, for watchers that account for it (tools.goodput).
+            end.extra["checkpoint_blocked_s"] = saved.blocked_s
+            self.log.emit(
+                {
+                    "kind": "checkpoint",
+                    "step": end.step,
+                    "blocked_s": saved.blocked_s,
+                    "mode": saved.mode,
+                }
+            )
 
     def on_train_end(self) -> None:
         blocked = self.checkpointer.wait()
