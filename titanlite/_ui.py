@@ -47,8 +47,7 @@ class PlainProgress:
         self.due = False  # a line is owed, written once this step's postfix has arrived
 
     def update(self, n: int = 1) -> None:
-        if self.due:  # the previous step's line never got its postfix: write it now
-            self._line()
+        self.flush()  # the previous step's line never got its postfix: write it now
         self.n += n
         self.due = (
             (self.n - self.initial) % self.stride == 0
@@ -58,17 +57,14 @@ class PlainProgress:
 
     def set_postfix(self, **values) -> None:
         self.postfix = {k: str(v) for k, v in values.items()}
-        if self.due:
-            self._line()
+        self.flush()
 
     def write(self, text: str) -> None:
         print(text, file=self.stream or sys.stderr, flush=True)  # looked up late: tests swap it
 
-    def close(self) -> None:
-        if self.due:
-            self._line()
-
-    def _line(self) -> None:
+    def flush(self) -> None:  # write the line owed, if one is
+        if not self.due:
+            return
         self.due, self.last_line = False, self.clock()
         elapsed, done = self.last_line - self.start, self.n - self.initial
         left = elapsed / done * (self.total - self.n) if done > 0 else 0.0
@@ -82,6 +78,8 @@ class PlainProgress:
                 ]
             )
         )
+
+    close = flush  # tqdm's close: the last line, if one is owed
 
 
 def _clock(seconds: float) -> str:

@@ -23,9 +23,8 @@ from .distributed.ddp import unwrap
 def built(trainer) -> dict:
     """This rank's settings in force, read back from what `trainer` built."""
     model = unwrap(trainer.model)
-    weight = next(p for p in model.parameters())
-    weight = weight.to_local() if hasattr(weight, "to_local") else weight
-    blocks = list(getattr(model, "layers", {}).values()) if hasattr(model, "layers") else []
+    weight = next(model.parameters())  # a DTensor, if sharded, has its local shard's dtype
+    blocks = list(getattr(model, "layers", {}).values())
     on_cuda = trainer.device.type == "cuda"  # attention asks for this GPU's capability's order
     kernels = sdpa_priority(
         trainer.device.type, torch.cuda.get_device_capability(trainer.device) if on_cuda else None

@@ -46,7 +46,7 @@ from .preflight import (
 )
 from .resilience.resume import open_checkpoint, run_name_for
 from .run_record import built, run_record
-from .watchers import Run, StepEnd, build_watchers
+from .watchers import Run, StepEnd, build_watchers, notify
 
 
 class Trainer:
@@ -267,19 +267,19 @@ class Trainer:
             with writing(run_dir / "run.json", "the run's record"):
                 (run_dir / "run.json").write_text(json.dumps(record, indent=2))
         try:
-            chain.call("on_train_start")
+            notify(chain, "on_train_start")
             while self.step < cfg.training.steps:
                 self._step_start = time.perf_counter()
-                chain.call("on_step_start", self.step + 1)
+                notify(chain, "on_step_start", self.step + 1)
                 last = self.step + 1 == cfg.training.steps
                 logged = (self.step + 1) % cfg.metrics.log_every == 0 or last
                 out = self.train_step(self.next_micro_batches(), read=logged)
                 self.step += 1
                 seconds = time.perf_counter() - self._step_start
-                chain.call("on_step_end", StepEnd(self.step, seconds, out, logged))
+                notify(chain, "on_step_end", StepEnd(self.step, seconds, out, logged))
         finally:
-            chain.call("close")
-        chain.call("on_train_end")
+            notify(chain, "close")
+        notify(chain, "on_train_end")
         self.checkpointer = None  # closed by its watcher once the last save committed
         return history
 

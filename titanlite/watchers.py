@@ -83,17 +83,10 @@ class Watcher:
     def close(self) -> None: ...
 
 
-class Watchers:
-    """The watchers of one run: `call(hook, ...)` calls `hook` on each in order (on_train_end in
-    reverse)."""
-
-    def __init__(self, watchers: list[Watcher]):
-        self.watchers = watchers
-
-    def call(self, hook: str, *args) -> None:
-        order = reversed(self.watchers) if hook == "on_train_end" else self.watchers
-        for w in order:
-            getattr(w, hook)(*args)
+def notify(watchers: list[Watcher], hook: str, *args) -> None:
+    """Call `hook` (one of the names above) on each watcher in order; on_train_end in reverse."""
+    for w in reversed(watchers) if hook == "on_train_end" else watchers:
+        getattr(w, hook)(*args)
 
 
 class Faults(Watcher):
@@ -193,7 +186,7 @@ def build_watchers(
     evaluate,
     checkpointer=None,
     train_state=None,
-) -> Watchers:
+) -> list[Watcher]:
     """The watchers a run's config asks for, after those `extra` makes from the run (tools handed in
     by the caller, such as the profiler, whose step must end with train_step, before evaluations
     and saves). Call it only once the run is accepted: creating them writes into the run directory."""
@@ -213,4 +206,4 @@ def build_watchers(
             "fit(watchers=[StepProfiler]) (titanlite.tools.profiling); `titanlite train` does",
             None,
         )
-    return Watchers(chain)
+    return chain
