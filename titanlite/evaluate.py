@@ -18,10 +18,9 @@ from .efficiency.accumulation import count_targets
 @torch.no_grad()
 def validation_loss(parts, loss_on, batches, device, distributed: bool = False) -> float:
     """Mean loss per target token over `batches` (each data-parallel rank passes its own
-    shard's), summed over every rank. `loss_on(x, y)` is one batch's mean token loss (a number or
-    a one-element tensor). The
-    model's `parts` are in eval mode meanwhile (no dropout-like behaviour; no autograd either),
-    and back in training mode afterwards."""
+    shard's), summed over every rank. `loss_on(x, y)` is one batch's mean token loss (a number
+    or a one-element tensor). The model's `parts` are in eval mode meanwhile (no dropout-like
+    behaviour; no autograd either), and back in training mode afterwards."""
     for part in parts:
         part.eval()
     loss_total, tokens = 0.0, 0
