@@ -219,8 +219,7 @@ _CUDNN: list = []  # the runtime cuDNN version, read once (a library call compil
 def cudnn_runtime_version() -> int | None:
     """This process's cuDNN (e.g. 91501 for 9.15.1), or None without one."""
     if not _CUDNN:
-        available = torch.backends.cudnn.is_available()
-        _CUDNN.append(torch.backends.cudnn.version() if available else None)
+        _CUDNN.append(torch.backends.cudnn.version())  # None in a build without cuDNN
     return _CUDNN[0]
 
 

@@ -49,10 +49,9 @@ def disk_error(e: BaseException) -> OSError | None:
         seen.add(id(x))
         if isinstance(x, OSError) and x.errno in DISK_FIX:
             return x
-        quoted = re.search(r"os error (\d+)|\[Errno (\d+)\]", str(x))
-        if quoted and int(quoted[1] or quoted[2]) in DISK_FIX:
-            code = int(quoted[1] or quoted[2])
-            return OSError(code, os.strerror(code))
+        quoted = re.search(r"(?:os error |\[Errno )(\d+)", str(x))
+        if quoted and int(quoted[1]) in DISK_FIX:
+            return OSError(int(quoted[1]), os.strerror(int(quoted[1])))
         failures = getattr(x, "failures", None)  # DCP: {rank: (exception, its traceback)}
         for failure in failures.values() if isinstance(failures, dict) else ():
             todo += list(failure) if isinstance(failure, tuple) else [failure]
@@ -65,10 +64,9 @@ def writing(path, what: str):
     """Inside, a write the disk refuses becomes one line naming `what`, `path` and the fix."""
     try:
         yield
-    except TitanliteError:
-        raise
     except BaseException as e:
-        if (err := disk_error(e)) is None:
+        # ours already says what went wrong; anything else is a disk error or not ours to explain
+        if isinstance(e, TitanliteError) or (err := disk_error(e)) is None:
             raise
         reason = (err.strerror or os.strerror(err.errno)).lower()
         code = 1 if err.errno in (errno.ENOSPC, errno.EDQUOT) else 2

@@ -39,7 +39,11 @@ def detect_device(requested: str = "auto") -> torch.device:
         )
     if kind == "auto":
         return torch.device(
-            "cuda" if torch.cuda.is_available() else "mps" if _mps_available() else "cpu"
+            "cuda"
+            if torch.cuda.is_available()
+            else "mps"
+            if torch.backends.mps.is_available()
+            else "cpu"
         )
     fix = "use --training.device auto or cpu"
     if kind == "cuda":
@@ -54,16 +58,12 @@ def detect_device(requested: str = "auto") -> torch.device:
                 f"device {requested!r} requested but torch sees {count} CUDA GPU(s) "
                 f"(cuda:0..cuda:{count - 1}): use one of those or auto"
             )
-    if kind == "mps" and not _mps_available():
+    if kind == "mps" and not torch.backends.mps.is_available():
         raise TitanliteError(
             f"device {requested!r} requested but MPS is not available (needs "
             f"Apple Silicon, macOS >= 12.3 and a torch built with MPS): {fix}"
         )
     return torch.device(text)
-
-
-def _mps_available() -> bool:
-    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
 
 
 def resolve_dtype(name, device) -> torch.dtype:

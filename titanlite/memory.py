@@ -47,9 +47,8 @@ def reset_peak_memory(device) -> None:
     elif device.type == "mps":
         _MPS_PEAK.sample(torch.mps.driver_allocated_memory())  # no window to open
     else:  # macOS / a locked-down container cannot: the peak stays a lifetime peak
-        with contextlib.suppress(
-            OSError
-        ):  # "5" resets this process's RSS high-water mark (Linux >= 4.0)
+        # "5" resets this process's RSS high-water mark (Linux >= 4.0)
+        with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")
 
 
@@ -73,8 +72,7 @@ def peak_memory_bytes(device) -> int:
 def allocator_readings(device) -> dict:
     """CUDA's reserved_memory_bytes (peak held from the driver: live + cached + fragmented) and alloc_retries
     (failed allocations retried after emptying the cache: slow, synchronising, near full); None elsewhere."""
-    device = torch.device(device)
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         return {"reserved_memory_bytes": None, "alloc_retries": None}
     return readings_from_stats(torch.cuda.memory_stats(device))
 
@@ -101,4 +99,4 @@ def memory_limit_bytes(device) -> int | None:
         limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     with contextlib.suppress(OSError, ValueError):  # cgroup v2: "max" when unlimited
         limits.append(int(Path("/sys/fs/cgroup/memory.max").read_text().strip()))
-    return min(limits) if limits else None
+    return min(limits, default=None)

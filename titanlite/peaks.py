@@ -9,36 +9,36 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from . import hardware
+from .data._cache import atomic_file
 from .errors import TitanliteError, closest
 
 
 def time_fn(fn, device, budget_s: float = 0.2) -> float:
     """Best seconds per call of fn(), spending about budget_s (at least two calls). The minimum,
     not the mean: noise only ever adds time."""
+
+    def per_call(n: int) -> float:  # seconds per call of n calls between two syncs
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        hardware.synchronize(device)
+        return (time.perf_counter() - t0) / n
+
     start = time.perf_counter()
-    fn()  # warm-up: pays for first-touch allocation, kernel selection, cuBLAS handles
-    hardware.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    hardware.synchronize(device)
-    best = max(time.perf_counter() - t0, 1e-9)
+    per_call(1)  # warm-up: pays for first-touch allocation, kernel selection, cuBLAS handles
+    best = max(per_call(1), 1e-9)
     # Several calls between syncs, so launch + sync overhead does not swamp a microsecond kernel.
     iters = max(1, int(budget_s / 5 / best))
     while time.perf_counter() - start + iters * best <= budget_s:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        hardware.synchronize(device)
-        best = min(best, (time.perf_counter() - t0) / iters)
+        best = min(best, per_call(iters))
     return best
 
 
@@ -95,8 +95,7 @@ def measure_matmul_peak(device, dtype, budget_s: float = 2.0, matmul=None) -> Pe
 
 
 def _square_matmul(n: int, device, dtype):
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    a, b = torch.randn(2, n, n, device=device, dtype=dtype)  # two n x n matrices
     out = torch.empty(n, n, device=device, dtype=dtype)
     return lambda: torch.mm(a, b, out=out)
 
@@ -131,7 +130,6 @@ def matmul_peak(device, dtype, refresh: bool = False) -> Peak:
     again when asked (refresh) or when `peak_is_stale` says so, and then kept only if it beats the
     cached one by more than that one's spread (`record_peak`): a later, lower figure means a busier
     machine, not a slower one."""
-    device = torch.device(device)
     entry = _read_cache().get(_cache_key(device, dtype))
     if not refresh and not peak_is_stale(entry, time.time(), *_facts(device).values()):
         return _cached(entry)
@@ -143,12 +141,11 @@ def measure_peaks(device, dtypes, rounds: int = 3, budget_s: float = 2.0) -> dic
     """{dtype: (best Peak, spread)}: `rounds` rounds, each measuring every dtype in turn (so a busy
     moment hits them alike), each round a third of `budget_s` per dtype. spread: (best - worst) /
     best over the rounds, the noise this machine showed meanwhile."""
-    runs = {dtype: [] for dtype in dtypes}
-    for _ in range(rounds):
-        for dtype in dtypes:
-            runs[dtype].append(measure_matmul_peak(device, dtype, budget_s / rounds))
+    runs = [
+        [measure_matmul_peak(device, d, budget_s / rounds) for d in dtypes] for _ in range(rounds)
+    ]
     out = {}
-    for dtype, peaks in runs.items():
+    for dtype, peaks in zip(dtypes, zip(*runs)):  # zip(*runs): per dtype, its peak of each round
         best = max(peaks, key=lambda p: p.flops)
         out[dtype] = (best, (best.flops - min(p.flops for p in peaks)) / best.flops)
     return out
@@ -159,21 +156,19 @@ def record_peak(device, dtype, peak: Peak, spread: float) -> Peak:
     within its spread of it or above it: one trustworthy peak per device and dtype, whoever
     measured it (notebook 00, the trainer, the doctor). Returns the peak in force, labelled with
     when it was measured, the machine's load then and its spread."""
-    device = torch.device(device)
     key, facts, now = _cache_key(device, dtype), _facts(device), time.time()
     table = _read_cache()
     entry = table.get(key)
     if peak_is_stale(entry, now, *facts.values()) or peak.flops > entry["flops"] * (
         1 + entry.get("spread", 0.0)
     ):
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         entry = table[key] = {
             "flops": peak.flops,
             "label": peak.label,
             "when": time.strftime("%Y-%m-%d %H:%M"),
             "measured_at": now,
             "spread": spread,
-            "load": load,
+            "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             **facts,
         }
         _write_cache(table)
@@ -181,8 +176,11 @@ def record_peak(device, dtype, peak: Peak, spread: float) -> Peak:
 
 
 def _facts(device) -> dict:
-    name = hardware.device_name(device)
-    return {"threads": torch.get_num_threads(), "torch": torch.__version__, "device": name}
+    return {
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": hardware.device_name(device),
+    }
 
 
 def _cache_key(device, dtype) -> str:
@@ -207,11 +205,9 @@ def _read_cache() -> dict:
 def _write_cache(table: dict) -> None:
     path = cache_dir() / "matmul_peaks.json"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)  # write, then rename: never half a file
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".matmul_peaks.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as tmp:  # write aside, then rename: never half a file
+            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
     except OSError as e:  # a read-only home must not stop training; it only costs a re-measure
         warnings.warn(
             f"could not cache the matmul peak in {path} ({e}): set TITANLITE_CACHE_DIR "
@@ -226,7 +222,6 @@ def recheck_peak(
 ) -> Peak:
     """The peak to keep using: one a run beat was measured on a busy machine, so measure it again (once
     per device and dtype) and say so; never a datasheet peak (beating that is a FLOP-count bug)."""
-    device = torch.device(device)
     key = f"{hardware.device_name(device)} | {_matmul_label(device, dtype)}"
     if peak.source != "measured" or achieved_flops_per_s <= peak.flops or key in _RECHECKED:
         return peak
@@ -242,8 +237,9 @@ def recheck_peak(
 def _with_datasheet(peak: Peak, sheet: Peak | None) -> Peak:
     if sheet is None:
         return peak
-    label = f"{peak.label}; {sheet.label} ({peak.flops / sheet.flops:.0%} of it)"
-    return Peak(peak.flops, peak.source, label)
+    return replace(
+        peak, label=f"{peak.label}; {sheet.label} ({peak.flops / sheet.flops:.0%} of it)"
+    )
 
 
 def get_peak(device, dtype, source: str = "auto", datasheet=None) -> Peak:
@@ -261,8 +257,10 @@ def get_peak(device, dtype, source: str = "auto", datasheet=None) -> Peak:
             how = (
                 "" if datasheet else " (or hand in tools.datasheet.datasheet_peak, as the CLI does)"
             )
-            what = f"{hardware.device_name(device)} in {str(dtype).removeprefix('torch.')}"
-            raise TitanliteError(f"no datasheet peak for {what}: use source='measured'{how}")
+            raise TitanliteError(
+                f"no datasheet peak for {hardware.device_name(device)} in "
+                f"{str(dtype).removeprefix('torch.')}: use source='measured'{how}"
+            )
         return sheet
     return _with_datasheet(matmul_peak(device, dtype), sheet if source == "auto" else None)
 
@@ -291,9 +289,9 @@ def mfu(achieved_flops_per_s: float, peak: Peak) -> float:
     key = peak.label.split(" [cached")[0]  # the same peak, whether measured now or read back
     if ratio > 1 and key not in _WARNED:
         _WARNED.add(key)
-        fix = "re-measure: matmul_peak(..., refresh=True), or get_peak(..., source='datasheet')"
         warnings.warn(
-            f"MFU {ratio:.2f} > 1 against '{peak.label}': the peak is too low - {fix}",
+            f"MFU {ratio:.2f} > 1 against '{peak.label}': the peak is too low - re-measure: "
+            "matmul_peak(..., refresh=True), or get_peak(..., source='datasheet')",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -45,9 +45,7 @@ def cpp_compiler_error() -> Exception | None:
     """Why Inductor on CPU has no C++ compiler (its exception), or None. Inductor itself calls this
     probe (2.11-2.13); if it moves we return None, and the trial compile that follows decides."""
     try:
-        from torch._inductor.cpp_builder import (
-            get_cpp_compiler,  # Inductor: compiling on a CPU only
-        )
+        from torch._inductor.cpp_builder import get_cpp_compiler  # compiling on a CPU only
     except ImportError:
         return None
     try:
