@@ -280,11 +280,10 @@ def cuda_index_for(
             f"its own: use --training.device cuda (rank r takes cuda:r), and "
             f"CUDA_VISIBLE_DEVICES to choose which GPUs"
         )
-    if requested_index is None and local_world_size > 1 and device_count == 1:
+    # from here on, several local ranks means no index was named
+    if local_world_size > 1 and device_count == 1:
         return 0  # one GPU visible per process (SLURM --gpus-per-task=1, Kubernetes): it is ours
-    index = (
-        local_rank if requested_index is None and local_world_size > 1 else (requested_index or 0)
-    )
+    index = local_rank if local_world_size > 1 else (requested_index or 0)
     if index >= device_count:
         if local_world_size > 1:
             raise TitanliteError(

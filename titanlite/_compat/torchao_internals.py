@@ -7,11 +7,8 @@ from __future__ import annotations
 from ..errors import TitanliteError
 
 CHECKED = "0.14-0.18"
-ROLES = (
-    "input",
-    "weight",
-    "grad_output",
-)  # the operands a Linear casts; upper-cased, GemmInputRoles
+# the operands a Linear casts; upper-cased, GemmInputRoles
+ROLES = ("input", "weight", "grad_output")
 
 
 def _moved(what: str, error: ImportError) -> TitanliteError:
