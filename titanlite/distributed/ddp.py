@@ -14,25 +14,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def apply_ddp(
-    model: nn.Module, mesh=None, *, bucket_cap_mb: float = 25.0, process_group=None
-) -> nn.Module:
-    """Wrap the model in DistributedDataParallel over the mesh's (1-D) data-parallel group."""
-    group = (
-        process_group
-        if process_group is not None
-        else (mesh.get_group() if mesh is not None else None)
-    )
+def apply_ddp(model: nn.Module, mesh=None, *, bucket_cap_mb: float = 25.0) -> nn.Module:
+    """Wrap the model in DistributedDataParallel over the mesh's (1-D) data-parallel group (None:
+    the default group, every rank)."""
     device = next(model.parameters()).device
     # The only buffers, the RoPE tables, are equal on every rank by construction: DDP would
     # otherwise re-broadcast them before every forward (torch >= 2.13 renamed the switch).
-    params = inspect.signature(DDP.__init__).parameters
     buffer_switch = (
-        "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+        "forward_sync_buffers"
+        if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+        else "broadcast_buffers"
     )
     return DDP(
         model,
-        process_group=group,
+        # Not device_mesh=: on a slice of the whole mesh DDP would rewrite TP's DTensor weights
+        process_group=mesh.get_group() if mesh is not None else None,
         bucket_cap_mb=bucket_cap_mb,
         device_ids=[device] if device.type == "cuda" else None,
         find_unused_parameters=False,
@@ -44,16 +40,12 @@ def apply_ddp(
 def grad_sync(model: nn.Module, sync: bool):
     """Context for one micro-batch's backward: communicate gradients only when `sync` (the last
     micro-batch of an accumulation; FSDP2 holds unsharded gradients until then)."""
-    if not sync and hasattr(model, "no_sync"):  # DDP (and ScratchDataParallel)
-        with model.no_sync():
-            yield
-    elif not sync and hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
+    with contextlib.ExitStack() as undo:  # runs what it was given on the way out, error or not
+        if not sync and hasattr(model, "no_sync"):  # DDP (and ScratchDataParallel)
+            undo.enter_context(model.no_sync())
+        elif not sync and hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            model.set_requires_gradient_sync(False)
+            undo.callback(model.set_requires_gradient_sync, True)
         yield
 
 

@@ -73,8 +73,7 @@ def torchrun_env(env=os.environ) -> Launch | None:
                 f"alone: {LAUNCH_HINT}"
             )
         return None
-    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in env]
-    if missing:
+    if missing := [name for name in ("RANK", "WORLD_SIZE") if name not in env]:
         raise TitanliteError(
             f"{' and '.join(missing)} not set while {', '.join(present)} is: a half-set "
             f"distributed environment; {LAUNCH_HINT}"
@@ -135,14 +134,15 @@ def init_distributed(
     device: str = "auto", backend: str = "auto", timeout_s: float = 300
 ) -> DistEnv:
     """Join the job's process group (if torchrun started us); return who we are."""
-    ids = torchrun_env()
-    if ids is None or ids.world_size == 1 or not dist.is_available():
+    rank, local_rank, world_size = torchrun_env() or ONE_PROCESS
+    if world_size == 1 or not dist.is_available():
         return DistEnv(device=device_for_rank(device, 0))
-    rank, local_rank, world_size = ids
     die_with_parent()
     dev = device_for_rank(device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    explicit = str(device).strip().lower().startswith("mps")
-    name, dev_type, note = backend_and_device_for(dev.type, world_size, backend, explicit=explicit)
+    # mps named (`explicit`) is refused here; found by "auto", the ranks train on the CPU instead
+    name, dev_type, note = backend_and_device_for(
+        dev.type, world_size, backend, explicit=str(device).strip().lower().startswith("mps")
+    )
     if dev_type != dev.type:  # MPS under torchrun: no backend moves its tensors
         dev = torch.device(dev_type)
         if rank == 0:
@@ -153,8 +153,9 @@ def init_distributed(
         # torch's own rendezvous (env://, torchrun's agent store where it has one), first to
         # check that no two ranks of a machine hold the same GPU, where NCCL would fail obscurely
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-        if dev.type == "cuda":
-            refuse_shared_gpus(store, rank, world_size, f"{socket.gethostname()}/{gpu_uuid(dev)}")
+        if dev.type == "cuda":  # the UUID: the same physical GPU whatever CUDA_VISIBLE_DEVICES says
+            gpu = torch.cuda.get_device_properties(dev).uuid
+            refuse_shared_gpus(store, rank, world_size, f"{socket.gethostname()}/{gpu}")
         dist.init_process_group(
             name,
             store=store,
@@ -178,22 +179,14 @@ def die_with_parent() -> None:
                 os._exit(1)
 
 
-def gpu_uuid(device: torch.device) -> str:
-    """The GPU's UUID (the same physical GPU has it whatever CUDA_VISIBLE_DEVICES renumbers)."""
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
 def refuse_shared_gpus(store, rank: int, world_size: int, gpu: str) -> None:
     """Every rank writes which GPU it took (`gpu`: host and UUID) to the store and reads the others':
     two ranks on one GPU are refused in one line, on every rank, before NCCL starts (one GPU and
     torchrun --nproc-per-node 2 would otherwise meet NCCL's "Duplicate GPU detected")."""
     gpus = dist.PrefixStore("titanlite-gpus", store)
     gpus.set(str(rank), gpu)
-    ranks = [str(r) for r in range(world_size)]
-    gpus.wait(ranks)
-    taken = [gpus.get(r).decode() for r in ranks]
-    shared = [r for r in range(world_size) if taken.count(taken[r]) > 1]
-    if shared:
+    taken = [gpus.get(str(r)).decode() for r in range(world_size)]  # get waits for the key
+    if shared := [r for r in range(world_size) if taken.count(taken[r]) > 1]:
         raise TitanliteError(
             f"ranks {', '.join(map(str, shared))} took the same GPU ({taken[shared[0]]}): each "
             f"rank needs its own; start at most {world_size - len(shared) + 1} processes per "
@@ -221,10 +214,7 @@ def exit_worker(code: int = 0) -> None:
 
 def broadcast_from_rank0(value):
     """Rank 0's value, everywhere (e.g. a run name that contains the time); as is, alone."""
-    box = [value]
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return gather_from_ranks(value)[0]
 
 
 def all_reduce_sum(value: torch.Tensor, group=None) -> torch.Tensor:

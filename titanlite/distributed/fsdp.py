@@ -19,6 +19,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import Shard
 
 from ..errors import TitanliteError
 
@@ -54,25 +55,17 @@ def apply_fsdp(
     experts = [
         b.feed_forward.experts for b in model.layers.values() if hasattr(b.feed_forward, "experts")
     ]
-    ignored = set()
-    if expert_mesh != "same":
-        for group in experts:
-            if expert_mesh is None:
-                ignored |= set(group.parameters())
-            else:  # dim 0 is ep's already: FSDP shards dim 1
-                fully_shard(group, mesh=expert_mesh, shard_placement_fn=_second_dim, **common)
+    # None: no rank holds the same experts, so FSDP leaves them out
+    ignored = {p for group in experts for p in group.parameters()} if expert_mesh is None else set()
+    if expert_mesh not in ("same", None):
+        for group in experts:  # dim 0 is ep's already: FSDP shards dim 1
+            fully_shard(group, mesh=expert_mesh, shard_placement_fn=lambda p: Shard(1), **common)
     for block, reshard in zip(list(model.layers.values()), flags):
         fully_shard(
             block, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored, **common
         )
     fully_shard(model, mesh=mesh, ignored_params=ignored, **common)
     return model
-
-
-def _second_dim(param):
-    from torch.distributed.tensor import Shard
-
-    return Shard(1)
 
 
 def reshard_flags(policy: str, n_blocks: int, pp: int = 1) -> list[bool]:
@@ -95,8 +88,8 @@ def shard_and_init(
     Only rank 0 builds the full model (`init_full_model()`, on CPU) and broadcasts it shard by shard:
     DTensor's CPU random init would not reproduce a single process's weights."""
     full = init_full_model().state_dict() if dist.get_rank() == 0 else {}
-    model = apply_fsdp(model_on_meta, mesh, **fsdp_kwargs)
-    model.to_empty(device=device)
+    # Sharded first, so each rank allocates its shards only
+    model = apply_fsdp(model_on_meta, mesh, **fsdp_kwargs).to_empty(device=device)
     with torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators")
         model.init_weights()  # buffers (RoPE tables); the weights are overwritten next

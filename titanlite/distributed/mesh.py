@@ -41,8 +41,7 @@ class ParallelDims:
         ep: int = 1,
     ) -> ParallelDims:
         """Fill in dp_shard=-1 ("every rank not used otherwise") and check the product."""
-        degrees = (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))
-        for name, value in degrees:
+        for name, value in dict(dp_replicate=dp_replicate, tp=tp, pp=pp, cp=cp, ep=ep).items():
             if value < 1:
                 raise TitanliteError(f"parallel.{name} must be at least 1, got {value}")
         if dp_shard == 0 or dp_shard < -1:
@@ -124,23 +123,20 @@ class ParallelDims:
 
         return init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
 
-    def fsdp_mesh(self, mesh):
+    def fsdp_mesh(self, mesh, experts: bool = False):
         """The mesh FSDP shards over: dp_shard, with ep and cp folded in where they are used (one
-        dim, e.g. "dp_shard_ep_cp"), and dp_replicate beside it for HSDP."""
-        folded = ["dp_shard"] + [d for d in ("ep", "cp") if getattr(self, d) > 1]
+        dim, e.g. "dp_shard_ep_cp"), and dp_replicate beside it for HSDP. `experts=True`: where it
+        shards the experts, which ep has split already: over dp_shard alone (and dp_replicate for
+        HSDP); None where no rank holds the same experts."""
+        if experts and self.dp_shard * self.dp_replicate == 1:
+            return None
+        folded = ["dp_shard"] + [d for d in ("ep", "cp") if getattr(self, d) > 1 and not experts]
         shard = folded[0]
         if len(folded) > 1:
             from .._compat.torch_internals import flatten_mesh  # a private DeviceMesh method
 
             shard = flatten_mesh(mesh, tuple(folded), "_".join(folded))
         return mesh["dp_replicate", shard] if self.strategy == "hsdp" else mesh[shard]
-
-    def expert_fsdp_mesh(self, mesh):
-        """Where FSDP shards the experts, which ep has split already: over dp_shard (and
-        dp_replicate beside it for HSDP); None where no rank holds the same experts."""
-        if self.dp_shard * self.dp_replicate == 1:
-            return None
-        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
 
     def groups(self, dim: str) -> list[list[int]]:
         """The process groups along one dim, e.g. groups("tp") → [[0, 1], [2, 3], ...]."""

@@ -80,12 +80,15 @@ def parallelize(
     # the same weights: FSDP shards them over dp_shard × cp.
     dp_mesh = dims.fsdp_mesh(mesh) if fsdp else None
 
-    # FSDP gathers the weights in its param_dtype: the trial compile runs them in it, as training will
-    trial_weights = fsdp_kwargs["param_dtype"] if fsdp else None
-
     def efficiency(part):
+        # FSDP gathers the weights in its param_dtype: the trial compile runs them in it, as training will
         return apply_efficiency(
-            part, device, techniques, example_shape, autocast_dtype, trial_weights
+            part,
+            device,
+            techniques,
+            example_shape,
+            autocast_dtype,
+            param_dtype=fsdp_kwargs["param_dtype"] if fsdp else None,
         )
 
     def context_parallel(part):  # after the trial compile, which runs a block alone
@@ -103,14 +106,14 @@ def parallelize(
         with torch.random.fork_rng(devices=[]):
             model = efficiency(model)
         context_parallel(model)
-
-        def weights():  # drawn once, by rank 0, then sharded out
-            return build_model(args, "cpu").to(dtype)
-
-        return [shard_and_init(model, weights, dp_mesh, device, **fsdp_kwargs)], None
+        # The weights: drawn once, by rank 0 (on the CPU), then sharded out
+        model = shard_and_init(
+            model, lambda: build_model(args, "cpu").to(dtype), dp_mesh, device, **fsdp_kwargs
+        )
+        return [model], None
     # Initialised on the CPU: the same seed gives the same weights on every device and layout.
     model = build_model(args, "cpu").to(device=device, dtype=dtype)
-    stages, parts, pipe = [], [model], None
+    stages, parts = [], [model]
     if dims.pp > 1:
         from .pipeline import Pipeline, pipeline_split  # torch.distributed.pipelining: pp > 1 only
 
@@ -121,7 +124,6 @@ def parallelize(
             stages_per_rank=p.pp_stages_per_rank,
             device=device,
         )
-        pipe = Pipeline(stages, mesh["pp"], p, micro_batch=example_shape[0])
     for i, part in enumerate(parts):
         if dims.tp > 1:
             from .tensor_parallel import apply_tp  # torch.distributed.tensor.parallel: tp > 1 only
@@ -139,16 +141,15 @@ def parallelize(
         part = efficiency(part)
         context_parallel(part)
         if fsdp:
-            experts = dims.expert_fsdp_mesh(mesh) if dims.ep > 1 else "same"
+            experts = dims.fsdp_mesh(mesh, experts=True) if dims.ep > 1 else "same"
             part = apply_fsdp(part, dp_mesh, expert_mesh=experts, **fsdp_kwargs)
         elif dims.strategy == "ddp":
             part = apply_ddp(part, mesh["dp_replicate"], bucket_cap_mb=p.bucket_cap_mb)
         parts[i] = part
         if stages:
             stages[i].submod = part  # the stage runs the parallelized module
-    if pipe is not None:
-        pipe.build_schedule(parts)
-    return parts, pipe
+    # The schedule is built over the stages' final (parallelized) modules
+    return parts, Pipeline(stages, mesh["pp"], p, micro_batch=example_shape[0]) if stages else None
 
 
 def sequence_parallel_enabled(parallel: ParallelSection, dims: ParallelDims) -> bool:
@@ -185,13 +186,12 @@ def apply_efficiency(
     if f.enable:
         from ..efficiency.fp8 import apply_fp8, set_precision_casts_for  # torchao: FP8 runs only
 
-        emulate = None if f.emulate == "auto" else f.emulate == "true"
         model = apply_fp8(
             model,
             recipe=f.recipe,
             device=device,
             min_dim=f.min_dim,
-            emulate=emulate,
+            emulate=None if f.emulate == "auto" else f.emulate == "true",  # None: as the GPU allows
             fsdp_all_gather=f.fsdp_all_gather,
         )
         if c.enable:

@@ -47,10 +47,9 @@ def pipeline_split(
     first_stage_weight: float = 0.0,
     last_stage_weight: float = 0.0,
     device: torch.device | None = None,
-    parallelize_part=None,
 ):
     """This rank's stages (torch `PipelineStage`s) and their modules; every rank passes the same full model
-    (`pp_group`: group or 1-D mesh). `parallelize_part(part)` runs on each part first (AC, compile, DP)."""
+    (`pp_group`: group or 1-D mesh). Parallelize each part afterwards, then set its stage's `submod`."""
     group = _group(pp_group)
     pp, rank = dist.get_world_size(group), dist.get_rank(group)
     v = check_pipeline(
@@ -72,8 +71,6 @@ def pipeline_split(
             part.tok_embeddings = None
         if s != n_stages - 1:
             part.norm = part.output = None
-        if parallelize_part is not None:
-            part = parallelize_part(part)
         stages.append(pipelining.PipelineStage(part, s, n_stages, device, group=group))
         parts.append(part)
     return stages, parts
@@ -123,20 +120,25 @@ def pipeline_step(
     loss_fn: TokenLoss,
     num_tokens: float | None = None,
     pp_group=None,
+    forward_only: bool = False,
 ) -> torch.Tensor:
     """Forward + backward of the batch (grads accumulate into the stages); the loss on every pp rank.
-    `num_tokens`: the TokenLoss divisor (default: this batch's; under DP the global batch's count / dp)."""
+    `num_tokens`: the TokenLoss divisor (default: this batch's; under DP the global batch's count / dp).
+    `forward_only`: torch's `schedule.eval` instead of its step (`pipeline_eval`)."""
     # `is not None`, not `or`: the divisor may be a device tensor, whose truth value waits for it
     loss_fn.num_tokens = num_tokens if num_tokens is not None else max(1, count_targets(y))
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     losses = [] if last else None
-    # return_outputs=False (where torch has it): do not keep every micro-batch's logits alive
-    kw = (
-        {"return_outputs": False}
-        if "return_outputs" in inspect.signature(schedule.step).parameters
-        else {}
-    )
-    schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses, **kw)
+    if forward_only:
+        schedule.eval(*((x,) if first else ()), target=y if last else None, losses=losses)
+    else:
+        # return_outputs=False (where torch has it): do not keep every micro-batch's logits alive
+        kw = (
+            {"return_outputs": False}
+            if "return_outputs" in inspect.signature(schedule.step).parameters
+            else {}
+        )
+        schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses, **kw)
     total = (
         torch.stack(losses).sum().detach().float()
         if last
@@ -158,14 +160,9 @@ def pipeline_eval(
             f"torch's {type(schedule).__name__} cannot run forward-only: evaluate "
             f"the gathered model (gather_state_dict), or train with interleaved_zb"
         )
-    loss_fn.num_tokens = max(1, count_targets(y))
-    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    losses = [] if last else None
-    schedule.eval(*((x,) if first else ()), target=y if last else None, losses=losses)
-    total = torch.stack(losses).sum().float() if last else torch.zeros((), device=stages[0].device)
-    if dist.is_initialized():
-        dist.all_reduce(total, group=_group(pp_group))
-    return total
+    return pipeline_step(
+        schedule, stages, x, y, loss_fn=loss_fn, pp_group=pp_group, forward_only=True
+    )
 
 
 def gather_state_dict(parts: list, pp_group=None) -> dict[str, torch.Tensor]:
@@ -194,12 +191,11 @@ def clip_grad_norm_(
     if hasattr(norm, "full_tensor"):  # FSDP × PP: a DTensor norm of this rank's shards
         norm = norm.full_tensor()
     if dist.is_initialized():
-        group = _group(pp_group)
         if math.isinf(norm_type):
-            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=_group(pp_group))
         else:
             norm = norm**norm_type
-            dist.all_reduce(norm, group=group)
+            dist.all_reduce(norm, group=_group(pp_group))
             norm = norm ** (1.0 / norm_type)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
@@ -214,10 +210,9 @@ class Pipeline:
     pp_mesh: object
     parallel: object
     micro_batch: int
-    schedule: object = None
     loss_fn: TokenLoss = field(default_factory=TokenLoss)
 
-    def build_schedule(self, parts) -> None:
+    def __post_init__(self) -> None:  # torch's schedule over the stages, as parallelized
         n = microbatches(self.parallel, self.micro_batch, self.pp_mesh.size())
         self.schedule = build_schedule(
             self.parallel.pp_schedule, self.stages, n, self.loss_fn, batch_size=self.micro_batch

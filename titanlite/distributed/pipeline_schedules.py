@@ -9,8 +9,6 @@ before any model exists, and builds the one a run asks for (pipeline.py cuts the
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.distributed.pipelining as pipelining
 
@@ -123,13 +121,8 @@ def build_schedule(
     )
     cls = getattr(pipelining, SCHEDULES[name][0])
     stage_arg = stages[0] if SCHEDULES[name][1] == "single" else stages  # multi-stage: the list
-    # scale_grads=False (where torch has it): TokenLoss already divides by the batch's token count
-    kwargs = (
-        {"scale_grads": False}
-        if "scale_grads" in inspect.signature(cls.__init__).parameters
-        else {}
-    )
-    return cls(stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, **kwargs)
+    # scale_grads=False: TokenLoss already divides by the batch's token count
+    return cls(stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def microbatches(parallel, micro_batch: int, pp: int) -> int:

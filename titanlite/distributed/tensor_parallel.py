@@ -102,8 +102,7 @@ def apply_tp(
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(_finish_partial_grad)
     if sequence_parallel:
-        tp = tp_mesh.size()
-        model.register_forward_pre_hook(lambda m, args: _pad_sequence(m, args, tp))
+        model.register_forward_pre_hook(lambda m, args: _pad_sequence(m, args, tp_mesh.size()))
         model.register_forward_hook(_cut_padding)
     return model
 
