@@ -99,12 +99,12 @@ class ReadOncePlanner(DefaultLoadPlanner):
 
     def create_local_plan(self):
         plan = super().create_local_plan()
-        mine = [
-            item
-            for item in plan.items
-            if self.owners.get(item.dest_index.fqn, self.rank) == self.rank
-        ]
-        return dataclasses.replace(plan, items=mine)
+        return dataclasses.replace(
+            plan,
+            items=[
+                i for i in plan.items if self.owners.get(i.dest_index.fqn, self.rank) == self.rank
+            ],
+        )
 
 
 def share_read_entries(sd: dict, owners: dict[str, int]) -> None:

@@ -11,7 +11,6 @@ whole write; "async" (a thread) and "async_process" (a process) copy the state t
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 import time
@@ -87,8 +86,9 @@ class Checkpointer:
         self.describe = self._described = describe or {}  # what was trained: checked on load
         self.read_once = read_once
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world = dist.get_world_size() if self.distributed else 1
+        self.rank, self.world = (
+            (dist.get_rank(), dist.get_world_size()) if self.distributed else (0, 1)
+        )
         self._staging = None  # the newest async save's copy of the state (a future)
         # Async saves not yet committed, oldest first. Two at most once a write has finished: a
         # save stages into one stager while the previous one still writes from the other
@@ -110,72 +110,71 @@ class Checkpointer:
         """Save `state` (dict or Stateful) as `step`; a rank runs `before_commit()` once its data is out."""
         start = time.perf_counter()
         final = step_dir(self.folder, step)
-        tmp = final.with_name(final.name + ".partial")
+        tmp = final.with_suffix(".partial")
         with writing(tmp, "a checkpoint"):  # a full disk: one line; the last commit stays whole
-            self._save(state, step, before_commit, tmp, final)
-        return SaveTiming(step, time.perf_counter() - start, self.mode)
-
-    def _save(self, state, step: int, before_commit, tmp: Path, final: Path) -> None:
-        self.wait_for_staging()
-        while self._in_flight and (
-            len(self._in_flight) >= self._max_in_flight() or self._in_flight[-1].step >= step
-        ):  # a save of this step (or a later one) in flight: let it finish, never write over it
-            self._wait_oldest()
-        if self.rank == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
-        if self.distributed:
-            dist.barrier()
-        sd = state.state_dict() if hasattr(state, "state_dict") else state
-        self._described = state.describe() if hasattr(state, "describe") else self.describe
-        writer = (RawWriter if self.file_format == "raw" else DcpWriter)(tmp, sync_files=True)
-        writer.background = self.mode != "sync"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # DCP's notes on planners and deprecated names
-            if self.mode == "sync":
-                dcp.save(
-                    sd,
-                    storage_writer=writer,
-                    planner=BalancedSavePlanner(),
-                    no_dist=self.world == 1,
-                )
-            else:
-                response = self._async_save(sd, writer, step)
-        if before_commit is not None:
-            before_commit()
-        if self.mode == "sync":
-            self._commit(tmp, final, step)
+            self.wait_for_staging()
+            # Async saves in flight: at most two (one until a first write is done), and never one
+            # of this step or a later one: let them finish rather than write over them.
+            while self._in_flight and (
+                len(self._in_flight) >= (2 if self._one_write_done else 1)
+                or self._in_flight[-1].step >= step
+            ):
+                self._wait_oldest()
+            if self.rank == 0:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
             if self.distributed:
-                dist.barrier()  # everyone returns with the checkpoint committed
-        else:
-            self._in_flight[-1].commit = self._pool.submit(self._finish, response, tmp, final, step)
+                dist.barrier()
+            sd = state.state_dict() if hasattr(state, "state_dict") else state
+            self._described = state.describe() if hasattr(state, "describe") else self.describe
+            writer = (RawWriter if self.file_format == "raw" else DcpWriter)(tmp, sync_files=True)
+            writer.background = self.mode != "sync"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # DCP's notes on planners and deprecated names
+                if self.mode == "sync":
+                    dcp.save(
+                        sd,
+                        storage_writer=writer,
+                        planner=BalancedSavePlanner(),
+                        no_dist=self.world == 1,
+                    )
+                else:
+                    response = self._async_save(sd, writer, step)
+            if before_commit is not None:
+                before_commit()
+            if self.mode == "sync":
+                self._commit(tmp, final, step)
+                if self.distributed:
+                    dist.barrier()  # everyone returns with the checkpoint committed
+            else:
+                self._in_flight[-1].commit = self._pool.submit(
+                    self._finish, response, tmp, final, step
+                )
+        return SaveTiming(step, time.perf_counter() - start, self.mode)
 
     def _async_save(self, sd: dict, writer, step: int):
         """Start DCP's async save of `sd`: the copy in the background, the write after it."""
         process = self.mode == "async_process"
-        kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         options = staging_options(tensor_device_types(sd))
         if options["use_staging_stream"]:
             # The stager copies on its own stream, which does not wait for training's: without
             # this, a save off a logged step could copy weights the optimizer is still writing.
             torch.cuda.current_stream().synchronize()
         stager = self._free_stager(options, process)
-        previous = self._in_flight[-1].write if self._in_flight else None
-        gated = WriteAfter(stager, previous)
+        gated = WriteAfter(stager, self._in_flight[-1].write if self._in_flight else None)
         response = dcp.async_save(
             sd,
             storage_writer=writer,
             planner=BalancedSavePlanner(),
             process_group=self._pg,
-            async_checkpointer_type=kind,
+            async_checkpointer_type=(
+                AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+            ),
             async_stager=gated,
         )
         self._staging = gated.copy  # training waits for its copy, not for the previous write
         self._in_flight.append(SaveInFlight(step, stager, response.upload_completion))
         return response
-
-    def _max_in_flight(self) -> int:
-        return 2 if self._one_write_done else 1
 
     def wait_for_staging(self) -> float:
         """Async: block until the state has been copied out (call before weights change)."""
@@ -233,7 +232,7 @@ class Checkpointer:
     def _prune(self, newest: int) -> None:
         for old in committed(self.folder)[: -self.keep] if self.keep else []:
             gone = old.with_name(old.name + ".deleting")  # never a half-deleted "committed" one
-            os.rename(old, gone)
+            old.rename(gone)
             shutil.rmtree(gone, ignore_errors=True)
         for stale in self.folder.glob("step-*.partial"):
             if int(stale.name[5:13]) < newest:
@@ -261,16 +260,21 @@ class Checkpointer:
         saved = info.get("model_args")
         here = (state.describe() if hasattr(state, "describe") else self.describe).get("model_args")
         if saved and here and saved != here:
-            differ = sorted(k for k in set(saved) | set(here) if saved.get(k) != here.get(k))
-            diff = ", ".join(f"{k}: {saved.get(k)} there vs {here.get(k)} here" for k in differ)
+            diff = ", ".join(
+                f"{k}: {saved.get(k)} there vs {here.get(k)} here"
+                for k in sorted(set(saved) | set(here))
+                if saved.get(k) != here.get(k)
+            )
             raise TitanliteError(
                 f"checkpoint '{path}' holds a different model ({diff}): load it with the "
                 f"model settings it was trained with, or start a new checkpoint folder"
             )
         sd = state.state_dict() if hasattr(state, "state_dict") else state
-        planner = None
-        if self.read_once and self.distributed:  # each replicated entry: one reader, a broadcast
-            planner = ReadOncePlanner(read_owners(sd), self.rank)
+        planner = (  # each replicated entry: one reader, then a broadcast
+            ReadOncePlanner(read_owners(sd), self.rank)
+            if self.read_once and self.distributed
+            else None
+        )
         dcp_load(sd, path, crc_checked=crc, reader=reader, planner=planner, no_dist=self.world == 1)
         if planner is not None:
             share_read_entries(sd, planner.owners)

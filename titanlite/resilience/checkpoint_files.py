@@ -80,29 +80,26 @@ class DcpWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-class RawWriter(FileSystemWriter):
+class RawWriter(DcpWriter):
     """DCP's file writer, each tensor as its own bytes in one file per rank (a torch.save per
     tensor cost ~0.25 s of CPU at the small preset); size and CRC-32 summed on another thread as
     the bytes go out (in "<file>.crc": the commit reads nothing back); the disk set to work on
     each 4 MiB as it comes. Marked so that DCP's stock reader refuses it: only RawReader reads it."""
 
-    background = False
-
     def write_data(self, plan, planner) -> Future:
         _lower_priority_if(self.background)
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"  # DCP's name: "__<rank>_0.distcp"
         path = Path(self.path) / name
-        crc = RunningCrc()
-        results, size, synced_to, syncing = [], 0, 0, None
+        results, size, synced_to, syncing, crc = [], 0, 0, None, None
         # CRC (in order) and disk syncs (fsync on macOS) on their own threads; both are done,
         # and their errors raised, before the file counts as written.
-        with open(path, "wb") as f, ThreadPoolExecutor(1) as syncs:
+        with open(path, "wb") as f, ThreadPoolExecutor(1) as syncs, ThreadPoolExecutor(1) as sums:
             for item in plan.items:
                 raw = item.type != WriteItemType.BYTE_IO
                 data = planner.resolve_data(item)
                 view = memoryview(_tensor_bytes(data) if raw else data.getbuffer())
                 f.write(view)
-                crc.add(view)
+                crc = sums.submit(_crc_after, crc, view)  # one thread: the buffers in order
                 info = dcp_storage_info(name, size, view.nbytes, [RAW] if raw else None)
                 results.append(WriteResult(item.index, view.nbytes, info))
                 size += view.nbytes
@@ -116,27 +113,14 @@ class RawWriter(FileSystemWriter):
             os.fsync(f.fileno())
             if syncing is not None:
                 syncing.result()  # a failed background sync fails the save (fsync may not see it)
-        Path(f"{path}.crc").write_text(json.dumps([size, crc.result()]))
+            crc = crc.result() if crc is not None else 0  # an error while summing fails the save
+        Path(f"{path}.crc").write_text(json.dumps([size, crc]))
         return _done(results)
 
 
-class RunningCrc:
-    """CRC-32 of a stream of buffers, summed in order on a thread of its own."""
-
-    def __init__(self):
-        self._pool, self._folds, self._value = ThreadPoolExecutor(1), [], 0
-
-    def add(self, view: memoryview) -> None:
-        self._folds.append(self._pool.submit(self._fold, view))
-
-    def _fold(self, view: memoryview) -> None:
-        self._value = zlib.crc32(view, self._value)
-
-    def result(self) -> int:
-        for fold in self._folds:
-            fold.result()  # an error while summing fails the save
-        self._pool.shutdown()
-        return self._value
+def _crc_after(previous, view: memoryview) -> int:
+    """The CRC-32 so far (`previous`: a future of it, done or None at the start) run on over `view`."""
+    return zlib.crc32(view, previous.result() if previous is not None else 0)
 
 
 def _tensor_bytes(tensor: torch.Tensor):
@@ -187,7 +171,8 @@ def size_and_crc(f: Path) -> list[int]:
     return [f.stat().st_size, crc32(f)]
 
 
-def fsync_dir(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file, or a folder's list of names, to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -206,12 +191,11 @@ def commit(tmp: Path, final: Path, info: dict) -> None:
     record.write_text(
         json.dumps({"format": 1, "time": time.time(), "files": files, **info}, indent=1)
     )
-    with open(record, "rb+") as f:
-        os.fsync(f.fileno())
+    fsync(record)
     if final.exists():  # the same step saved again (a resumed run): replace it
         shutil.rmtree(final)
     os.rename(tmp, final)
-    fsync_dir(final.parent)
+    fsync(final.parent)
 
 
 def _damaged(path: Path, what: str) -> TitanliteError:
@@ -286,12 +270,12 @@ def dcp_load(
             except (Exception, dcp.api.CheckpointException) as e:  # the latter is a BaseException
                 if not crc_checked:
                     verify(path, crc=True)  # damage shows here as one line
-                lines = [ln for ln in str(e).splitlines() if "Error" in ln or "error" in ln]
-                first = (
-                    lines[-1] if lines else str(e).splitlines()[-1] if str(e) else type(e).__name__
+                # its last line naming an error, else its last line, else its type
+                lines = [ln for ln in str(e).splitlines() if "Error" in ln or "error" in ln] or (
+                    str(e).splitlines() or [type(e).__name__]
                 )
                 raise TitanliteError(
-                    f"checkpoint '{path}' does not fit this run ({first.strip()[:300]}): "
+                    f"checkpoint '{path}' does not fit this run ({lines[-1].strip()[:300]}): "
                     "load it with the settings it was saved with, or start a new "
                     "checkpoint folder"
                 ) from None

@@ -41,14 +41,13 @@ def open_checkpoint(checkpoint, run_dir: Path, trainer) -> Opened:
     `checkpoint.load` (into `trainer.train_state()`, a TrainState), else - a fresh start - the
     published model `trainer.start_from`'s weights into its model parts (tools.hf_start). One it
     cannot take is refused before `run_dir` changes. Collective: every rank calls it."""
-    is_main, tokenizer = trainer.dist.is_main, trainer.tokenizer
+    is_main = trainer.dist.is_main
     opened, ckpt = Opened(), None
     if checkpoint.enable or checkpoint.load:
         from .checkpoint import Checkpointer  # DCP (torch.distributed.checkpoint): runs that save
 
-        folder = Path(checkpoint.folder) if checkpoint.folder else run_dir / "checkpoints"
         ckpt = Checkpointer(
-            folder,
+            checkpoint.folder or run_dir / "checkpoints",
             mode=checkpoint.mode,
             keep_latest_k=checkpoint.keep_latest_k,
             read_once=checkpoint.read_once,
@@ -65,12 +64,11 @@ def open_checkpoint(checkpoint, run_dir: Path, trainer) -> Opened:
         if is_main:
             say(f"resumed from {opened.source} at step {opened.step}", None)
     elif trainer.start_from is not None:  # no titanlite checkpoint came first: a fresh start
-        tied = trainer.model_args.tie_embeddings
-        took = trainer.start_from.load(trainer.model_parts, tied)
+        took = trainer.start_from.load(trainer.model_parts, trainer.model_args.tie_embeddings)
         if is_main:
             say(f"started from {trainer.start_from.path} ({took:.1f}s to load)", None)
     if checkpoint.enable:
         opened.checkpointer = ckpt
         if is_main and not (ckpt.folder / "tokenizer").is_dir():
-            tokenizer.save_pretrained(str(ckpt.folder / "tokenizer"))  # for export_hf
+            trainer.tokenizer.save_pretrained(str(ckpt.folder / "tokenizer"))  # for export_hf
     return opened

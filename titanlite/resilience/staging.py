@@ -30,13 +30,14 @@ def staging_options(tensor_device_types) -> dict[str, bool]:
 
 def make_stager(options: dict[str, bool], shared_memory: bool = False) -> DefaultStager:
     """DCP's stager for these options; the caller closes it when the write is done."""
-    torch_options = StagingOptions(
-        use_pinned_memory=options["use_pinned_memory"],
-        use_shared_memory=shared_memory,
-        use_async_staging=True,
-        use_non_blocking_copy=options["use_non_blocking_copy"],
+    return (DefaultStager if options["use_staging_stream"] else HostStager)(
+        StagingOptions(
+            use_pinned_memory=options["use_pinned_memory"],
+            use_shared_memory=shared_memory,
+            use_async_staging=True,
+            use_non_blocking_copy=options["use_non_blocking_copy"],
+        )
     )
-    return (DefaultStager if options["use_staging_stream"] else HostStager)(torch_options)
 
 
 class HostStager(DefaultStager):

@@ -33,13 +33,13 @@ class TrainState(Stateful):
         step: int = 0,
         describe: dict | None = None,
     ):
-        self.parts, self.optimizer, self.scheduler, self.sampler = (
+        self.parts, self.optimizer, self.scheduler, self.sampler, self.step = (
             parts,
             optimizer,
             scheduler,
             sampler,
+            step,
         )
-        self.step = step
         # plain JSON, as the record holds it
         self._describe = json.loads(json.dumps(describe or {}))
 
@@ -47,20 +47,18 @@ class TrainState(Stateful):
     def of(cls, trainer) -> TrainState:
         """A trainer's state as of now, described by what a load must match: the model's shape,
         and (informative) the layout, world size and global batch it was trained with."""
-        describe = {
-            "model_args": trainer.model_args.to_dict(),
-            "layout": trainer.dims.describe(),
-            "world_size": trainer.dist.world_size,
-            "global_batch": trainer.global_batch,
-        }
-        sampler = trainer.data.train.sampler
         return cls(
             trainer.model_parts,
             trainer.optimizer,
             trainer.scheduler,
-            sampler,
+            trainer.data.train.sampler,
             step=trainer.step,
-            describe=describe,
+            describe={
+                "model_args": trainer.model_args.to_dict(),
+                "layout": trainer.dims.describe(),
+                "world_size": trainer.dist.world_size,
+                "global_batch": trainer.global_batch,
+            },
         )
 
     def describe(self) -> dict:
