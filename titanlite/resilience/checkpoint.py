@@ -12,7 +12,6 @@ whole write; "async" (a thread) and "async_process" (a process) copy the state t
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 import warnings
 from collections import deque
@@ -224,9 +223,9 @@ class Checkpointer:
         if self.rank != 0 or (self.distributed and not dist.is_initialized()):
             return
         commit(tmp, final, {"step": step, **self._described})
-        if threading.current_thread() is threading.main_thread():  # sync: prune behind training
+        if self.mode == "sync":  # prune behind training, on the commit thread
             self._pruning = self._pool.submit(self._prune, step)
-        else:
+        else:  # already on the commit thread
             self._prune(step)
 
     def _prune(self, newest: int) -> None:

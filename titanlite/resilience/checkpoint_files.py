@@ -142,9 +142,8 @@ class RawReader(FileSystemReader):
         )
         for req in (r for r, b in zip(plan.items, raw) if b):
             info, where = self.storage_data[req.storage_index], req.storage_index
-            entry = planner.metadata.state_dict_metadata[
-                where.fqn
-            ]  # DCP's load planners keep the index
+            # DCP's load planners keep the index: the entry's dtype and its chunks' shapes
+            entry = planner.metadata.state_dict_metadata[where.fqn]
             sizes = next(c.sizes for c in entry.chunks if list(c.offsets) == list(where.offset))
             tensor = torch.empty(sizes, dtype=entry.properties.dtype)
             with open(Path(self.path) / info.relative_path, "rb") as f:

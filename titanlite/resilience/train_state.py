@@ -71,12 +71,16 @@ class TrainState(Stateful):
             model, optim = get_state_dict(
                 torch.nn.ModuleList(self.parts), self.optimizer, options=_OPTIONS
             )
+        # The random generators too, so that a resumed run draws the same numbers (bit-exact).
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
         return {
             "model": {_strip(k): v for k, v in model.items()},
             "optimizer": {_strip(k): v for k, v in optim.items()},
             "scheduler": self.scheduler.state_dict(),
             "data": self.sampler.state_dict(),
-            "rng": rng_state(),
+            "rng": rng,
             "step": self.step,
         }
 
@@ -108,24 +112,13 @@ class TrainState(Stateful):
             )
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["rng"]["cuda"])
         self.step = int(state["step"])
 
 
 def _strip(key: str) -> str:  # "0.layers.3.w" -> "layers.3.w"; also inside optimizer keys
     head, _, rest = key.partition(".")
     return f"{head}.{_strip(rest)}" if head in ("state", "param_groups") else rest
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
