@@ -243,7 +243,10 @@ def test_the_probe_runs_a_real_float8_linear_with_torchaos_scale_math(recipe):
     ],
 )
 def test_inductor_emulates_precision_casts_only_for_compiled_rowwise(recipe, compiled, expected):
-    assert fp8.needs_emulate_precision_casts(recipe, compiled) is expected
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(emulate_precision_casts=False):
+        assert fp8.set_precision_casts_for(recipe, compiled) is expected
 
 
 def test_the_trainer_turns_on_precision_cast_emulation_for_compiled_rowwise():

@@ -140,11 +140,10 @@ def merge(out, lse, block_out, block_lse):
     """Fold one block's (output, log-sum-exp) into the running ones (online softmax): each is
     weighted by its share exp(lse_part − lse_total) of the total."""
     total = torch.logaddexp(lse, block_lse)
-    out = (
+    return (
         out * (lse - total).exp()[..., None]
         + block_out.float() * (block_lse - total).exp()[..., None]
-    )
-    return out, total
+    ), total
 
 
 @dataclass
@@ -178,11 +177,12 @@ class ContextParallel:
         ranks = dist.get_process_group_ranks(self.group)
         after, before = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
         incoming = torch.empty_like(t)
-        ops = [
-            dist.P2POp(dist.isend, t.contiguous(), after, self.group),
-            dist.P2POp(dist.irecv, incoming, before, self.group),
-        ]
-        works = dist.batch_isend_irecv(ops)
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, t.contiguous(), after, self.group),
+                dist.P2POp(dist.irecv, incoming, before, self.group),
+            ]
+        )
         return incoming, lambda: [w.wait() for w in works]
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -208,30 +208,22 @@ class ContextParallel:
                 kv = incoming
 
 
-def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped-query attention: each K/V head ([..., H_kv, T, D]) repeated for its query heads."""
-    return kv.repeat_interleave(groups, dim=-3)
-
-
-def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of `_expand`: the query heads' shares summed back onto their K/V head."""
-    return grad.unflatten(-3, (-1, groups)).sum(-3)
-
-
 class ContextAttention(torch.autograd.Function):
     """Causal attention over the whole sequence from this rank's slice of q, k and v [B, H, T, D]."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel):
         kind = cp.kernel or block_kernel(q.device.type, q.dtype, capability_of(q))
-        groups, local_len = q.shape[1] // k.shape[1], q.shape[2]
+        B, H, T, D = q.shape  # T: this rank's part of the sequence
+        groups = H // k.shape[1]
         # Laid out [B, T, H, D] as SDPA's output is: the caller's transpose(1, 2) is then free.
-        B, H, T, D = q.shape
         out = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         for source, kv_in in cp.visits(torch.stack([k, v])):
-            for rows, cols, causal in blocks(cp.rank, source, cp.size, local_len, cp.layout):
-                k_block, v_block = _expand(kv_in[..., cols, :], groups)
+            for rows, cols, causal in blocks(cp.rank, source, cp.size, T, cp.layout):
+                # Grouped-query attention: each K/V head ([..., H_kv, T, D]) repeated for its
+                # query heads.
+                k_block, v_block = kv_in[..., cols, :].repeat_interleave(groups, dim=-3)
                 part, part_lse = block_forward(kind, q[:, :, rows], k_block, v_block, causal)
                 out[:, :, rows], lse[:, :, rows] = merge(
                     out[:, :, rows], lse[:, :, rows], part, part_lse
@@ -250,12 +242,15 @@ class ContextAttention(torch.autograd.Function):
 
         def add_block_grads(source, kv_in, dkv):
             for rows, cols, causal in blocks(cp.rank, source, cp.size, local_len, cp.layout):
-                k_block, v_block = _expand(kv_in[..., cols, :], groups)
-                mine = (dout, q, out, lse)  # this rank's rows of each
-                dout_, q_, out_, lse_ = (t[:, :, rows] for t in mine)
+                k_block, v_block = kv_in[..., cols, :].repeat_interleave(groups, dim=-3)
+                # this rank's rows of each
+                dout_, q_, out_, lse_ = (t[:, :, rows] for t in (dout, q, out, lse))
                 dq_, dk, dv = block_backward(kind, dout_, q_, k_block, v_block, out_, lse_, causal)
                 dq[:, :, rows] += dq_
-                dkv[..., cols, :] += _fold(torch.stack([dk, dv]).float(), groups)
+                # The repeat's gradient: the query heads' shares summed back onto their K/V head.
+                dkv[..., cols, :] += (
+                    torch.stack([dk, dv]).float().unflatten(-3, (-1, groups)).sum(-3)
+                )
 
         kv = torch.stack([k, v])
         # allgather: gather again (not kept from the forward: memory), then scatter back
@@ -267,18 +262,13 @@ class ContextAttention(torch.autograd.Function):
             dkv = torch.empty(kv.shape, dtype=torch.float32, device=q.device)
             dist.reduce_scatter_tensor(dkv, dkv_every.flatten(0, 1), group=cp.group)
         else:
-            # The K/V gradients travel with their K/V: after cp passes they are home again.
+            # The K/V go round the ring as in the forward (`visits`: the next block travels while
+            # this one computes), and their gradients travel with them: after cp passes they are home.
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            for step in range(cp.size):
-                more = step + 1 < cp.size
-                if more:
-                    kv_next, kv_wait = cp.ring_pass(kv)
-                add_block_grads((cp.rank - step) % cp.size, kv, dkv)
+            for source, kv_in in cp.visits(kv):
+                add_block_grads(source, kv_in, dkv)
                 if cp.size > 1:
                     dkv_next, dkv_wait = cp.ring_pass(dkv)
                     dkv_wait()
                     dkv = dkv_next
-                if more:
-                    kv_wait()
-                    kv = kv_next
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None

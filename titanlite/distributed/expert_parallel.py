@@ -33,8 +33,7 @@ def apply_ep(model: nn.Module, ep_mesh) -> nn.Module:
             experts = module.experts
             for name in ("w_gate", "w_up", "w_down"):
                 whole = getattr(experts, name).detach()  # the same on every rank: one seed
-                local = distribute_tensor(whole, ep_mesh, [Shard(0)])
-                setattr(experts, name, nn.Parameter(local))
+                setattr(experts, name, nn.Parameter(distribute_tensor(whole, ep_mesh, [Shard(0)])))
             experts.grad_scale = 1.0 / ep_mesh.size()
             module.dispatch = ExpertDispatch(ep_mesh.get_group(), ep_mesh.size())
     return model
@@ -70,15 +69,7 @@ class ExpertDispatch:
 def regroup(table: list[list[int]]) -> torch.Tensor:
     """The order that turns rows laid out by source rank then expert (`table[g][e]` rows in each
     block) into rows by expert, then source rank."""
-    starts, at = [], 0
-    for row in table:
-        starts.append([])
-        for n in row:
-            starts[-1].append(at)
-            at += n
-    pieces = [
-        torch.arange(starts[g][e], starts[g][e] + table[g][e])
-        for e in range(len(table[0]))
-        for g in range(len(table))
-    ]
-    return torch.cat(pieces)
+    ranks, experts = len(table), len(table[0])
+    # block[g * experts + e]: the row numbers of rank g's rows for expert e
+    block = torch.arange(sum(map(sum, table))).split([n for row in table for n in row])
+    return torch.cat([block[g * experts + e] for e in range(experts) for g in range(ranks)])

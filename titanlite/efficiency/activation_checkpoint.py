@@ -12,7 +12,6 @@ nearly free to recompute, yet their outputs are as big as a matmul's: dropping t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -38,16 +37,12 @@ _SDPA_OPS = (
     "_scaled_dot_product_attention_math_for_mps",
     "_scaled_dot_product_fused_attention_overrideable",
 )
+c10d = torch.ops._c10d_functional  # a torch without distributed has no c10d ops
 # FP8 matmuls (torchao's `_scaled_mm`) are matmuls too; with TP + sequence parallel a row-wise Linear
 # ends in a reduce-scatter, which recomputing would repeat (torchtitan's `_save_list` keeps that one).
-_FP8_AND_TP_OPS = [torch.ops.aten._scaled_mm.default]
-with contextlib.suppress(
-    AttributeError, RuntimeError
-):  # a torch without distributed has no c10d ops
-    _FP8_AND_TP_OPS.append(torch.ops._c10d_functional.reduce_scatter_tensor.default)
 SAVE_OPS = frozenset(
-    [aten.mm.default, aten.addmm.default, aten.bmm.default]
-    + _FP8_AND_TP_OPS
+    [aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default]
+    + ([c10d.reduce_scatter_tensor.default] if hasattr(c10d, "reduce_scatter_tensor") else [])
     + [getattr(aten, name).default for name in _SDPA_OPS if hasattr(aten, name)]
 )
 
@@ -70,6 +65,7 @@ def apply_ac(model: Transformer, mode: str, every: int = 2) -> Transformer:
         return model
     # Non-reentrant: it works with keyword arguments, torch.compile and FSDP2, and (unlike the old
     # reentrant version) gives gradients even when the block's input does not require any.
+    # op: SAC, keeping what `save_matmuls_policy` says (the others recompute everything)
     sac = {
         "context_fn": functools.partial(create_selective_checkpoint_contexts, save_matmuls_policy)
     }

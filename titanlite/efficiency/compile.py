@@ -44,9 +44,9 @@ def apply_compile(
             f"{closest(scope, SCOPES)}: regional compiles each transformer "
             f"block, model compiles the whole model"
         )
-    if scope == "regional" and not isinstance(
-        getattr(model, "layers", None), (nn.ModuleDict, nn.ModuleList)
-    ):
+    layers = getattr(model, "layers", None)  # the transformer blocks
+    blocks = list(layers.children()) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else None
+    if scope == "regional" and blocks is None:
         raise TitanliteError(
             f"regional compile needs model.layers (the transformer blocks), which "
             f"{type(model).__name__} does not have: use scope='model'"
@@ -54,11 +54,13 @@ def apply_compile(
     device = torch.device(
         device if device is not None else next((p.device for p in model.parameters()), "cpu")
     )
-    args = getattr(model, "args", None)  # a Transformer's ModelArgs: the block's shapes
+    # The trial compiles a copy of block 0 if it can run alone. Tensor-parallel blocks (DTensor
+    # weights) expect sharded inputs and collectives on every rank: those get the tiny trial instead.
+    sharded = blocks and any(hasattr(p, "placements") for p in blocks[0].parameters())
     support = compile_support(
         device,
-        block=_trial_block(model),
-        args=args,
+        block=blocks[0] if blocks and not sharded else None,
+        args=getattr(model, "args", None),  # a Transformer's ModelArgs: the block's shapes
         example_shape=example_shape,
         autocast_dtype=autocast_dtype,
         param_dtype=param_dtype,
@@ -80,24 +82,8 @@ def apply_compile(
         )
         return model
     if scope == "regional":
-        for block in model.layers.children():
+        for block in blocks:
             block.compile(**compile_kwargs)
     else:
         model.compile(**compile_kwargs)
     return model
-
-
-def _trial_block(model: nn.Module) -> nn.Module | None:
-    """Block 0, if a copy of it can run alone. Tensor-parallel blocks (DTensor weights) expect
-    sharded inputs and collectives on every rank: those get the tiny trial instead."""
-    layers = getattr(model, "layers", None)
-    block = (
-        next(layers.children(), None)
-        if isinstance(layers, (nn.ModuleDict, nn.ModuleList))
-        else None
-    )
-    return (
-        None
-        if block is None or any(hasattr(p, "placements") for p in block.parameters())
-        else block
-    )

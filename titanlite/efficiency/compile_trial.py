@@ -87,12 +87,9 @@ def compile_support(
 
 def _static_problem(device: torch.device, backend) -> tuple[str, str] | None:
     """(what is missing, how to fix it), or None if none is known (on MPS only a trial can tell)."""
-    check = getattr(getattr(torch._dynamo, "eval_frame", None), "check_if_dynamo_supported", None)
     try:
-        if check is not None:
-            check()  # raises with the reason (e.g. this Python is newer than Dynamo supports)
-        elif not torch._dynamo.is_dynamo_supported():
-            raise RuntimeError("Dynamo is not supported on this platform")
+        # raises with the reason (e.g. this Python is newer than Dynamo supports)
+        torch._dynamo.eval_frame.check_if_dynamo_supported()
     except Exception as e:  # the reason is in the message
         return (
             f"TorchDynamo is unavailable with Python {sys.version.split()[0]} and torch "
@@ -132,18 +129,14 @@ def _trial_compile(
     """Compile and run forward + backward: without `block` a tiny matmul + pointwise + reduction, else
     a copy of it fed as the model feeds it (dtypes, rotary tables, the run's autocast): a bf16 graph can
     fail where fp32 compiles, and step 1 then finds this very graph in Inductor's cache. None: works."""
-
-    def tiny(x, w):
-        return nn.functional.silu(x @ w).pow(2).mean()
-
     try:
         if block is None:
-            x, w = (
-                torch.randn(8, 8, device=device, requires_grad=True),
-                torch.randn(8, 8, device=device),
+            x = torch.randn(8, 8, device=device, requires_grad=True)
+            tiny = torch.compile(
+                lambda x, w: nn.functional.silu(x @ w).pow(2).mean(), **compile_kwargs
             )
-            torch.compile(tiny, **compile_kwargs)(
-                x, w
+            tiny(
+                x, torch.randn(8, 8, device=device)
             ).backward()  # AOTAutograd compiles backward here
         else:
             batch, seq_len = shape

@@ -87,20 +87,18 @@ def apply_fp8(
         config=_config(recipe, emulated, fsdp_all_gather),
         module_filter_fn=lambda m, fqn: fqn not in skipped,
     )
-    converted = [n for n, m in model.named_modules() if is_float8_linear(m)]
-    why = (
-        "emulation requested (float8.emulate true) although this GPU has FP8 tensor cores"
-        if emulated and support.real
-        else support.why
-    )
     model.fp8_info = {
         "recipe": recipe,
         "emulated": emulated,
         "device": device.type,
-        "why": why,
+        "why": (
+            "emulation requested (float8.emulate true) although this GPU has FP8 tensor cores"
+            if emulated and support.real
+            else support.why
+        ),
         "label": f"FP8 {recipe} ({'emulated' if emulated else 'real'})",
         "fsdp_all_gather": fsdp_all_gather,
-        "converted": converted,
+        "converted": [n for n, m in model.named_modules() if is_float8_linear(m)],
         "skipped": skipped,
     }
     return model
@@ -185,16 +183,12 @@ def _fp8_linear_works(device: torch.device, recipe: str, emulate: bool) -> bool:
             return False
 
 
-def needs_emulate_precision_casts(recipe: str, compiled: bool) -> bool:
-    """Compiled rowwise FP8 rounds its scales unlike eager unless Inductor emulates eager's casts."""
-    return compiled and recipe == "rowwise"
-
-
 def set_precision_casts_for(recipe: str, compiled: bool) -> bool:
     """Turn Inductor's `emulate_precision_casts` on where needed (never off); returns whether it is on."""
     import torch._inductor.config as inductor_config  # Inductor: compiled FP8 runs only
 
-    if needs_emulate_precision_casts(recipe, compiled):
+    # Compiled rowwise FP8 rounds its scales unlike eager unless Inductor emulates eager's casts.
+    if compiled and recipe == "rowwise":
         inductor_config.emulate_precision_casts = True
     return bool(inductor_config.emulate_precision_casts)
 

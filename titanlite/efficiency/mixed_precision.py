@@ -88,9 +88,8 @@ class Precision:
         `clip(params, max_norm)`: clips by a norm computed elsewhere (a pipeline's, over all its
         stages); default torch's clip_grad_norm_ (0: measure the norm, clip nothing)."""
         params = [p for p in params if p.grad is not None]
-        if self.scaler.is_enabled():  # before unscale_, whose own error names no fix
-            for dtype in {p.dtype for p in params}:
-                check_param_dtype(self.mode, dtype)
+        for dtype in {p.dtype for p in params}:  # before unscale_, whose own error names no fix
+            check_param_dtype(self.mode, dtype)
         self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         norm = (clip or clip_grad_norm)(params, grad_clip or float("inf"))
         if not self.scaler.is_enabled():
@@ -127,14 +126,13 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def check_mode(mode: str, allow_auto: bool = False) -> str:
+def check_mode(mode: str, allow_auto: bool = False) -> None:
     choices = CHOICES if allow_auto else tuple(MODES)
     if mode not in choices:
         raise TitanliteError(
             f"training.mixed_precision='{mode}' is not one of "
             f"{', '.join(choices)}{closest(str(mode), choices)}"
         )
-    return mode
 
 
 def check_param_dtype(mode: str, param_dtype: torch.dtype) -> None:
@@ -159,7 +157,6 @@ def _present(kind: str) -> bool:
 def probe(mode: str, device_str: str) -> str | None:
     """None if `mode` trains on this device, else why not and the fix (cached per process)."""
     device = torch.device(device_str)
-    version = torch.__version__.split("+")[0]
     # Older GPUs can emulate bf16, slowly; refuse it (as hardware.resolve_dtype does) and say why.
     if (
         device.type == "cuda"
@@ -173,18 +170,22 @@ def probe(mode: str, device_str: str) -> str | None:
         )
     if (failure := _probe_step(mode, device)) is None:
         return None
+    mps = device.type == "mps"
     fix = {
         "fp32": "report this as a bug",
-        "bf16": "use fp32",
-        "fp16": "use bf16 (no scaler needed) or fp32",
-    }[mode]
-    if device.type == "mps" and mode == "bf16":
-        fix = (
+        "bf16": (
             f"bf16 on MPS needs macOS 14+ (this is "
             f"{'' if torch.backends.mps.is_macos_or_newer(14, 0) else 'not '}14+): use fp32"
-        )
-    if device.type == "mps" and mode == "fp16":
-        fix = f"GradScaler('mps') needs torch >= 2.8 (this is {version}): use bf16 or fp32"
+            if mps
+            else "use fp32"
+        ),
+        "fp16": (
+            f"GradScaler('mps') needs torch >= 2.8 (this is {torch.__version__.split('+')[0]}): "
+            f"use bf16 or fp32"
+            if mps
+            else "use bf16 (no scaler needed) or fp32"
+        ),
+    }[mode]
     return f"the probe step failed ({failure}): {fix}"
 
 

@@ -49,8 +49,8 @@ class ModelArgs:
 
     @property
     def hidden_dim(self) -> int:
-        multiple = self.multiple_of
-        return self.ffn_hidden_dim or multiple * math.ceil(int(8 * self.dim / 3) / multiple)
+        m = self.multiple_of
+        return self.ffn_hidden_dim or m * math.ceil(int(8 * self.dim / 3) / m)
 
     def validate(self) -> ModelArgs:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
@@ -164,7 +164,7 @@ def causal_attention(
     if expand_kv and groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     priority = sdpa_priority(q.device.type, capability)  # cuDNN first where torch would put it
-    gqa = q.shape[1] != k.shape[1]
+    gqa = q.shape[1] != k.shape[1]  # not when the KV heads were repeated above
     with sdpa_kernel(priority, set_priority=True) if priority else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
@@ -234,9 +234,8 @@ class Transformer(nn.Module):
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for block in self.layers.values():
             a = block.attention
-            for lin in (a.q_proj, a.k_proj, a.v_proj):
-                nn.init.normal_(lin.weight, std=std)
-            nn.init.normal_(a.o_proj.weight, std=out_std)
+            for lin, s in ((a.q_proj, std), (a.k_proj, std), (a.v_proj, std), (a.o_proj, out_std)):
+                nn.init.normal_(lin.weight, std=s)
             block.feed_forward.init_weights(std, out_std)  # FeedForward or MoE
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
@@ -269,8 +268,9 @@ class Transformer(nn.Module):
 
     def active_params(self) -> int:
         """Parameters one token uses: all, less each MoE block's routed experts it skips."""
-        skipped = sum(block.feed_forward.skipped_per_token for block in self.layers.values())
-        return self.num_params() - skipped
+        return self.num_params() - sum(
+            block.feed_forward.skipped_per_token for block in self.layers.values()
+        )
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token as PaLM (appendix B), nanoGPT and torchtitan count them: 6·N (forward 2·N,

@@ -89,12 +89,11 @@ class MoE(nn.Module):
         self.shared = (
             FeedForward(dim, hidden * args.n_shared_experts) if args.n_shared_experts else None
         )
-        self.dispatch = LocalDispatch()  # expert parallel: distributed/expert_parallel.py
+        self.dispatch = dispatch_locally  # expert parallel: distributed/expert_parallel.py
         self.dropped = 0  # token choices the capacity dropped, since the counter was last read
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        tokens = x.reshape(-1, shape[-1])
+        tokens = x.reshape(-1, x.shape[-1])
         weights, chosen, scores = self.router(tokens)
         if self.args.balance == "aux_loss" and self.training:
             tokens = AuxLoss.apply(tokens, self.aux_loss(scores, chosen))
@@ -103,7 +102,7 @@ class MoE(nn.Module):
         out = self.dispatch(tokens, weights, chosen, self.experts)
         if self.shared is not None:
             out = out + self.shared(tokens)
-        return out.reshape(shape)
+        return out.reshape(x.shape)
 
     @property
     def skipped_per_token(self) -> int:
@@ -206,13 +205,11 @@ class Experts(nn.Module):
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
         if expert_kernel(kind, dtype, capability_of(x)) == "grouped_mm":
             return grouped_swiglu(x.to(dtype), w_gate, w_up, w_down, counts.cumsum(0).int())
-        outs, start = [], 0
-        for e, n in enumerate(counts.tolist()):  # the loop needs the sizes on the host
-            xe = x[start : start + n]
-            outs.append(
-                F.linear(F.silu(F.linear(xe, w_gate[e])) * F.linear(xe, w_up[e]), w_down[e])
-            )
-            start += n
+        # The loop needs the sizes on the host. xe: expert e's rows of x.
+        outs = [
+            F.linear(F.silu(F.linear(xe, w_gate[e])) * F.linear(xe, w_up[e]), w_down[e])
+            for e, xe in enumerate(x.split(counts.tolist()))
+        ]
         return torch.cat(outs) if outs else x[:0]
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -220,14 +217,12 @@ class Experts(nn.Module):
             nn.init.normal_(w, std=s)
 
 
-class LocalDispatch:
+def dispatch_locally(tokens, weights, chosen, experts):
     """All experts on this rank: group the token choices by expert, run the experts, put each
     result back on its token weighted by its score (expert_parallel.py: across ranks)."""
-
-    def __call__(self, tokens, weights, chosen, experts):
-        order, counts = sort_by_expert(chosen, experts.w_gate.shape[0])
-        out = experts(tokens[order // chosen.shape[1]], counts)
-        return combine(out, order, weights, chosen, tokens)
+    order, counts = sort_by_expert(chosen, experts.w_gate.shape[0])
+    out = experts(tokens[order // chosen.shape[1]], counts)
+    return combine(out, order, weights, chosen, tokens)
 
 
 def sort_by_expert(chosen: torch.Tensor, n_experts: int):

@@ -14,8 +14,9 @@ CONTEXT_KEY = "original_max_position_embeddings"  # Llama 3.1's scaling: the con
 
 def llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     """Llama 3.1's context extension: slow waves longer than the old context by `factor`, blend the middle."""
-    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_ctx = s[CONTEXT_KEY]
+    factor, lo, hi, old_ctx = (
+        s[k] for k in ("factor", "low_freq_factor", "high_freq_factor", CONTEXT_KEY)
+    )
     wavelen = 2 * math.pi / inv_freq
     smooth = ((old_ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)  # 0: long waves, 1: short
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
@@ -28,8 +29,7 @@ def rope_cache(args, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     if args.rope_scaling:
         inv_freq = llama3_scaled(inv_freq, args.rope_scaling)
     positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
+    emb = torch.outer(positions, inv_freq).repeat(1, 2)  # [freqs, freqs]: the rotate-half layout
     return emb.cos(), emb.sin()
 
 
