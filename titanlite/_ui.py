@@ -2,8 +2,6 @@
 file; nothing in a notebook, where the live plot is the progress display (a tqdm widget would
 be saved as a dead placeholder)."""
 
-from __future__ import annotations
-
 import sys
 import time
 

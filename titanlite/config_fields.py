@@ -8,8 +8,6 @@
 any work starts (never in a torch constructor later); `set_value` sets a dotted key from a TOML file or
 the command line, converting the type and naming the closest valid keys when one does not exist."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import difflib

@@ -11,8 +11,6 @@ dtype, torch version), so every branch can be tested on a laptop CPU with anothe
 CPU and MPS keep fp32, eager, per-step logs. Also: TF32, whether GQA repeats k/v, the dtype MFU
 divides by, the process-group backend and which GPU a rank takes."""
 
-from __future__ import annotations
-
 import os
 
 import torch

@@ -4,8 +4,6 @@ Library code raises `TitanliteError`; the CLI prints it as a single line and exi
 status 2, and in Jupyter `notebook_setup()` (titanlite/tools/notebook.py) shows it without the
 traceback wall - but with every exception that led to it."""
 
-from __future__ import annotations
-
 import contextlib
 import difflib
 import errno

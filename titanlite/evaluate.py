@@ -4,8 +4,6 @@ loss = validation_loss(model_parts, loss_on, batches, device)   # mean over targ
 text = generate(model, tokenizer, "The ", max_new_tokens=48, context=256)
 """
 
-from __future__ import annotations
-
 import contextlib
 
 import torch

@@ -2,8 +2,6 @@
 (refusing one the device cannot run), device_name, synchronize. How fast it is lives in peaks.py;
 how much memory a step used in memory.py (MEMORY_METRIC_DOC says what each device's counter counts)."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import platform

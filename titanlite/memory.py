@@ -3,8 +3,6 @@ are not comparable across devices (MEMORY_METRIC_DOC says what each one counts).
 `allocator_readings` adds what the allocated peak hides: memory *reserved* from the driver (cache
 and fragmentation included) and the allocator's retries after a failed allocation."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import sys

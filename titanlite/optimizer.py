@@ -4,8 +4,6 @@ optimizer = build_optimizer(model_parts, cfg.optimizer)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.scheduler, cfg.training.steps))
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

@@ -2,8 +2,6 @@
 (else a NotADirectoryError deep inside torch, maybe after minutes of work), a folder holding another
 run (else overwritten, its metrics mixed with the new run's). One line naming the path and the fix."""
 
-from __future__ import annotations
-
 import json
 import os
 import shutil

@@ -4,11 +4,10 @@ MFU = achieved / peak FLOP/s is only as honest as the peak. The default peak is 
 square-matmul rate this device reaches in this dtype (`matmul_peak`: cached a week at most, measured
 again once if a run beats it). Vendor datasheet peaks (tools/datasheet.py), upper bounds, are labelled so."""
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -17,7 +16,6 @@ from pathlib import Path
 import torch
 
 from . import hardware
-from .data._cache import atomic_file
 from .errors import TitanliteError, closest
 
 
@@ -205,9 +203,11 @@ def _read_cache() -> dict:
 def _write_cache(table: dict) -> None:
     path = cache_dir() / "matmul_peaks.json"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(path) as tmp:  # write aside, then rename: never half a file
-            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        path.parent.mkdir(parents=True, exist_ok=True)  # write, then rename: never half a file
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".matmul_peaks.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
     except OSError as e:  # a read-only home must not stop training; it only costs a re-measure
         warnings.warn(
             f"could not cache the matmul peak in {path} ({e}): set TITANLITE_CACHE_DIR "

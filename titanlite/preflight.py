@@ -8,8 +8,6 @@
 Run by each torchrun worker as its Trainer starts, and first by `launch`: bad input costs no process
 start-up. Each refusal is one line naming the key and the fix. No device or process group is touched."""
 
-from __future__ import annotations
-
 import os
 from dataclasses import dataclass
 

@@ -7,8 +7,6 @@ the attention kernels' order, TF32 and the allocator's settings, each read off t
 optimizer or torch at the end of set-up. A wiring mistake between the two (a policy decided and
 then not applied) shows here, and the tests on faked GPUs read it (tests/test_virtual_gpu.py)."""
 
-from __future__ import annotations
-
 import dataclasses
 import os
 

@@ -7,8 +7,6 @@ learning-rate schedule. `forward_backward` is one step's forward and backward (t
 pipeline's stages when there is one, as in torchtitan). Timing, MFU, goodput, checkpoints,
 validation, samples and logging watch from the side (watchers.py); tools are handed to `fit`."""
 
-from __future__ import annotations
-
 import json
 import math
 import time

@@ -4,8 +4,6 @@ Full training state (optimizer, data position, RNG) is the checkpointing module'
 are the weights a finished run hands to `titanlite export-hf` or to transformers.
 """
 
-from __future__ import annotations
-
 import json
 import warnings
 from pathlib import Path

@@ -1,8 +1,6 @@
 """The torch internals the core touches, each with why and what if it moves. Names and signatures
 checked in torch 2.11, 2.12 and 2.13 ("2.11-2.13" below); the tools' internals are in torch_tools.py."""
 
-from __future__ import annotations
-
 import contextlib
 import importlib.util
 

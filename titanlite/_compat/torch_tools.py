@@ -4,8 +4,6 @@ memory measured), pytree, fake tensors, process-group names, the PipelineStage m
 pipeline timeline shadows. Names and signatures checked in torch 2.11-2.13.
 """
 
-from __future__ import annotations
-
 # FakeTensor: comm.CommCounter skips collectives traced on fake tensors (a compile's tracing
 # pass), which would otherwise be counted twice.
 from torch._subclasses.fake_tensor import FakeTensor  # noqa: F401

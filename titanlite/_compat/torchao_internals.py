@@ -2,8 +2,6 @@
 0.14-0.18. Imported on first use: one that moved fails with a TitanliteError naming the fix, never at
 `import titanlite`."""
 
-from __future__ import annotations
-
 from ..errors import TitanliteError
 
 CHECKED = "0.14-0.18"

@@ -1,8 +1,6 @@
 """The torchao internals only titanlite's tools touch (the core's are in torchao_internals.py), checked
 in torchao 0.14-0.18: the cast a Float8Linear makes, which notebook 06's FP8 numerics show."""
 
-from __future__ import annotations
-
 import torch
 
 from ..errors import TitanliteError

@@ -26,15 +26,7 @@ RECIPE = "bytelevel-bpe-llama3split-v1"  # bump when the training recipe changes
 
 def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE tokenizer. Deterministic: same documents, same tokenizer."""
-    if (
-        isinstance(vocab_size, bool)
-        or not isinstance(vocab_size, int)
-        or vocab_size < MIN_VOCAB_SIZE
-    ):
-        raise TitanliteError(
-            f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + "
-            f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size!r}; try 4096"
-        )
+    check_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -55,6 +47,18 @@ def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
         length=len(documents),
     )
     return tok
+
+
+def check_vocab_size(vocab_size) -> None:
+    if (
+        isinstance(vocab_size, bool)
+        or not isinstance(vocab_size, int)
+        or vocab_size < MIN_VOCAB_SIZE
+    ):
+        raise TitanliteError(
+            f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + "
+            f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size!r}; try 4096"
+        )
 
 
 def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
@@ -85,13 +89,14 @@ def get_tokenizer(
             "get_tokenizer needs either path= (an existing tokenizer) or "
             "documents= (text to train one on); pass one of them"
         )
+    check_vocab_size(vocab_size)  # before anything is written to the cache
     corpus_id = corpus_id or f"corpus-{fingerprint(*documents)}"
     folder = (
         cache_subdir(data_dir, "tokenizers")
         / f"{corpus_id}-bpe{vocab_size}-{fingerprint(RECIPE)[:6]}"
     )
     with build_lock(folder):  # one rank trains, the others wait and then load
-        if not (folder / "tokenizer.json").is_file():  # train_bpe checks vocab_size
+        if not (folder / "tokenizer.json").is_file():
             start = time.perf_counter()
             with atomic_file(folder, is_dir=True) as tmp:
                 wrap(train_bpe(documents, vocab_size)).save_pretrained(str(tmp))

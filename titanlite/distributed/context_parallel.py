@@ -19,8 +19,6 @@ from the saved merged output and log-sum-exp, and the K/V gradients travel round
 their K/V until they are home. A block is computed by torch's fused kernel that returns the
 log-sum-exp where there is one (`block_kernel`), else in plain torch ops (`math`)."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 

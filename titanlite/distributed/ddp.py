@@ -5,8 +5,6 @@
 Unlike `scratch_ddp.ScratchDataParallel`, gradients travel in ~25 MB buckets (few large messages beat
 many small ones), each all-reduced as soon as it is complete, overlapping the rest of backward."""
 
-from __future__ import annotations
-
 import contextlib
 import inspect
 

@@ -5,8 +5,6 @@
 Every process runs the same script; torchrun tells each one who it is: RANK (across all machines),
 LOCAL_RANK (on this machine), WORLD_SIZE, MASTER_ADDR/MASTER_PORT (where rank 0 listens)."""
 
-from __future__ import annotations
-
 import contextlib
 import ctypes
 import datetime

@@ -15,8 +15,6 @@ weights are the same on every ep rank, and FSDP shards them over dp_shard × ep 
 rank's loss is scaled for the average over the batch's ranks, while an expert's gradient sums
 the tokens of all ep ranks: the experts scale their gradient by 1/ep to match (Experts.grad_scale)."""
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor

@@ -5,8 +5,6 @@
 Each block's weights are all-gathered before its forward and its backward and freed after; gradients
 are reduce-scattered. One `fully_shard` per block lets block i+1's all-gather overlap block i's compute."""
 
-from __future__ import annotations
-
 import warnings
 
 import torch

@@ -12,8 +12,6 @@ at each step's start and end: the bubble, (p−1)/m of the time with m micro-bat
 alike; 1F1B starts backwards early, holding at most p micro-batches' activations, not m. Interleaving v
 stages per rank cuts it to (p−1)/(v·m); zero-bubble schedules fill it with weight gradients split off."""
 
-from __future__ import annotations
-
 import copy
 import inspect
 import math

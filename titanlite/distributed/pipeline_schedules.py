@@ -7,8 +7,6 @@ torch's schedules (torch.distributed.pipelining) run them; this module names the
 stages each puts on a rank (one; several, looping; or two, in a V), checks a layout against them
 before any model exists, and builds the one a run asks for (pipeline.py cuts the model)."""
 
-from __future__ import annotations
-
 import torch
 import torch.distributed.pipelining as pipelining
 

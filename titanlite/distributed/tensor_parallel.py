@@ -11,8 +11,6 @@ o_proj and down_proj partial sums, added by one all-reduce per pair. Sequence pa
 reduce-scatter + all-gather: norms and residual adds run on 1/tp of the sequence. Loss parallelism keeps
 the logits split over the vocabulary: cross-entropy all-reduces 3·B·T numbers, not B·T·V logits."""
 
-from __future__ import annotations
-
 import contextlib
 import math
 

@@ -3,8 +3,6 @@
 As in torchtitan, token losses are summed and divided by the whole global batch's target tokens, not
 each micro-batch's mean by k, so padding (`IGNORE_INDEX`) and ragged lengths weigh every token alike."""
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 

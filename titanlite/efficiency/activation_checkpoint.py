@@ -10,8 +10,6 @@ A checkpointed block keeps only its input; backward runs its forward again to re
 the pointwise ops (RMSNorm, rotary, SiLU, gating). Matmuls are where the FLOPs are; pointwise ops are
 nearly free to recompute, yet their outputs are as big as a matmul's: dropping them saves the memory."""
 
-from __future__ import annotations
-
 import functools
 
 import torch

@@ -6,8 +6,6 @@ Regional: every block runs the same code on same-shaped tensors and Dynamo guard
 type, so block 0's compiled graph serves every later block: compile time is one block's, however
 deep the model. Compile is lazy, so a failure would surface mid-run: a trial compile comes first."""
 
-from __future__ import annotations
-
 import warnings
 
 import torch

@@ -3,8 +3,6 @@
 support = compile_support("cpu", block=model.layers["0"], args=model.args, example_shape=(8, 256))
 support.works, support.why        # (True, "a trial compile of block 0 on a 8x256 batch ... worked")"""
 
-from __future__ import annotations
-
 import contextlib
 import copy
 import sys

@@ -7,8 +7,6 @@ Weights stay in high precision; matmuls scale operands into FP8 by fp8_max / ama
 tensor, e4m3 forward, e5m2 gradients, the fastest (cuBLAS) kernel; rowwise: e4m3, a power-of-two scale per
 row (an outlier row no longer squeezes the others): more accurate, CUTLASS. Below SM 8.9 torchao emulates FP8."""
 
-from __future__ import annotations
-
 import dataclasses
 
 import torch

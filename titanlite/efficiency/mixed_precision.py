@@ -10,8 +10,6 @@ bf16 keeps fp32's exponent range: gradients do not underflow, no scaler needed. 
 bits but 5 exponent bits: small gradients flush to zero, so `torch.amp.GradScaler` scales the loss up before
 backward and the gradients back down before the step, skipping the step and halving the scale on overflow."""
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import math

@@ -3,8 +3,6 @@ rotated by an angle proportional to the token's position, so attention scores de
 apart two tokens are, not where they are. The tables are computed once (`rope_cache`); a rank that
 holds a slice of the sequence (context parallelism) indexes them at its tokens' real positions."""
 
-from __future__ import annotations
-
 import math
 
 import torch

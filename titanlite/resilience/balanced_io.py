@@ -8,8 +8,6 @@ Load: DCP has every rank read every replicated byte (N ranks, N times the checkp
 entry is read by one rank - tensors spread by bytes, small pickled values by rank 0 - and broadcast;
 DTensor shards (FSDP, TP) are read by their owners, as before."""
 
-from __future__ import annotations
-
 import dataclasses
 import io
 

@@ -9,8 +9,6 @@ last good checkpoint loadable; a load first checks every file's size and CRC-32.
 whole write; "async" (a thread) and "async_process" (a process) copy the state to host memory in the background
 (`wait_for_staging()`, into kept buffers) and write it behind training on their own gloo group."""
 
-from __future__ import annotations
-
 import shutil
 import time
 import warnings

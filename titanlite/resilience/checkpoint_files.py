@@ -5,8 +5,6 @@ step-00000040/             committed: DCP's data files (one per rank, "__<rank>_
     titanlite.json         what was trained (model shape, layout) + every file's size & CRC
 step-00000050.partial/     a save in progress, or one a crash interrupted: never loaded"""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import logging
@@ -90,16 +88,17 @@ class RawWriter(DcpWriter):
         _lower_priority_if(self.background)
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"  # DCP's name: "__<rank>_0.distcp"
         path = Path(self.path) / name
-        results, size, synced_to, syncing, crc = [], 0, 0, None, None
+        crc = RunningCrc()
+        results, size, synced_to, syncing = [], 0, 0, None
         # CRC (in order) and disk syncs (fsync on macOS) on their own threads; both are done,
         # and their errors raised, before the file counts as written.
-        with open(path, "wb") as f, ThreadPoolExecutor(1) as syncs, ThreadPoolExecutor(1) as sums:
+        with open(path, "wb") as f, ThreadPoolExecutor(1) as syncs:
             for item in plan.items:
                 raw = item.type != WriteItemType.BYTE_IO
                 data = planner.resolve_data(item)
                 view = memoryview(_tensor_bytes(data) if raw else data.getbuffer())
                 f.write(view)
-                crc = sums.submit(_crc_after, crc, view)  # one thread: the buffers in order
+                crc.add(view)
                 info = dcp_storage_info(name, size, view.nbytes, [RAW] if raw else None)
                 results.append(WriteResult(item.index, view.nbytes, info))
                 size += view.nbytes
@@ -113,14 +112,27 @@ class RawWriter(DcpWriter):
             os.fsync(f.fileno())
             if syncing is not None:
                 syncing.result()  # a failed background sync fails the save (fsync may not see it)
-            crc = crc.result() if crc is not None else 0  # an error while summing fails the save
-        Path(f"{path}.crc").write_text(json.dumps([size, crc]))
+        Path(f"{path}.crc").write_text(json.dumps([size, crc.result()]))
         return _done(results)
 
 
-def _crc_after(previous, view: memoryview) -> int:
-    """The CRC-32 so far (`previous`: a future of it, done or None at the start) run on over `view`."""
-    return zlib.crc32(view, previous.result() if previous is not None else 0)
+class RunningCrc:
+    """CRC-32 of a stream of buffers, summed in order on a thread of its own."""
+
+    def __init__(self):
+        self._pool, self._folds, self._value = ThreadPoolExecutor(1), [], 0
+
+    def add(self, view: memoryview) -> None:
+        self._folds.append(self._pool.submit(self._fold, view))
+
+    def _fold(self, view: memoryview) -> None:
+        self._value = zlib.crc32(view, self._value)
+
+    def result(self) -> int:
+        for fold in self._folds:
+            fold.result()  # an error while summing fails the save
+        self._pool.shutdown()
+        return self._value
 
 
 def _tensor_bytes(tensor: torch.Tensor):

@@ -7,8 +7,6 @@ others fail in their next collective after parallel.timeout_s: that is how hangs
 attempts fail, attempt a at step `step + a * step_gap`, so a restarted job can resume and finish.
 `during = "save"` strikes while a checkpoint is written (rank 0 commits: kill it to stop a commit)."""
 
-from __future__ import annotations
-
 import os
 import signal
 import time

@@ -1,8 +1,6 @@
 """Where a (re)started run picks up: its fixed run directory and its newest committed checkpoint
 (torchrun --max-restarts reruns a failed job, which continues exactly from there)."""
 
-from __future__ import annotations
-
 import os
 import time
 from dataclasses import dataclass

@@ -1,8 +1,6 @@
 """Staging: the copy of the state an async save makes before training may change the weights. The
 copy runs in the background too: the trainer waits for it only before its next optimizer step."""
 
-from __future__ import annotations
-
 import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 
