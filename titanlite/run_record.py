@@ -23,9 +23,10 @@ def built(trainer) -> dict:
     model = unwrap(trainer.model)
     weight = next(model.parameters())  # a DTensor, if sharded, has its local shard's dtype
     blocks = list(getattr(model, "layers", {}).values())
-    on_cuda = trainer.device.type == "cuda"  # attention asks for this GPU's capability's order
     kernels = sdpa_priority(
-        trainer.device.type, torch.cuda.get_device_capability(trainer.device) if on_cuda else None
+        trainer.device.type,
+        # on CUDA, attention asks for this GPU's capability's order
+        torch.cuda.get_device_capability(trainer.device) if trainer.device.type == "cuda" else None,
     )
     return {
         "rank": trainer.dist.rank,
@@ -51,9 +52,8 @@ def built(trainer) -> dict:
 def run_record(trainer, per_rank: list[dict] | None = None) -> dict:
     """run.json: the config, the shapes and batch the run was planned with, its MFU peak, and
     `per_rank` (each rank's `built`)."""
-    job = os.environ.get(
-        "TORCHELASTIC_RUN_ID"
-    )  # a torchrun job's attempts share it and their agent
+    # a torchrun job's attempts share its run id, and their agent
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
     return {
         "job": job and f"{job}:{os.getppid()}",
         "config": dataclasses.asdict(trainer.cfg),

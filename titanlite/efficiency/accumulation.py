@@ -4,9 +4,9 @@ As in torchtitan, token losses are summed and divided by the whole global batch'
 each micro-batch's mean by k, so padding (`IGNORE_INDEX`) and ragged lengths weigh every token alike."""
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..distributed.env import all_reduce_sum
 from ..errors import TitanliteError
 
 IGNORE_INDEX = -100  # targets with this id (padding) count neither in the loss nor the divisor
@@ -59,6 +59,7 @@ def global_tokens_per_rank(
         # Counted on the device from its own copy of the labels and summed there: a tensor made from a
         # Python number would wait for the GPU every step. The tp × pp ranks of a slice each count it.
         local = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).float()
-        return all_reduce_sum(local) / dims.world_size
+        dist.all_reduce(local)  # a sum over every rank (torch, not distributed/: that imports this)
+        return local / dims.world_size
     local = getattr(micro_batches, "num_targets", None)  # counted on the host (data/transfer.py)
     return float(local if local is not None else sum(count_targets(y) for _, y in micro_batches))

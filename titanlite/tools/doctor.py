@@ -197,7 +197,7 @@ def _attention(device, facts, smoke, out) -> list[Check]:
             "attention kernel",
             status,
             f"SDPA picks {picked}{tried} for {tuple(q.shape)} q, "
-            f"{tuple(kv.shape)} k/v ({str(dtype)[6:]}, causal, GQA); runnable: {', '.join(works) or 'none'}",
+            f"{tuple(kv.shape)} k/v ({str(dtype).removeprefix('torch.')}, causal, GQA); runnable: {', '.join(works) or 'none'}",
             {"picked": picked, "runnable": works},
         )
     ]
