@@ -9,8 +9,6 @@ by what is meaningful, not by what a number can hold: a million-sequence batch o
 vocabulary is a typo (a size this machine cannot hold is preflight's memory check's to refuse).
 Sections mirror torchtitan's job config, trimmed to what titanlite teaches."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -272,20 +270,19 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
 
-    def with_overrides(self, overrides: dict, source: str = "override") -> Config:
+    def with_overrides(self, overrides: dict, source: str = "override") -> "Config":
         """A copy with `overrides` ({"section.key": value}) applied by `set_value`; self is unchanged."""
         copy = Config(**{k: type(v)(**vars(v)) for k, v in vars(self).items()})
         for key, value in overrides.items():
             set_value(copy, key, value, source=source)
         return copy
 
-    def validate(self) -> Config:
+    def validate(self) -> "Config":
         """Every key against its declaration (`ranged`, `one_of`, `matching`), then rules spanning
         keys: the profiled steps within the run's (and first <= last)."""
-        for section in fields(self):
-            values = getattr(self, section.name)
-            for f in fields(values):
-                check_field(self, f"{section.name}.{f.name}", getattr(values, f.name), f)
+        for name, section in vars(self).items():
+            for f in fields(section):
+                check_field(self, f"{name}.{f.name}", getattr(section, f.name), f)
         parse_steps(self.profile.steps, self.training.steps)
         return self
 

@@ -17,9 +17,9 @@ def build_optimizer(parts: list[torch.nn.Module], o, fused: bool = False) -> tor
     an `after_optimizer_step` (an MoE router's balancing) is called after every step."""
     groups = {}
     for p in (p for part in parts for p in part.parameters()):
-        mesh = getattr(p, "device_mesh", None)
-        key = (p.dim() >= 2, None if mesh is None else mesh.mesh_dim_names)
-        groups.setdefault(key, []).append(p)
+        # a DTensor's mesh dimensions (expert parallel: the experts'); None for a plain tensor
+        mesh_dims = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None)
+        groups.setdefault((p.dim() >= 2, mesh_dims), []).append(p)
     optimizer = torch.optim.AdamW(
         [
             {"params": params, "weight_decay": o.weight_decay if decays else 0.0}

@@ -19,7 +19,7 @@ from .distributed.mesh import ParallelDims
 from .distributed.parallelize import sequence_parallel_enabled
 from .efficiency.accumulation import resolve_batch
 from .errors import TitanliteError
-from .models.llama import ModelArgs, Transformer
+from .models.llama import ModelArgs, count
 from .resilience.faults import check_fault
 
 # Presets sized for training here take their vocabulary from the tokenizer; the large ones
@@ -174,17 +174,6 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
             "(each rank would check only its own shard for overflow): use "
             "--training.mixed_precision bf16",
         ),
-    )
-    if dims.tp > 1:
-        from .distributed.tensor_parallel import check_tp  # loads TP's part of torch: tp > 1 only
-
-        check_tp(
-            args,
-            dims.tp,
-            seq_len=t.seq_len // dims.cp,  # what a cp rank holds of each sequence
-            sequence_parallel=sequence_parallel_enabled(p, dims),
-        )
-    refuse_first(
         (
             dims.cp > 1 and t.seq_len % pieces,
             f"training.seq_len={t.seq_len} does not cut into {pieces} equal chunks for "
@@ -214,6 +203,15 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
             "evaluate: set --eval.every 0, or use --parallel.pp_schedule interleaved_zb",
         ),
     )
+    if dims.tp > 1:
+        from .distributed.tensor_parallel import check_tp  # loads TP's part of torch: tp > 1 only
+
+        check_tp(
+            args,
+            dims.tp,
+            seq_len=t.seq_len // dims.cp,  # what a cp rank holds of each sequence
+            sequence_parallel=sequence_parallel_enabled(p, dims),
+        )
     if dims.pp > 1:
         from .distributed.pipeline import check_pipeline, microbatches  # pipelining: pp > 1 only
 
@@ -236,8 +234,7 @@ def check_memory_fits(plan: Plan, cfg: Config, limit: int | None, where: str) ->
     if limit is None:
         return
     args, dims, t = plan.model_args, plan.dims, cfg.training
-    with torch.device("meta"):  # counted, not allocated
-        params = Transformer(args).num_params()
+    _, params = count(args, t.seq_len)  # on the meta device: counted, not allocated
     param_bytes = 2 if t.dtype in ("bfloat16", "float16", "bf16", "fp16") else 4
     # per process: its shard of weights and gradients (2 × param_bytes) and AdamW's two fp32 moments
     state = params * (2 * param_bytes + 8) / (dims.dp_shard * dims.tp * dims.pp)

@@ -11,11 +11,9 @@ import json
 import math
 import time
 import warnings
-from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
 from torch.profiler import record_function
 
 from . import hardware
@@ -35,13 +33,7 @@ from .models.llama import count
 from .optimizer import build_optimizer, lr_lambda
 from .paths import claim_run_dir
 from .peaks import peak_for
-from .preflight import (
-    VOCAB_FROM_TOKENIZER,
-    preflight,
-    prepare_process,
-    tokenizer_for,
-    tokenizer_size,
-)
+from .preflight import model_args_for, preflight, prepare_process, tokenizer_for, tokenizer_size
 from .resilience.resume import open_checkpoint, run_name_for
 from .run_record import built, run_record
 from .watchers import Run, StepEnd, build_watchers, notify
@@ -58,12 +50,13 @@ class Trainer:
         # the batch (micro-batch, accumulation, global), the rank grid and the model's shape.
         world = (env.torchrun_env() or env.ONE_PROCESS).world_size
         plan = preflight(cfg, world, tokenizer_size(cfg, start_from), start_from)
-        self.dims, self.model_args, self.micro_batch = plan.dims, plan.model_args, plan.micro_batch
+        self.dims, self.micro_batch = plan.dims, plan.micro_batch
         self.grad_accum_steps, self.global_batch = plan.grad_accum_steps, plan.global_batch
         prepare_process(plan, cfg)  # threads, allocator settings, memory: before any allocation
         # Under torchrun each process joins the job and takes its own device; alone, a world of one.
-        p = cfg.parallel  # until the "auto"s below are decided: backend and timeout only
-        self.dist = env.init_distributed(cfg.training.device, p.backend, p.timeout_s)
+        self.dist = env.init_distributed(
+            cfg.training.device, cfg.parallel.backend, cfg.parallel.timeout_s
+        )
         self.device = self.dist.device
         # The config's "auto"s, decided by this device's facts (CUDA gets torchtitan's defaults).
         fsdp = self.dims.strategy in ("fsdp", "hsdp")
@@ -88,9 +81,9 @@ class Trainer:
             sequence_part=self.dims.sequence_part(self.dist.rank, p.cp_layout),  # CP: its part
         )
         self.tokenizer = self.data.tokenizer
-        if cfg.model.preset in VOCAB_FROM_TOKENIZER and cfg.model.vocab_size is None:
-            if not start_from:  # the small presets take the tokenizer's vocabulary, exactly
-                self.model_args = replace(self.model_args, vocab_size=self.data.vocab_size)
+        # The plan's shape once more, now that the tokenizer exists: the small presets take its
+        # vocabulary exactly (preflight knew only the size asked for, data.vocab_size).
+        self.model_args = model_args_for(cfg, self.data.vocab_size, start_from)
         self.flops_per_token, self.num_params = count(self.model_args, cfg.training.seq_len)
         # The techniques modify the model in place (swap Linears, wrap or compile blocks): state-dict
         # names stay the plain model's; DDP/FSDP come last. One part, or one per pipeline stage (self.pipe).
@@ -107,13 +100,17 @@ class Trainer:
         )
         self.model = self.model_parts[0]
         self.loss_context = loss_context_for(p, self.dims)  # TP's sharded softmax, or nothing
-        fused = use_fused_adamw(self.device.type)
-        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, fused=fused)
-        self.scheduler = LambdaLR(self.optimizer, lr_lambda(cfg.scheduler, cfg.training.steps))
+        self.optimizer = build_optimizer(
+            self.model_parts, cfg.optimizer, fused=use_fused_adamw(self.device.type)
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.scheduler, cfg.training.steps)
+        )
         # MFU against the peak of the dtype the matmuls actually run in.
         fp8 = getattr(unwrap(self.model), "fp8_info", None)
-        fsdp_dtype = p.param_dtype if fsdp else None
-        self.compute_dtype = matmul_dtype(self.dtype, self.precision.dtype, fsdp_dtype, fp8)
+        self.compute_dtype = matmul_dtype(
+            self.dtype, self.precision.dtype, p.param_dtype if fsdp else None, fp8
+        )
         self.datasheet_peak = datasheet(self.device, self.compute_dtype) if datasheet else None
         self.peak = peak_for(
             self.device, self.compute_dtype, cfg.metrics.peak, self.dist, datasheet
@@ -140,8 +137,10 @@ class Trainer:
             # DDP all-reduces only after the last micro-batch (no_sync; the others add into .grad);
             # FSDP reduce-scatters each one, to keep gradients sharded (memory is what FSDP is for).
             last = i == len(micro_batches) - 1
-            sync = grad_sync(self.model, sync=last or self.dims.strategy != "ddp")
-            with sync, self.loss_context():  # TP: the sharded softmax, and its backward
+            with (
+                grad_sync(self.model, sync=last or self.dims.strategy != "ddp"),
+                self.loss_context(),  # TP: the sharded softmax, and its backward
+            ):
                 if self.pipe is not None:
                     with self.precision.autocast(), record_function("forward_backward"):
                         total += self.pipe.step(x, y, num_tokens=num_tokens)
@@ -165,14 +164,15 @@ class Trainer:
             micro_batches, self.dims, self.device, self.dist.distributed
         )
         total = self.forward_backward(micro_batches, num_tokens)
-        params = [q for part in self.model_parts for q in part.parameters()]
         # An async save's copy of the weights must be done before the weights change.
         staging_wait_s = self.checkpointer.wait_for_staging() if self.checkpointer else 0.0
         with record_function("optimizer"):  # clip, step, schedule, zero_grad
-            # A pipeline clips by the norm of all stages' gradients, summed over its ranks.
-            clip = self.pipe.clip_grad_norm_ if self.pipe is not None else None
             grad_norm, skipped = self.precision.step(
-                self.optimizer, params, self.cfg.training.grad_clip, clip=clip
+                self.optimizer,
+                [q for part in self.model_parts for q in part.parameters()],
+                self.cfg.training.grad_clip,
+                # A pipeline clips by the norm of all stages' gradients, summed over its ranks.
+                clip=self.pipe.clip_grad_norm_ if self.pipe is not None else None,
             )
             if self.cfg.float8.fsdp_all_gather:  # FP8 weights are gathered: their scales, once
                 from .efficiency.fp8 import precompute_fp8_scales  # torchao: FP8 runs only
@@ -188,9 +188,11 @@ class Trainer:
         out = {"loss": None, "grad_norm": None, "skipped": skipped}
         out.update(ready_s=ready_s, staging_wait_s=staging_wait_s)
         if read:
-            # Each rank holds its slice's loss (TP ranks, PP stages, CP ranks): average the slices.
-            loss = env.all_reduce_sum(total).item() / self.dims.world_size
-            out.update(loss=loss, grad_norm=float(grad_norm))
+            out.update(
+                # Each rank holds its slice's loss (TP ranks, PP stages, CP ranks): average the slices.
+                loss=env.all_reduce_sum(total).item() / self.dims.world_size,
+                grad_norm=float(grad_norm),
+            )
             # A non-finite loss poisons the weights, so every later loss is non-finite too and
             # the next logged step (the last one always is) catches it.
             if not math.isfinite(out["loss"]) and not skipped:
@@ -208,11 +210,13 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean validation loss per target token over every data-parallel rank's batches."""
-        one = self.pipe.eval_loss if self.pipe is not None else self.loss_on
-        batches = self.data.val.eval_batches(self.cfg.eval.batches)
         with self.loss_context():
             return validation_loss(
-                self.model_parts, one, batches, self.device, self.dist.distributed
+                self.model_parts,
+                self.pipe.eval_loss if self.pipe is not None else self.loss_on,
+                self.data.val.eval_batches(self.cfg.eval.batches),
+                self.device,
+                self.dist.distributed,
             )
 
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, **kwargs) -> str:
@@ -269,8 +273,10 @@ class Trainer:
             while self.step < cfg.training.steps:
                 self._step_start = time.perf_counter()
                 notify(chain, "on_step_start", self.step + 1)
-                last = self.step + 1 == cfg.training.steps
-                logged = (self.step + 1) % cfg.metrics.log_every == 0 or last
+                # the last step is always logged
+                logged = (self.step + 1) % cfg.metrics.log_every == 0 or (
+                    self.step + 1 == cfg.training.steps
+                )
                 out = self.train_step(self.next_micro_batches(), read=logged)
                 self.step += 1
                 seconds = time.perf_counter() - self._step_start
