@@ -5,9 +5,7 @@ Files are written under a temporary name, then `os.replace`d (never seen half-wr
 import contextlib
 import hashlib
 import os
-import shutil
 import tempfile
-import uuid
 from pathlib import Path
 
 from ..errors import TitanliteError
@@ -57,22 +55,20 @@ def fingerprint(*parts: str | bytes, length: int = 12) -> str:
 def atomic_file(path: Path, *, is_dir: bool = False):
     """Yield a temporary path (an empty folder if is_dir); on success it becomes `path` in one step,
     on error it vanishes. A folder another process published first (no lock) wins over ours."""
-    # In the target's folder, so os.replace is a rename on one filesystem (atomic).
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-    if is_dir:
-        tmp.mkdir(parents=True)
-    try:
+    # A scratch folder beside the target, so os.replace is a rename on one filesystem (atomic);
+    # leaving the `with` deletes the scratch folder and whatever was not moved out of it.
+    with tempfile.TemporaryDirectory(
+        prefix=f".{path.name}.", dir=path.parent, ignore_cleanup_errors=True
+    ) as scratch:
+        tmp = Path(scratch) / path.name
+        if is_dir:
+            tmp.mkdir()
         yield tmp
         try:
             os.replace(tmp, path)
         except OSError:  # a folder can't replace a non-empty one
             if not (is_dir and path.is_dir()):
                 raise
-    finally:
-        if is_dir:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 Validation holds out whole *documents*, spread evenly: none neighbours a training window, and they cover
 the same kinds of text. Too few documents (TinyShakespeare): the last val_fraction of tokens, as nanoGPT."""
 
+import contextlib
 import math
 import zipfile
 from dataclasses import dataclass
@@ -166,15 +167,16 @@ def cached_token_stream(
     """(tokens, doc_lengths) for the corpus, from cache/tokens/ or encoded and saved there."""
     file = cache_subdir(data_dir, "tokens") / f"{cid}-{tokenizer_hash(tok)}.npz"
     with build_lock(file):  # one rank encodes, the others wait and then read its file
-        try:  # a missing file is an OSError too
-            with np.load(file) as saved:
-                return saved["tokens"], saved["doc_lengths"]
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-            pass  # not built yet, or unreadable (e.g. a disk filled up): build it
+        # Not built yet (a missing file is an OSError too), or unreadable (e.g. a disk filled up):
+        # the errors are passed over, and it is built below.
+        with (
+            contextlib.suppress(OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile),
+            np.load(file) as saved,
+        ):
+            return saved["tokens"], saved["doc_lengths"]
         tokens, doc_lengths = encode_documents(tok, docs)
-        # a file object: numpy appends no ".npz"
-        with atomic_file(file) as tmp, open(tmp, "wb") as f:
-            np.savez(f, tokens=tokens, doc_lengths=doc_lengths)
+        with atomic_file(file) as tmp:  # tmp has the file's name: numpy appends no second ".npz"
+            np.savez(tmp, tokens=tokens, doc_lengths=doc_lengths)
     return tokens, doc_lengths
 
 

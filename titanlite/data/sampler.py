@@ -63,18 +63,17 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
         self._orders: dict[int, torch.Tensor] = {}  # epoch -> window order
 
     def order(self, epoch: int) -> torch.Tensor:
-        """The window order of one epoch (computed once, kept while that epoch lasts)."""
+        """The window order of one epoch (computed once, kept while that epoch lasts). A corpus
+        smaller than one step repeats its order to fill the step: every window, in each."""
         if epoch not in self._orders:
-            self._orders = {epoch: _seeded_permutation(self.num_windows, self.seed, epoch)}
+            order = _seeded_permutation(self.num_windows, self.seed, epoch)
+            # ceil(global_batch / num_windows) copies: 1 unless the corpus is that small
+            self._orders = {epoch: order.repeat(-(-self.global_batch // self.num_windows))}
         return self._orders[epoch]
 
     def next_indices(self) -> list[int]:
         """Advance one global micro-step; return this rank's batch_size window indices."""
-        order = self.order(self.epoch)
-        if self.num_windows >= self.global_batch:
-            step = order[self.position : self.position + self.global_batch]
-        else:  # a corpus smaller than one step: every window, repeated to fill it
-            step = order.repeat(-(-self.global_batch // self.num_windows))[: self.global_batch]
+        step = self.order(self.epoch)[self.position : self.position + self.global_batch]
         self.position += self.global_batch
         if self.position + self.global_batch > self.num_windows:  # no full step left
             self.epoch, self.position = self.epoch + 1, 0
@@ -95,38 +94,41 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
                 f"not a batch-sampler state (missing {missing}); pass "
                 "what StatefulBatchSampler.state_dict() returned"
             )
-        if state["seed"] != self.seed:
-            raise TitanliteError(
+        saved_global = state["batch_size"] * state["world_size"]
+        refusals = (  # (refused?, why), checked in this order
+            (
+                state["seed"] != self.seed,
                 f"the checkpoint's data order used seed={state['seed']} but "
-                f"this run has seed={self.seed}; rerun with seed={state['seed']}"
-            )
-        if state["num_windows"] != self.num_windows:
-            raise TitanliteError(
+                f"this run has seed={self.seed}; rerun with seed={state['seed']}",
+            ),
+            (
+                state["num_windows"] != self.num_windows,
                 f"the checkpoint's data had {state['num_windows']} windows, this run has "
                 f"{self.num_windows}: the corpus, tokenizer, seq_len or val_fraction "
-                "changed; resume with the settings the checkpoint was trained with"
-            )
-        if (saved_global := state["batch_size"] * state["world_size"]) != self.global_batch:
-            raise TitanliteError(
+                "changed; resume with the settings the checkpoint was trained with",
+            ),
+            (
+                saved_global != self.global_batch,
                 f"the checkpoint used batch_size*world_size = {state['batch_size']}*"
                 f"{state['world_size']} = {saved_global}, this run {self.batch_size}*"
                 f"{self.world_size} = {self.global_batch}; keep the global batch the same "
-                "to resume exactly"
-            )
-        position = state["position"]
-        steps_per_epoch = max(1, self.num_windows // self.global_batch)
-        if (
-            position % self.global_batch
-            or position >= steps_per_epoch * self.global_batch
-            or state["epoch"] < 0
-        ):
-            raise TitanliteError(
+                "to resume exactly",
+            ),
+            (  # a position between steps, or past an epoch's last full step
+                state["position"] % self.global_batch
+                or state["position"]
+                >= max(1, self.num_windows // self.global_batch) * self.global_batch
+                or state["epoch"] < 0,
                 f"corrupt sampler state (epoch={state['epoch']}, position="
-                f"{state['position']}); load an intact checkpoint"
-            )
+                f"{state['position']}); load an intact checkpoint",
+            ),
+        )
+        for refused, why in refusals:
+            if refused:
+                raise TitanliteError(why)
         self.epoch, self.position, self.steps = (
             int(state["epoch"]),
-            int(position),
+            int(state["position"]),
             int(state["steps"]),
         )
 
