@@ -33,7 +33,8 @@ def load_corpus(
     hf_split: str = "train",
     text_column: str | None = None,
 ) -> list[str]:
-    """The documents of a corpus, in a fixed order, truncated to max_docs / max_chars."""
+    """The documents of a corpus, in a fixed order: the first max_docs, and at most max_chars
+    characters (the last document cut)."""
     for label, value in (("max_chars", max_chars), ("max_docs", max_docs)):
         if value is not None and (not isinstance(value, int) or value <= 0):
             raise TitanliteError(
@@ -54,7 +55,12 @@ def load_corpus(
                 f"fetches it itself), or train on a local file:<path>"
             )
         docs = json.loads(file.read_text(encoding="utf-8"))
-    return limit_documents(docs, max_chars=max_chars, max_docs=max_docs)
+    docs = [d for d in docs if d.strip()][:max_docs]  # blank documents dropped
+    if max_chars is None:
+        return docs
+    # at most max_chars characters in all: the last document kept is cut
+    starts = itertools.accumulate((len(doc) for doc in docs), initial=0)
+    return [doc[: max_chars - start] for doc, start in zip(docs, starts) if start < max_chars]
 
 
 def parse_dataset(dataset: str, path: str | None = None) -> tuple[str, str | None]:
@@ -115,36 +121,26 @@ def corpus_id(dataset: str, documents: list[str]) -> str:
     return f"{slug}-{fingerprint(*documents)}"
 
 
-def limit_documents(
-    docs: list[str], *, max_chars: int | None = None, max_docs: int | None = None
-) -> list[str]:
-    """The first max_docs documents, and at most max_chars characters (the last one cut)."""
-    docs = [d for d in docs if d.strip()][:max_docs]
-    if max_chars is None:
-        return docs
-    starts = itertools.accumulate((len(doc) for doc in docs), initial=0)
-    return [doc[: max_chars - start] for doc, start in zip(docs, starts) if start < max_chars]
-
-
 def file_corpus(path: str | Path) -> list[str]:
     """One document per file: `path` itself, or every .txt/.md under it sorted by name."""
     root = Path(path).expanduser()
-    if root.is_file():
-        files = [root]
-    elif root.is_dir():
-        files = sorted(
-            (p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES),
-            key=lambda p: p.relative_to(root).as_posix(),
-        )
-        if not files:
-            raise TitanliteError(
-                f"no .txt or .md files in folder {root}; "
-                "add some text files or point to a different folder"
-            )
-    else:
+    if not (root.is_file() or root.is_dir()):
         raise TitanliteError(
             f"data file {root} does not exist; "
             "check the path (relative paths start from the current folder)"
+        )
+    files = (
+        [root]
+        if root.is_file()
+        else sorted(
+            (p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES),
+            key=lambda p: p.relative_to(root).as_posix(),
+        )
+    )
+    if not files:
+        raise TitanliteError(
+            f"no .txt or .md files in folder {root}; "
+            "add some text files or point to a different folder"
         )
     return [read_text_file(f) for f in files]
 

@@ -25,8 +25,8 @@ RECIPE = "bytelevel-bpe-llama3split-v1"  # bump when the training recipe changes
 
 
 def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE tokenizer. Deterministic: same documents, same tokenizer."""
-    check_vocab_size(vocab_size)
+    """Train a byte-level BPE tokenizer. Deterministic: same documents, same tokenizer.
+    (`get_tokenizer` checks vocab_size first: tokenizers would quietly train a smaller one.)"""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -47,18 +47,6 @@ def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
         length=len(documents),
     )
     return tok
-
-
-def check_vocab_size(vocab_size) -> None:
-    if (
-        isinstance(vocab_size, bool)
-        or not isinstance(vocab_size, int)
-        or vocab_size < MIN_VOCAB_SIZE
-    ):
-        raise TitanliteError(
-            f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + "
-            f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size!r}; try 4096"
-        )
 
 
 def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
@@ -89,7 +77,16 @@ def get_tokenizer(
             "get_tokenizer needs either path= (an existing tokenizer) or "
             "documents= (text to train one on); pass one of them"
         )
-    check_vocab_size(vocab_size)  # before anything is written to the cache
+    # before anything is written to the cache
+    if (
+        isinstance(vocab_size, bool)
+        or not isinstance(vocab_size, int)
+        or vocab_size < MIN_VOCAB_SIZE
+    ):
+        raise TitanliteError(
+            f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + "
+            f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size!r}; try 4096"
+        )
     corpus_id = corpus_id or f"corpus-{fingerprint(*documents)}"
     folder = (
         cache_subdir(data_dir, "tokenizers")
@@ -117,11 +114,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
             "containing one); check the path, or pass tokenizer=None to train one "
             "on the corpus"
         )
-    try:
-        if path.is_file():
-            tok = wrap(Tokenizer.from_file(str(path)))
-        else:  # a checkpoint's own folder (e.g. Llama 3's): never downloaded
-            tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    try:  # a bare tokenizer.json, or a checkpoint's own folder (e.g. Llama 3's): never downloaded
+        tok = (
+            wrap(Tokenizer.from_file(str(path)))
+            if path.is_file()
+            else PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        )
     except Exception as err:
         raise TitanliteError(
             f"cannot load the tokenizer at {path} ({str(err)[:200]}); "

@@ -125,9 +125,6 @@ class RMSNorm(nn.Module):
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
 
 class Attention(nn.Module):
     context_parallel = None  # set by distributed/context_parallel.py: attention across cp ranks
@@ -217,9 +214,10 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # rotary tables: derived data, not saved in checkpoints
-        table = (args.max_seq_len, args.head_dim)
-        self.register_buffer("rope_cos", torch.empty(table), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(table), persistent=False)
+        for name in ("rope_cos", "rope_sin"):
+            self.register_buffer(
+                name, torch.empty(args.max_seq_len, args.head_dim), persistent=False
+            )
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -237,11 +235,10 @@ class Transformer(nn.Module):
             for lin, s in ((a.q_proj, std), (a.k_proj, std), (a.v_proj, std), (a.o_proj, out_std)):
                 nn.init.normal_(lin.weight, std=s)
             block.feed_forward.init_weights(std, out_std)  # FeedForward or MoE
-            block.attention_norm.reset_parameters()
-            block.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
         if not self.args.tie_embeddings:
             nn.init.normal_(self.output.weight, std=std)
+        for norm in (m for m in self.modules() if isinstance(m, RMSNorm)):
+            nn.init.ones_(norm.weight)  # each norm starts as the identity
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] → logits [B, T, vocab]. A pipeline stage (distributed/pipeline.py) sets parts to
