@@ -613,12 +613,12 @@ def test_allocator_readings_from_cuda_memory_stats():
     assert readings_from_stats({}) == {"reserved_memory_bytes": 0, "alloc_retries": 0}
 
 
-def test_mps_peak_is_a_running_maximum_that_never_falls():
+def test_mps_peak_is_a_running_maximum_that_never_falls(monkeypatch):
     # Metal's allocation can shrink under memory pressure; the reported peak must not.
-    from titanlite.memory import RunningPeak
-
-    peak = RunningPeak()
-    assert [peak.sample(v) for v in (100, 300, 200, 50, 400)] == [100, 300, 300, 300, 400]
+    readings = iter([100, 300, 200, 50, 400])
+    monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: next(readings))
+    monkeypatch.setattr(memory, "_mps_peak", 0)
+    assert [memory.peak_memory_bytes("mps") for _ in range(5)] == [100, 300, 300, 300, 400]
 
 
 def test_bf16_refusal_on_pre_ampere_advises_fp16_autocast_not_fp16_weights():

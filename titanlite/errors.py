@@ -67,9 +67,9 @@ def writing(path, what: str):
         if isinstance(e, TitanliteError) or (err := disk_error(e)) is None:
             raise
         reason = (err.strerror or os.strerror(err.errno)).lower()
-        code = 1 if err.errno in (errno.ENOSPC, errno.EDQUOT) else 2
         raise WriteFailed(
-            f"{reason} writing {what} '{path}': {DISK_FIX[err.errno]}", code
+            f"{reason} writing {what} '{path}': {DISK_FIX[err.errno]}",
+            exit_code=1 if err.errno in (errno.ENOSPC, errno.EDQUOT) else 2,  # filled up: 1
         ) from None
 
 

@@ -66,9 +66,7 @@ def detect_device(requested: str = "auto") -> torch.device:
 
 def resolve_dtype(name, device) -> torch.dtype:
     """Map "bf16"/"bfloat16"/... to a torch.dtype, refusing one the device cannot run."""
-    if isinstance(name, torch.dtype):
-        name = str(name).removeprefix("torch.")
-    key = str(name).strip().lower()
+    key = str(name).removeprefix("torch.").strip().lower()  # a torch.dtype too
     if key not in _DTYPES:
         raise TitanliteError(
             f"unknown dtype {name!r}{closest(key, _DTYPES)}: use float32, bfloat16 or float16"

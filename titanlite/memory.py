@@ -23,18 +23,13 @@ MEMORY_METRIC_DOC = {
 }
 
 
-class RunningPeak:
-    """The largest value sampled so far: Metal's allocation can fall, a peak must not."""
-
-    def __init__(self):
-        self.value = 0
-
-    def sample(self, reading: int) -> int:
-        self.value = max(self.value, int(reading))
-        return self.value
+_mps_peak = 0  # the largest reading of Metal's allocation so far: that can fall, a peak must not
 
 
-_MPS_PEAK = RunningPeak()
+def _sample_mps_peak() -> int:
+    global _mps_peak
+    _mps_peak = max(_mps_peak, int(torch.mps.driver_allocated_memory()))
+    return _mps_peak
 
 
 def reset_peak_memory(device) -> None:
@@ -43,7 +38,7 @@ def reset_peak_memory(device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     elif device.type == "mps":
-        _MPS_PEAK.sample(torch.mps.driver_allocated_memory())  # no window to open
+        _sample_mps_peak()  # no window to open
     else:  # macOS / a locked-down container cannot: the peak stays a lifetime peak
         # "5" resets this process's RSS high-water mark (Linux >= 4.0)
         with contextlib.suppress(OSError):
@@ -56,7 +51,7 @@ def peak_memory_bytes(device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     if device.type == "mps":
-        return _MPS_PEAK.sample(torch.mps.driver_allocated_memory())
+        return _sample_mps_peak()
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

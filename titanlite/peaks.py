@@ -48,13 +48,10 @@ class Peak:
 
 
 def _tf32_enabled() -> bool:
-    """Whether float32 CUDA matmuls may use TF32 tensor cores (several times the FP32 rate)."""
-    mode = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # torch >= 2.9 API
-    if mode in ("tf32", "ieee"):
-        return mode == "tf32"
-    with contextlib.suppress(RuntimeError):  # raised when the legacy and new APIs were mixed
-        return bool(torch.backends.cuda.matmul.allow_tf32)
-    return False
+    """Whether float32 CUDA matmuls may use TF32 tensor cores (several times the FP32 rate). The
+    torch 2.9 getter: it also reads "tf32" after the legacy `allow_tf32 = True` (device_policy.enable_tf32),
+    and never raises, as the legacy getter does once the two APIs were mixed."""
+    return torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 def _matmul_label(device, dtype) -> str:
@@ -204,10 +201,11 @@ def _write_cache(table: dict) -> None:
     path = cache_dir() / "matmul_peaks.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # write, then rename: never half a file
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".matmul_peaks.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, prefix=".matmul_peaks.", suffix=".tmp", delete=False
+        ) as f:
             json.dump(table, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        os.replace(f.name, path)
     except OSError as e:  # a read-only home must not stop training; it only costs a re-measure
         warnings.warn(
             f"could not cache the matmul peak in {path} ({e}): set TITANLITE_CACHE_DIR "

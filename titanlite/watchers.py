@@ -12,8 +12,6 @@ is their point), so the losses are the same with any of them on or off:
 Each watcher is told what it needs - the run's facts (`Run`) and the few things it calls - and
 never holds the trainer, so what it can touch is written in its constructor."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +44,7 @@ class Run:
     restore_s: float | None = None  # and took this long to load it
 
     @classmethod
-    def of(cls, trainer, run_dir: Path, restore_s: float | None = None) -> Run:
+    def of(cls, trainer, run_dir: Path, restore_s: float | None = None) -> "Run":
         """The facts of `trainer`'s run into `run_dir` (copied: a watcher never holds the trainer)."""
         return cls(
             cfg=trainer.cfg,

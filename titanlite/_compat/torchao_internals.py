@@ -4,7 +4,6 @@
 
 from ..errors import TitanliteError
 
-CHECKED = "0.14-0.18"
 # the operands a Linear casts; upper-cased, GemmInputRoles
 ROLES = ("input", "weight", "grad_output")
 
@@ -14,7 +13,7 @@ def _moved(what: str, error: ImportError) -> TitanliteError:
 
     return TitanliteError(
         f"this torchao ({getattr(torchao, '__version__', '?')}) has no {what} "
-        f"({error}); titanlite's FP8 was checked with torchao {CHECKED}: "
+        f"({error}); titanlite's FP8 was checked with torchao 0.14-0.18: "
         f"pip install 'torchao>=0.14,<0.19'"
     )
 
