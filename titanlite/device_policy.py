@@ -15,15 +15,12 @@ import os
 
 import torch
 from torch.nn.attention import SDPBackend
+from torch.torch_version import TorchVersion
 
 from .errors import TitanliteError
 
 AMPERE = (8, 0)  # bf16 + TF32 tensor cores, FlashAttention-2
 ADA = (8, 9)  # FP8 tensor cores
-
-
-def _version(text: str | None = None) -> tuple[int, int]:
-    return tuple(int(part) for part in (text or torch.__version__).split("+")[0].split(".")[:2])
 
 
 # ---- mixed precision ------------------------------------------------------------------------
@@ -83,7 +80,8 @@ def flash_takes(
         and tuple(capability) >= AMPERE
         and head_dim <= 256
         and head_dim % 8 == 0
-        and _version(torch_version) >= (2, 5)
+        # compares with a tuple as a version ("2.13.0+cu130" >= (2, 5))
+        and TorchVersion(torch_version or torch.__version__) >= (2, 5)
     )
 
 

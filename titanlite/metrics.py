@@ -5,8 +5,6 @@ plot can tail it while another process trains) and needs no library to read. Rec
 "train" (one per logged step), "val" (one per evaluation), "checkpoint" (one per save).
 `TrainLog` is the watcher that writes them (and draws the progress bar)."""
 
-from __future__ import annotations
-
 import json
 import time
 from dataclasses import dataclass, field
@@ -51,7 +49,7 @@ class TrainLog:
     callbacks, the progress bar. `lr()`: the learning rate of the step about to run; `precision`:
     the run's Precision (loss scale)."""
 
-    def __init__(self, run: Run, history: History, callbacks, lr, precision):
+    def __init__(self, run: "Run", history: History, callbacks, lr, precision):
         self.run, self.history, self.callbacks = run, history, callbacks
         self.lr_now, self.precision, self.lr = lr, precision, 0.0
         run_dir = check_output_dir(run.run_dir, "run folder (metrics.log_dir / metrics.run_name)")
@@ -116,7 +114,7 @@ class TrainLog:
         reset_peak_memory(self.run.device)  # the peak of this step alone
         self.lr = self.lr_now()
 
-    def on_step_end(self, end: StepEnd) -> None:
+    def on_step_end(self, end: "StepEnd") -> None:
         # Steps between records do not wait for the device, so one step's time means little on
         # a GPU; the interval's average, ended by the logged step's wait, is honest.
         self.interval_s, self.interval_steps = (
@@ -134,7 +132,7 @@ class TrainLog:
                     tok_s=f"{self.history.train[-1]['tokens_per_sec']:,.0f}",
                 )
 
-    def train_record(self, end: StepEnd) -> dict:
+    def train_record(self, end: "StepEnd") -> dict:
         """The record of a logged step: its loss and gradient norm (`end.out`, train_step's
         result), speed, MFU against the peak, memory, and what watchers added (`end.extra`)."""
         run, out = self.run, end.out
