@@ -13,8 +13,7 @@ import signal
 import socket
 import sys
 import warnings
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -26,10 +25,13 @@ from ..hardware import detect_device
 
 @dataclass
 class DistEnv:
+    """Who this process is in the job torchrun started (a world of one when alone) and, once it
+    joined the process group (`init_distributed`), the backend it talks through and its device."""
+
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    backend: str | None = None  # None: a single process, no process group
+    backend: str | None = None  # None: no process group (a single process, or not joined yet)
     device: torch.device = torch.device("cpu")
 
     @property
@@ -41,15 +43,7 @@ class DistEnv:
         return self.world_size > 1
 
 
-class Launch(NamedTuple):
-    """Who this process is in the job torchrun started (a world of one when alone)."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-
-
-ONE_PROCESS = Launch(rank=0, local_rank=0, world_size=1)
+ONE_PROCESS = DistEnv()
 
 
 LAUNCH_HINT = (
@@ -58,8 +52,8 @@ LAUNCH_HINT = (
 )
 
 
-def torchrun_env(env=os.environ) -> Launch | None:
-    """Who this process is (`Launch`) when started by torchrun, else None. The variables are read
+def torchrun_env(env=os.environ) -> DistEnv | None:
+    """Who this process is (a `DistEnv` with no backend yet) when started by torchrun, else None. The variables are read
     once and checked as a whole, before any process group starts: a hand-written job script that
     sets some of them, or sets one wrong, gets one line saying which and how to launch instead."""
     present = sorted({"RANK", "WORLD_SIZE", "LOCAL_RANK"} & env.keys())
@@ -93,7 +87,7 @@ def torchrun_env(env=os.environ) -> Launch | None:
         raise TitanliteError(
             f"MASTER_PORT={env['MASTER_PORT']} is not a port (1-65535); {LAUNCH_HINT}"
         )
-    return Launch(rank, local, world)
+    return DistEnv(rank, local, world)
 
 
 def _count(env, name: str, default: int | None = None) -> int:
@@ -132,11 +126,14 @@ def init_distributed(
     device: str = "auto", backend: str = "auto", timeout_s: float = 300
 ) -> DistEnv:
     """Join the job's process group (if torchrun started us); return who we are."""
-    rank, local_rank, world_size = torchrun_env() or ONE_PROCESS
+    launch = torchrun_env() or ONE_PROCESS
+    rank, world_size = launch.rank, launch.world_size
     if world_size == 1 or not dist.is_available():
         return DistEnv(device=device_for_rank(device, 0))
     die_with_parent()
-    dev = device_for_rank(device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    dev = device_for_rank(
+        device, launch.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    )
     # mps named (`explicit`) is refused here; found by "auto", the ranks train on the CPU instead
     name, dev_type, note = backend_and_device_for(
         dev.type, world_size, backend, explicit=str(device).strip().lower().startswith("mps")
@@ -162,9 +159,7 @@ def init_distributed(
             timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
         )
-    return DistEnv(
-        rank=rank, local_rank=local_rank, world_size=world_size, backend=name, device=dev
-    )
+    return replace(launch, backend=name, device=dev)
 
 
 def die_with_parent() -> None:
@@ -222,10 +217,11 @@ def all_reduce_sum(value: torch.Tensor, group=None) -> torch.Tensor:
     return value
 
 
-def gather_from_ranks(value) -> list:
-    """Every rank's `value` (a picklable object), in rank order; [value] alone."""
+def gather_from_ranks(value, group=None) -> list:
+    """Every rank's `value` (a picklable object) in the group (None: all), in rank order; [value]
+    alone."""
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, value)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
     return everyone

@@ -66,11 +66,10 @@ def parallelize(
     precision, which the trial compile runs under."""
     p = parallel
     fsdp = dims.strategy in ("fsdp", "hsdp")
+    param_dtype = getattr(torch, p.param_dtype)
     fsdp_kwargs = dict(
         # None: the weights already are in the dtype FSDP would gather them in
-        param_dtype=getattr(torch, p.param_dtype)
-        if getattr(torch, p.param_dtype) != dtype
-        else None,
+        param_dtype=param_dtype if param_dtype != dtype else None,
         reduce_dtype=getattr(torch, p.reduce_dtype),
         cpu_offload=p.cpu_offload,
         pp=dims.pp,
@@ -79,40 +78,16 @@ def parallelize(
     # HSDP shards within a replica group and all-reduces across groups: a 2-D mesh. CP ranks hold
     # the same weights: FSDP shards them over dp_shard × cp.
     dp_mesh = dims.fsdp_mesh(mesh) if fsdp else None
-
-    def efficiency(part):
-        # FSDP gathers the weights in its param_dtype: the trial compile runs them in it, as training will
-        return apply_efficiency(
-            part,
-            device,
-            techniques,
-            example_shape,
-            autocast_dtype,
-            param_dtype=fsdp_kwargs["param_dtype"] if fsdp else None,
-        )
-
-    def context_parallel(part):  # after the trial compile, which runs a block alone
-        if dims.cp > 1:
-            from .context_parallel import apply_cp  # cp > 1 only
-
-            apply_cp(part, mesh["cp"], p.cp_layout, p.cp_method)
-
     if fsdp:
         from .fsdp import apply_fsdp, shard_and_init  # torch.distributed.fsdp: sharded runs only
-    if fsdp and dims.tp == 1 and dims.pp == 1 and dims.ep == 1:
+    # Pure FSDP builds the model on the meta device: sharded before its weights exist (below).
+    on_meta = fsdp and dims.tp == dims.pp == dims.ep == 1
+    if on_meta:
         with torch.device("meta"):
             model = Transformer(args).to(dtype)
-        # The FP8 and compile checks' trial runs must not move the RNG before rank 0 draws the weights.
-        with torch.random.fork_rng(devices=[]):
-            model = efficiency(model)
-        context_parallel(model)
-        # The weights: drawn once, by rank 0 (on the CPU), then sharded out
-        model = shard_and_init(
-            model, lambda: build_model(args, "cpu").to(dtype), dp_mesh, device, **fsdp_kwargs
-        )
-        return [model], None
-    # Initialised on the CPU: the same seed gives the same weights on every device and layout.
-    model = build_model(args, "cpu").to(device=device, dtype=dtype)
+    else:
+        # Initialised on the CPU: the same seed gives the same weights on every device and layout.
+        model = build_model(args, "cpu").to(device=device, dtype=dtype)
     stages, parts = [], [model]
     if dims.pp > 1:
         from .pipeline import Pipeline, pipeline_split  # torch.distributed.pipelining: pp > 1 only
@@ -138,9 +113,28 @@ def parallelize(
             from .expert_parallel import apply_ep  # ep > 1 only
 
             apply_ep(part, mesh["ep"])
-        part = efficiency(part)
-        context_parallel(part)
-        if fsdp:
+        # On the meta device the FP8 and compile checks' trial runs must not move the RNG before
+        # rank 0 draws the weights.
+        with torch.random.fork_rng(devices=[], enabled=on_meta):
+            part = apply_efficiency(
+                part,
+                device,
+                techniques,
+                example_shape,
+                autocast_dtype,
+                # FSDP gathers the weights in its param_dtype: the trial compile runs them in it,
+                # as training will
+                param_dtype=fsdp_kwargs["param_dtype"] if fsdp else None,
+            )
+        if dims.cp > 1:  # after the trial compile, which runs a block alone
+            from .context_parallel import apply_cp  # cp > 1 only
+
+            apply_cp(part, mesh["cp"], p.cp_layout, p.cp_method)
+        if on_meta:  # the weights: drawn once, by rank 0 (on the CPU), then sharded out
+            part = shard_and_init(
+                part, lambda: build_model(args, "cpu").to(dtype), dp_mesh, device, **fsdp_kwargs
+            )
+        elif fsdp:
             experts = dims.fsdp_mesh(mesh, experts=True) if dims.ep > 1 else "same"
             part = apply_fsdp(part, dp_mesh, expert_mesh=experts, **fsdp_kwargs)
         elif dims.strategy == "ddp":

@@ -13,7 +13,6 @@ alike; 1F1B starts backwards early, holding at most p micro-batches' activations
 stages per rank cuts it to (p−1)/(v·m); zero-bubble schedules fill it with weight gradients split off."""
 
 import copy
-import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -24,6 +23,7 @@ from torch import nn
 
 from ..efficiency.accumulation import count_targets, loss_sum
 from ..errors import TitanliteError
+from .env import all_reduce_sum, gather_from_ranks
 from .pipeline_schedules import SCHEDULES, check_pipeline, stage_ids
 
 # Re-exported: notebooks, tools and tests import these from here, beside pipeline_split.
@@ -42,8 +42,6 @@ def pipeline_split(
     *,
     schedule: str = "1f1b",
     stages_per_rank: int | None = None,
-    first_stage_weight: float = 0.0,
-    last_stage_weight: float = 0.0,
     device: torch.device | None = None,
 ):
     """This rank's stages (torch `PipelineStage`s) and their modules; every rank passes the same full model
@@ -58,7 +56,7 @@ def pipeline_split(
         tie_embeddings=model.args.tie_embeddings,
     )
     n_stages = pp * v
-    layers = split_layers(model.args.n_layers, n_stages, first_stage_weight, last_stage_weight)
+    layers = split_layers(model.args.n_layers, n_stages)
     device = device or next(model.parameters()).device
     stages, parts = [], []
     for s in stage_ids(rank, pp, v, SCHEDULES[schedule][1]):
@@ -130,21 +128,21 @@ def pipeline_step(
     if forward_only:
         schedule.eval(*((x,) if first else ()), target=y if last else None, losses=losses)
     else:
-        # return_outputs=False (where torch has it): do not keep every micro-batch's logits alive
-        kw = (
-            {"return_outputs": False}
-            if "return_outputs" in inspect.signature(schedule.step).parameters
-            else {}
+        # return_outputs=False: do not keep every micro-batch's logits alive
+        schedule.step(
+            *((x,) if first else ()),
+            target=y if last else None,
+            losses=losses,
+            return_outputs=False,
         )
-        schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses, **kw)
     total = (
         torch.stack(losses).sum().detach().float()
         if last
         else torch.zeros((), device=stages[0].device)
     )
-    if dist.is_initialized():  # only the last stage knows the loss: tell the others
-        dist.all_reduce(total, group=_group(pp_group))
-    return total
+    return all_reduce_sum(
+        total, _group(pp_group)
+    )  # only the last stage knows the loss: tell the others
 
 
 @torch.no_grad()
@@ -152,7 +150,7 @@ def pipeline_eval(
     schedule, stages: list, x: torch.Tensor, y: torch.Tensor, *, loss_fn: TokenLoss, pp_group=None
 ) -> torch.Tensor:
     """The batch's mean token loss on every pipeline rank, forward only (no gradients or activations kept)."""
-    if type(schedule).__name__ in {cls for cls, style in SCHEDULES.values() if style == "v"}:
+    if type(schedule) in {cls for cls, style in SCHEDULES.values() if style == "v"}:
         # Its stages that share a rank hand gradients over locally, even in eval (torch 2.13).
         raise TitanliteError(
             f"torch's {type(schedule).__name__} cannot run forward-only: evaluate "
@@ -171,12 +169,7 @@ def gather_state_dict(parts: list, pp_group=None) -> dict[str, torch.Tensor]:
         for part in parts
         for k, v in part.state_dict().items()
     }
-    if not dist.is_initialized():
-        return local
-    group = _group(pp_group)
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, local, group=group)
-    return {k: v for d in everyone for k, v in d.items()}
+    return {k: v for d in gather_from_ranks(local, _group(pp_group)) for k, v in d.items()}
 
 
 def clip_grad_norm_(
@@ -211,9 +204,12 @@ class Pipeline:
     loss_fn: TokenLoss = field(default_factory=TokenLoss)
 
     def __post_init__(self) -> None:  # torch's schedule over the stages, as parallelized
-        n = microbatches(self.parallel, self.micro_batch, self.pp_mesh.size())
         self.schedule = build_schedule(
-            self.parallel.pp_schedule, self.stages, n, self.loss_fn, batch_size=self.micro_batch
+            self.parallel.pp_schedule,
+            self.stages,
+            microbatches(self.parallel, self.micro_batch, self.pp_mesh.size()),
+            self.loss_fn,
+            batch_size=self.micro_batch,
         )
 
     def step(self, x: torch.Tensor, y: torch.Tensor, num_tokens: float) -> torch.Tensor:

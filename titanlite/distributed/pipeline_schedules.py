@@ -7,7 +7,6 @@ torch's schedules (torch.distributed.pipelining) run them; this module names the
 stages each puts on a rank (one; several, looping; or two, in a V), checks a layout against them
 before any model exists, and builds the one a run asks for (pipeline.py cuts the model)."""
 
-import torch
 import torch.distributed.pipelining as pipelining
 
 from ..errors import TitanliteError, closest
@@ -15,17 +14,17 @@ from ..errors import TitanliteError, closest
 # name -> (torch class, stages of rank r): "single": r; "loop": r, r+p, r+2p, ... (interleaved); "v": r and
 # 2p−1−r, so the first and last stage share rank 0 and a micro-batch turns around on the last rank locally.
 SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", "single"),
-    "1f1b": ("Schedule1F1B", "single"),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
-    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "gpipe": (pipelining.ScheduleGPipe, "single"),
+    "1f1b": (pipelining.Schedule1F1B, "single"),
+    "interleaved_1f1b": (pipelining.ScheduleInterleaved1F1B, "loop"),
+    "interleaved_zb": (pipelining.ScheduleInterleavedZeroBubble, "loop"),
+    "zbv": (pipelining.ScheduleZBVZeroBubble, "v"),
 }
 
 
 def available_schedules() -> list[str]:
-    """The schedule names this torch provides (zero-bubble ones arrived in later releases)."""
-    return [name for name, (cls, _) in SCHEDULES.items() if hasattr(pipelining, cls)]
+    """The schedule names this torch provides: every torch titanlite supports (>= 2.11) has all five."""
+    return list(SCHEDULES)
 
 
 def check_pipeline(
@@ -43,12 +42,6 @@ def check_pipeline(
         raise TitanliteError(
             f"unknown pipeline schedule '{schedule}'{closest(schedule, SCHEDULES)}: "
             f"choose one of {', '.join(SCHEDULES)}"
-        )
-    if schedule not in available_schedules():
-        raise TitanliteError(
-            f"pipeline schedule '{schedule}' needs torch.distributed.pipelining."
-            f"{SCHEDULES[schedule][0]}, which torch {torch.__version__} lacks: "
-            f"choose one of {', '.join(available_schedules())}"
         )
     style = SCHEDULES[schedule][1]
     v = stages_per_rank or (1 if style == "single" else 2)
@@ -117,10 +110,15 @@ def build_schedule(
         batch_size=batch_size,
         stages_per_rank=len(stages),
     )
-    cls = getattr(pipelining, SCHEDULES[name][0])
-    stage_arg = stages[0] if SCHEDULES[name][1] == "single" else stages  # multi-stage: the list
-    # scale_grads=False: TokenLoss already divides by the batch's token count
-    return cls(stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    cls, style = SCHEDULES[name]
+    # One stage, or the list of several; scale_grads=False: TokenLoss already divides by the
+    # batch's token count
+    return cls(
+        stages[0] if style == "single" else stages,
+        n_microbatches=n_microbatches,
+        loss_fn=loss_fn,
+        scale_grads=False,
+    )
 
 
 def microbatches(parallel, micro_batch: int, pp: int) -> int:

@@ -191,14 +191,12 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens grouped by expert, counts[e] of them for local expert e, in order."""
-        # Under expert parallelism the stacked weights are DTensors: compute on this rank's experts.
-        weights = [
-            w.to_local() if hasattr(w, "to_local") else w
+        # Under expert parallelism the stacked weights are DTensors: compute on this rank's experts,
+        # their gradient scaled by grad_scale (1/ep there, 1 elsewhere).
+        w_gate, w_up, w_down = (
+            ScaleGrad.apply(w.to_local() if hasattr(w, "to_local") else w, self.grad_scale)
             for w in (self.w_gate, self.w_up, self.w_down)
-        ]
-        if self.grad_scale != 1.0:
-            weights = [ScaleGrad.apply(w, self.grad_scale) for w in weights]
-        w_gate, w_up, w_down = weights
+        )
         # Under autocast (CUDA's default) the rows arrive in fp32: choose and feed the kernel in
         # the dtype autocast computes matmuls in (cast here: CPU autocast leaves _grouped_mm be).
         kind = x.device.type
@@ -249,11 +247,10 @@ def grouped_swiglu(x, w_gate, w_up, w_down, ends: torch.Tensor) -> torch.Tensor:
 
 
 def expert_kernel(device_type: str, dtype: torch.dtype, capability=None) -> str:
-    """Grouped GEMM (torch._grouped_mm) on CUDA SM 9.0+ in bf16, where torch offers it; a loop
+    """Grouped GEMM (torch._grouped_mm) on CUDA SM 9.0+ in bf16; a loop
     over the experts elsewhere (CPU, MPS, older GPUs, fp32)."""
     hopper = capability is not None and tuple(capability) >= (9, 0)
-    ok = device_type == "cuda" and dtype == torch.bfloat16 and hopper
-    return "grouped_mm" if ok and hasattr(torch, "_grouped_mm") else "loop"
+    return "grouped_mm" if device_type == "cuda" and dtype == torch.bfloat16 and hopper else "loop"
 
 
 class AuxLoss(torch.autograd.Function):
