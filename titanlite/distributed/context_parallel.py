@@ -95,8 +95,8 @@ def block_forward(kind: str, q, k, v, causal: bool):
     if kind == "cpu_flash":
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     if kind == "cuda_flash":
-        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
-        return out, lse
+        # (output, log-sum-exp, then what only its own backward reads)
+        return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
     scores = _scores(q, k, causal, scale)
     lse = scores.logsumexp(-1)
     return ((scores - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
@@ -108,8 +108,9 @@ def block_backward(kind: str, dout, q, k, v, out, lse, causal: bool):
     rowsum(dout·out) the true softmax correction (flash attention's backward)."""
     scale = 1 / math.sqrt(q.shape[-1])
     if kind == "cpu_flash":
-        backward = aten._scaled_dot_product_flash_attention_for_cpu_backward
-        return backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
     if kind == "cuda_flash":
         # Dense batches: no cumulative sequence lengths; dropout 0: no random state to replay.
         none, rng = torch.empty(0, device=q.device), torch.zeros(2, dtype=torch.int64)

@@ -59,9 +59,9 @@ class ExpertDispatch:
         # Arrived by source rank, then expert; the experts want them by expert: regroup.
         by_expert = regroup(table).to(tokens.device)
         out = experts(arrived[by_expert], counts_in.sum(0))
+        # The outputs, in arrival order again, back to the ranks their tokens came from
         back = torch.empty_like(out).index_copy(0, by_expert, out)
-        returned = all_to_all(back, sent, received, self.group)
-        return combine(returned, order, weights, chosen, tokens)
+        return combine(all_to_all(back, sent, received, self.group), order, weights, chosen, tokens)
 
 
 def regroup(table: list[list[int]]) -> torch.Tensor:

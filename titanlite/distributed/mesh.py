@@ -69,9 +69,13 @@ class ParallelDims:
         return (self.pp, self.dp_replicate, self.dp_shard, self.ep, self.cp, self.tp)
 
     @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
     def batch_ranks(self) -> int:
         """How many slices each global batch is cut into: one per data-parallel or ep rank."""
-        return self.dp_replicate * self.dp_shard * self.ep
+        return self.dp * self.ep
 
     @property
     def strategy(self) -> str:
