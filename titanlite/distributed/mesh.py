@@ -8,8 +8,6 @@ micro-batch: the slowest links. Ranks differing in dp_replicate, dp_shard or ep 
 FSDP shards the weights over dp_shard × ep × cp (as torchtitan does): those ranks hold the same weights,
 so they can share them out - all but the experts, which ep splits and FSDP shards over dp_shard."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +37,7 @@ class ParallelDims:
         pp: int = 1,
         cp: int = 1,
         ep: int = 1,
-    ) -> ParallelDims:
+    ) -> "ParallelDims":
         """Fill in dp_shard=-1 ("every rank not used otherwise") and check the product."""
         for name, value in dict(dp_replicate=dp_replicate, tp=tp, pp=pp, cp=cp, ep=ep).items():
             if value < 1:

@@ -15,8 +15,6 @@
 
 Each technique's part of torch (or torchao) is imported only where a run asks for the technique."""
 
-from __future__ import annotations
-
 import contextlib
 from dataclasses import dataclass
 
@@ -45,7 +43,7 @@ class Techniques:
     compile: CompileSection
 
     @classmethod
-    def of(cls, cfg) -> Techniques:
+    def of(cls, cfg) -> "Techniques":
         return cls(cfg.float8, cfg.activation_checkpoint, cfg.compile)
 
 

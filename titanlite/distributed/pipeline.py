@@ -15,6 +15,7 @@ stages per rank cuts it to (p−1)/(v·m); zero-bubble schedules fill it with we
 import copy
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -125,16 +126,9 @@ def pipeline_step(
     loss_fn.num_tokens = num_tokens if num_tokens is not None else max(1, count_targets(y))
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     losses = [] if last else None
-    if forward_only:
-        schedule.eval(*((x,) if first else ()), target=y if last else None, losses=losses)
-    else:
-        # return_outputs=False: do not keep every micro-batch's logits alive
-        schedule.step(
-            *((x,) if first else ()),
-            target=y if last else None,
-            losses=losses,
-            return_outputs=False,
-        )
+    # A step without return_outputs would keep every micro-batch's logits alive
+    run = schedule.eval if forward_only else partial(schedule.step, return_outputs=False)
+    run(*((x,) if first else ()), target=y if last else None, losses=losses)
     total = (
         torch.stack(losses).sum().detach().float()
         if last
@@ -181,13 +175,10 @@ def clip_grad_norm_(
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
     if hasattr(norm, "full_tensor"):  # FSDP × PP: a DTensor norm of this rank's shards
         norm = norm.full_tensor()
-    if dist.is_initialized():
-        if math.isinf(norm_type):
-            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=_group(pp_group))
-        else:
-            norm = norm**norm_type
-            dist.all_reduce(norm, group=_group(pp_group))
-            norm = norm ** (1.0 / norm_type)
+    if not math.isinf(norm_type):  # ‖g‖ᵖ adds up over the ranks' parameters
+        norm = all_reduce_sum(norm**norm_type, _group(pp_group)) ** (1.0 / norm_type)
+    elif dist.is_initialized():  # inf: the largest entry of any rank's
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=_group(pp_group))
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
 

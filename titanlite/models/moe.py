@@ -22,8 +22,6 @@ counts what it loses).
 Expert parallelism (distributed/expert_parallel.py) places E/ep experts on each rank and moves
 tokens to them and back with all-to-all: `self.dispatch` is where tokens go to meet experts."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 
@@ -53,7 +51,7 @@ class MoEArgs:
     bias_update: float = 1e-3  # aux_free: the bias step after each optimizer step
     capacity_factor: float | None = None  # None: dropless
 
-    def validate(self, n_layers: int) -> MoEArgs:
+    def validate(self, n_layers: int) -> "MoEArgs":
         k, e = self.experts_per_token, self.n_experts
         if e < 2 or not 1 <= k <= e:
             raise TitanliteError(
@@ -72,7 +70,7 @@ class MoEArgs:
             )
         return self
 
-    def feed_forward(self, layer: int, dim: int, dense_hidden: int) -> MoE | None:
+    def feed_forward(self, layer: int, dim: int, dense_hidden: int) -> "MoE | None":
         """Block `layer`'s mixture of experts, or None where the block stays dense (`every`)."""
         return MoE(dim, self, dense_hidden) if (layer + 1) % self.every == 0 else None
 
