@@ -22,24 +22,24 @@ class BalancedSavePlanner(DefaultSavePlanner):
     far, largest items first (then DCP's own dedup finds nothing left to do)."""
 
     def create_global_plan(self, all_plans):
-        holders, items = {}, {}
+        holders, size = {}, {}
         for rank, plan in enumerate(all_plans):
             for item in plan.items:
                 holders.setdefault(item.index, []).append(rank)
-                items[item.index] = item
-        # A pickled value's size is unknown until written: ~1 KB, so thousands of them (the flattened
-        # optimizer settings) are spread too rather than all given to one rank.
-        size = {index: item.tensor_storage_size() or 1024 for index, item in items.items()}
+                # A pickled value's size is unknown until written: ~1 KB, so thousands of them (the
+                # flattened optimizer settings) are spread too rather than all given to one rank.
+                size[item.index] = item.tensor_storage_size() or 1024
         load, keep = [0] * len(all_plans), [set() for _ in all_plans]
         for index in sorted(holders, key=lambda i: -size[i]):
             rank = min(holders[index], key=load.__getitem__)
             load[rank] += size[index]
             keep[rank].add(index)
-        kept = [
-            dataclasses.replace(plan, items=[i for i in plan.items if i.index in mine])
-            for plan, mine in zip(all_plans, keep)
-        ]
-        return super().create_global_plan(kept)
+        return super().create_global_plan(
+            [
+                dataclasses.replace(plan, items=[i for i in plan.items if i.index in mine])
+                for plan, mine in zip(all_plans, keep)
+            ]
+        )
 
     def transform_object(self, write_item, object):
         """A small value (~600 optimizer settings) as torch's plain pickle, not a zip each: 3x less CPU."""

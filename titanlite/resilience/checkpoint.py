@@ -92,7 +92,7 @@ class Checkpointer:
         # (ByteCheckpoint's ping-pong). One before that: DCP starts its writer process in the first.
         self._in_flight: deque[SaveInFlight] = deque()
         self._one_write_done = False
-        self._pruning = None  # what a sync save left to the commit thread
+        self._pruning = None  # the newest prune, left to the commit thread
         self._stagers = []  # made when first needed, then reused: their (pinned) copies are kept
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="titanlite-commit")
         # torch's writer (thread or process) saves through the default group, and warns on every
@@ -136,7 +136,7 @@ class Checkpointer:
                         no_dist=self.world == 1,
                     )
                 else:
-                    response = self._async_save(sd, writer, step)
+                    self._async_save(sd, writer, step)
             if before_commit is not None:
                 before_commit()
             if self.mode == "sync":
@@ -145,7 +145,7 @@ class Checkpointer:
                     dist.barrier()  # everyone returns with the checkpoint committed
             else:
                 self._in_flight[-1].commit = self._pool.submit(
-                    self._finish, response, tmp, final, step
+                    self._finish, self._in_flight[-1].write, tmp, final, step
                 )
         return SaveTiming(step, time.perf_counter() - start, self.mode)
 
@@ -171,7 +171,6 @@ class Checkpointer:
         )
         self._staging = gated.copy  # training waits for its copy, not for the previous write
         self._in_flight.append(SaveInFlight(step, stager, response.upload_completion))
-        return response
 
     def wait_for_staging(self) -> float:
         """Async: block until the state has been copied out (call before weights change)."""
@@ -208,8 +207,8 @@ class Checkpointer:
         self._stagers.append(make_stager(options, shared_memory=shared_memory))
         return self._stagers[-1]
 
-    def _finish(self, response, tmp: Path, final: Path, step: int) -> None:
-        response.upload_completion.result()  # every rank's data is written, rank 0's .metadata too
+    def _finish(self, write: Future, tmp: Path, final: Path, step: int) -> None:
+        write.result()  # every rank's data is written, rank 0's .metadata too
         self._one_write_done = True
         self._commit(tmp, final, step)
 
@@ -221,10 +220,9 @@ class Checkpointer:
         if self.rank != 0 or (self.distributed and not dist.is_initialized()):
             return
         commit(tmp, final, {"step": step, **self._described})
-        if self.mode == "sync":  # prune behind training, on the commit thread
-            self._pruning = self._pool.submit(self._prune, step)
-        else:  # already on the commit thread
-            self._prune(step)
+        # Prune behind training, on the commit thread (an async commit already runs there: the
+        # prune queues behind it, and `wait` waits for the newest prune).
+        self._pruning = self._pool.submit(self._prune, step)
 
     def _prune(self, newest: int) -> None:
         for old in committed(self.folder)[: -self.keep] if self.keep else []:

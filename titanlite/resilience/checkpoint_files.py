@@ -60,13 +60,6 @@ def _done(value) -> Future:
     return future
 
 
-def _lower_priority_if(background: bool) -> None:
-    """An async save's writer runs at the lowest CPU priority: on a CPU it competes with training.
-    Linux sets it per thread (this one, and those it starts)."""
-    if background and sys.platform.startswith("linux"):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
 class DcpWriter(FileSystemWriter):
     """DCP's own file writer, in DCP's own format (`torch.distributed.checkpoint.load` reads it
     without titanlite); a `background` (async) one at the lowest CPU priority."""
@@ -74,7 +67,13 @@ class DcpWriter(FileSystemWriter):
     background = False
 
     def write_data(self, plan, planner) -> Future:
-        _lower_priority_if(self.background)
+        # An async save's writer competes with training for the CPU: it runs at the lowest
+        # priority, which Linux sets per thread (this one, and those it starts).
+        if self.background and sys.platform.startswith("linux"):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        return self._write(plan, planner)
+
+    def _write(self, plan, planner) -> Future:
         return super().write_data(plan, planner)
 
 
@@ -84,12 +83,11 @@ class RawWriter(DcpWriter):
     the bytes go out (in "<file>.crc": the commit reads nothing back); the disk set to work on
     each 4 MiB as it comes. Marked so that DCP's stock reader refuses it: only RawReader reads it."""
 
-    def write_data(self, plan, planner) -> Future:
-        _lower_priority_if(self.background)
+    def _write(self, plan, planner) -> Future:
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"  # DCP's name: "__<rank>_0.distcp"
         path = Path(self.path) / name
         crc = RunningCrc()
-        results, size, synced_to, syncing = [], 0, 0, None
+        results, size, synced_to, syncing = [], 0, 0, []
         # CRC (in order) and disk syncs (fsync on macOS) on their own threads; both are done,
         # and their errors raised, before the file counts as written.
         with open(path, "wb") as f, ThreadPoolExecutor(1) as syncs:
@@ -102,16 +100,15 @@ class RawWriter(DcpWriter):
                 info = dcp_storage_info(name, size, view.nbytes, [RAW] if raw else None)
                 results.append(WriteResult(item.index, view.nbytes, info))
                 size += view.nbytes
-                if size - synced_to >= 4 << 20 and (syncing is None or syncing.done()):
-                    if syncing is not None:
-                        syncing.result()  # done: raises if that sync failed
+                # one sync at a time: the next starts once the previous one is done
+                if size - synced_to >= 4 << 20 and (not syncing or syncing[-1].done()):
                     f.flush()  # the disk starts on these 4 MiB while we go on
-                    syncing = syncs.submit(getattr(os, "fdatasync", os.fsync), f.fileno())
+                    syncing.append(syncs.submit(getattr(os, "fdatasync", os.fsync), f.fileno()))
                     synced_to = size
             f.flush()
             os.fsync(f.fileno())
-            if syncing is not None:
-                syncing.result()  # a failed background sync fails the save (fsync may not see it)
+            for sync in syncing:
+                sync.result()  # a failed background sync fails the save (fsync may not see it)
         Path(f"{path}.crc").write_text(json.dumps([size, crc.result()]))
         return _done(results)
 

@@ -6,8 +6,6 @@
 Weights and optimizer moments are torch's `get_state_dict` (under FSDP or TP, DTensors that know their
 place in the whole tensor), so a load reshards to any layout; names are the plain model's in all."""
 
-from __future__ import annotations
-
 import json
 import random
 import warnings
@@ -44,7 +42,7 @@ class TrainState(Stateful):
         self._describe = json.loads(json.dumps(describe or {}))
 
     @classmethod
-    def of(cls, trainer) -> TrainState:
+    def of(cls, trainer) -> "TrainState":
         """A trainer's state as of now, described by what a load must match: the model's shape,
         and (informative) the layout, world size and global batch it was trained with."""
         return cls(
