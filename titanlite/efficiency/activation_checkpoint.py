@@ -17,6 +17,7 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
+    noop_context_fn,
 )
 
 from .._compat.torch_internals import CheckpointWrapper, checkpoint_wrapper
@@ -61,12 +62,8 @@ def apply_ac(model: Transformer, mode: str, every: int = 2) -> Transformer:
         )
     if mode == "none":
         return model
-    # Non-reentrant: it works with keyword arguments, torch.compile and FSDP2, and (unlike the old
-    # reentrant version) gives gradients even when the block's input does not require any.
     # op: SAC, keeping what `save_matmuls_policy` says (the others recompute everything)
-    sac = {
-        "context_fn": functools.partial(create_selective_checkpoint_contexts, save_matmuls_policy)
-    }
+    sac = functools.partial(create_selective_checkpoint_contexts, save_matmuls_policy)
     for index, (name, block) in enumerate(list(model.layers.items())):
         if isinstance(block, CheckpointWrapper):
             raise TitanliteError(
@@ -74,15 +71,18 @@ def apply_ac(model: Transformer, mode: str, every: int = 2) -> Transformer:
             )
         if mode == "selective" and index % every:
             continue
-        wrapped = checkpoint_wrapper(
-            block,
-            checkpoint_fn=checkpoint,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            **(sac if mode == "op" else {}),
+        # Non-reentrant: it works with keyword arguments, torch.compile and FSDP2, and (unlike the
+        # old reentrant version) gives gradients even when the block's input does not require any.
+        model.layers.register_module(  # on an existing key: keeps the block's position, name
+            name,
+            checkpoint_wrapper(
+                block,
+                checkpoint_fn=checkpoint,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=sac if mode == "op" else noop_context_fn,
+            ),
         )
-        # on an existing key: keeps the block's position, name
-        model.layers.register_module(name, wrapped)
     return model
 
 

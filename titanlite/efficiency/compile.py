@@ -79,9 +79,6 @@ def apply_compile(
             stacklevel=2,
         )
         return model
-    if scope == "regional":
-        for block in blocks:
-            block.compile(**compile_kwargs)
-    else:
-        model.compile(**compile_kwargs)
+    for module in blocks if scope == "regional" else [model]:
+        module.compile(**compile_kwargs)
     return model

@@ -130,12 +130,10 @@ def _trial_compile(
     try:
         if block is None:
             x = torch.randn(8, 8, device=device, requires_grad=True)
-            tiny = torch.compile(
-                lambda x, w: nn.functional.silu(x @ w).pow(2).mean(), **compile_kwargs
-            )
-            tiny(
+            # AOTAutograd compiles backward here
+            torch.compile(lambda x, w: nn.functional.silu(x @ w).pow(2).mean(), **compile_kwargs)(
                 x, torch.randn(8, 8, device=device)
-            ).backward()  # AOTAutograd compiles backward here
+            ).backward()
         else:
             batch, seq_len = shape
             # fork_rng: the trial's random numbers must not shift the run's random streams.

@@ -22,8 +22,6 @@ from ..errors import TitanliteError, closest
 
 RECIPES = ("tensorwise", "rowwise")  # torchao recipe names (Float8LinearRecipeName)
 FP8_GEMM_MULTIPLE = 16  # torch._scaled_mm needs both matrix sides divisible by 16
-# as torchtitan; with tied embeddings its weight is the embedding table too
-SKIP_NAMES = ("output",)
 
 
 @dataclasses.dataclass
@@ -104,7 +102,8 @@ def apply_fp8(
 
 def skip_reason(name: str, linear: nn.Linear, min_dim: int) -> str | None:
     """Why this Linear stays in high precision, or None if it converts to FP8."""
-    if name.split(".")[-1] in SKIP_NAMES:
+    # as torchtitan; with tied embeddings its weight is the embedding table too
+    if name.split(".")[-1] == "output":
         return (
             "output projection (logits): kept in high precision, as torchtitan does - "
             "its error goes straight into the loss"

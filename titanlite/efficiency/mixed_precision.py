@@ -117,8 +117,10 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     if len(by_mesh) == 1:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     parts = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
-    parts = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in parts]
-    norm = torch.stack(parts).pow(2).sum().sqrt()
+    # the parts' own 2-norm, as torch's get_total_norm combines per-tensor norms
+    norm = torch.linalg.vector_norm(
+        torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in parts])
+    )
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
@@ -168,21 +170,15 @@ def probe(mode: str, device_str: str) -> str | None:
         )
     if (failure := _probe_step(mode, device)) is None:
         return None
-    mps = device.type == "mps"
     fix = {
         "fp32": "report this as a bug",
         "bf16": (
             f"bf16 on MPS needs macOS 14+ (this is "
             f"{'' if torch.backends.mps.is_macos_or_newer(14, 0) else 'not '}14+): use fp32"
-            if mps
+            if device.type == "mps"
             else "use fp32"
         ),
-        "fp16": (
-            f"GradScaler('mps') needs torch >= 2.8 (this is {torch.__version__.split('+')[0]}): "
-            f"use bf16 or fp32"
-            if mps
-            else "use bf16 (no scaler needed) or fp32"
-        ),
+        "fp16": "use bf16 (no scaler needed) or fp32",  # GradScaler runs on MPS since torch 2.8
     }[mode]
     return f"the probe step failed ({failure}): {fix}"
 
