@@ -48,11 +48,10 @@ def claim_run_dir(run_dir: Path, info: dict, checkpoint, overwrite: bool) -> str
         for d in (old, info)
     )
     differ = [f"{k} {was[k]} → {v}" for k, v in now.items() if k in was and v != was[k]]
-    folder = Path(checkpoint.folder or run_dir / "checkpoints")
-    if checkpoint.enable and checkpoint.resume and not differ and folder.is_dir():
+    if checkpoint.enable and checkpoint.resume and not differ:
         from .resilience.checkpoint_files import committed  # DCP: runs with checkpoints only
 
-        if committed(folder):
+        if committed(checkpoint.folder or run_dir / "checkpoints"):  # none if no such folder
             return None
     if overwrite:
         print(f"titanlite: metrics.overwrite: deleting the run in {run_dir} before this one starts")
