@@ -48,10 +48,14 @@ class Peak:
 
 
 def _tf32_enabled() -> bool:
-    """Whether float32 CUDA matmuls may use TF32 tensor cores (several times the FP32 rate). The
-    torch 2.9 getter: it also reads "tf32" after the legacy `allow_tf32 = True` (device_policy.enable_tf32),
-    and never raises, as the legacy getter does once the two APIs were mixed."""
-    return torch.backends.cuda.matmul.fp32_precision == "tf32"
+    """Whether float32 CUDA matmuls may use TF32 tensor cores (several times the FP32 rate)."""
+    # "none" inherits torch.backends.fp32_precision: then the legacy getter says what is in force
+    mode = torch.backends.cuda.matmul.fp32_precision
+    if mode in ("tf32", "ieee"):
+        return mode == "tf32"
+    with contextlib.suppress(RuntimeError):  # raised when the legacy and new APIs were mixed
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    return False
 
 
 def _matmul_label(device, dtype) -> str:

@@ -45,9 +45,15 @@ class HostStager(DefaultStager):
     def __init__(self, options: StagingOptions):
         super().__init__(dataclasses.replace(options, use_async_staging=False))
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="titanlite-staging")
+        self._future = None
 
-    def stage(self, state_dict, **kwargs):  # a future: DCP never calls synchronize_staging
-        return self._copier.submit(super().stage, state_dict, **kwargs)
+    def stage(self, state_dict, **kwargs):
+        self._future = self._copier.submit(super().stage, state_dict, **kwargs)
+        return self._future
+
+    def synchronize_staging(self) -> None:
+        if self._future is not None:
+            self._future.result()
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)
