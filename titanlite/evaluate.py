@@ -1,6 +1,6 @@
 """What the model can do so far: its loss on held-out text, and text it writes.
 
-loss = validation_loss(model_parts, loss_on, batches, device)   # mean over target tokens
+loss = validation_loss(loss_on, batches, device)         # mean over target tokens
 text = generate(model, tokenizer, "The ", max_new_tokens=48, context=256)
 """
 
@@ -14,10 +14,10 @@ from .efficiency.accumulation import count_targets
 
 
 @torch.no_grad()
-def validation_loss(parts, loss_on, batches, device, distributed: bool = False) -> float:
+def validation_loss(loss_on, batches, device, distributed: bool = False, parts=()) -> float:
     """Mean loss per target token over `batches` (each data-parallel rank passes its own
     shard's), summed over every rank. `loss_on(x, y)` is one batch's mean token loss (a number
-    or a one-element tensor). The model's `parts` are in eval mode meanwhile (no dropout-like
+    or a one-element tensor). The model's `parts`, if given, are in eval mode meanwhile (no dropout-like
     behaviour; no autograd either), and back in training mode afterwards."""
     for part in parts:
         part.eval()

@@ -133,9 +133,12 @@ def device_name(device, threads: int | None = None) -> str:
 
 def synchronize(device) -> None:
     """Wait for queued GPU work: CUDA and MPS run asynchronously, so a timer without this
-    measures only how fast Python can enqueue kernels. The CPU runs each op before returning."""
-    if torch.device(device).type != "cpu":
-        torch.accelerator.synchronize(device)  # this GPU: cuda:N, or the Mac's mps
+    measures only how fast Python can enqueue kernels. The CPU (and meta, xla) need nothing."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

@@ -174,6 +174,17 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
             "(each rank would check only its own shard for overflow): use "
             "--training.mixed_precision bf16",
         ),
+    )
+    if dims.tp > 1:
+        from .distributed.tensor_parallel import check_tp  # loads TP's part of torch: tp > 1 only
+
+        check_tp(
+            args,
+            dims.tp,
+            seq_len=t.seq_len // dims.cp,  # what a cp rank holds of each sequence
+            sequence_parallel=sequence_parallel_enabled(p, dims),
+        )
+    refuse_first(  # then what context and expert parallelism and the schedule need
         (
             dims.cp > 1 and t.seq_len % pieces,
             f"training.seq_len={t.seq_len} does not cut into {pieces} equal chunks for "
@@ -203,15 +214,6 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
             "evaluate: set --eval.every 0, or use --parallel.pp_schedule interleaved_zb",
         ),
     )
-    if dims.tp > 1:
-        from .distributed.tensor_parallel import check_tp  # loads TP's part of torch: tp > 1 only
-
-        check_tp(
-            args,
-            dims.tp,
-            seq_len=t.seq_len // dims.cp,  # what a cp rank holds of each sequence
-            sequence_parallel=sequence_parallel_enabled(p, dims),
-        )
     if dims.pp > 1:
         from .distributed.pipeline import check_pipeline, microbatches  # pipelining: pp > 1 only
 

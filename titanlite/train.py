@@ -212,11 +212,11 @@ class Trainer:
         """Mean validation loss per target token over every data-parallel rank's batches."""
         with self.loss_context():
             return validation_loss(
-                self.model_parts,
                 self.pipe.eval_loss if self.pipe is not None else self.loss_on,
                 self.data.val.eval_batches(self.cfg.eval.batches),
                 self.device,
                 self.dist.distributed,
+                parts=self.model_parts,
             )
 
     def sample(self, prompt: str | None = None, max_new_tokens: int | None = None, **kwargs) -> str:

@@ -3,7 +3,6 @@
 Validation holds out whole *documents*, spread evenly: none neighbours a training window, and they cover
 the same kinds of text. Too few documents (TinyShakespeare): the last val_fraction of tokens, as nanoGPT."""
 
-import contextlib
 import math
 import zipfile
 from dataclasses import dataclass
@@ -166,18 +165,23 @@ def cached_token_stream(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, doc_lengths) for the corpus, from cache/tokens/ or encoded and saved there."""
     file = cache_subdir(data_dir, "tokens") / f"{cid}-{tokenizer_hash(tok)}.npz"
+    if (cached := _read_stream(file)) is not None:  # built already: no lock needed
+        return cached
     with build_lock(file):  # one rank encodes, the others wait and then read its file
-        # Not built yet (a missing file is an OSError too), or unreadable (e.g. a disk filled up):
-        # the errors are passed over, and it is built below.
-        with (
-            contextlib.suppress(OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile),
-            np.load(file) as saved,
-        ):
-            return saved["tokens"], saved["doc_lengths"]
+        if (cached := _read_stream(file)) is not None:  # another rank wrote it while we waited
+            return cached
         tokens, doc_lengths = encode_documents(tok, docs)
         with atomic_file(file) as tmp:  # tmp has the file's name: numpy appends no second ".npz"
             np.savez(tmp, tokens=tokens, doc_lengths=doc_lengths)
     return tokens, doc_lengths
+
+
+def _read_stream(file: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    try:  # a missing file is an OSError too
+        with np.load(file) as saved:
+            return saved["tokens"], saved["doc_lengths"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None  # unreadable cache (e.g. a disk filled up): rebuild it
 
 
 def split_train_val(

@@ -94,38 +94,34 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
                 f"not a batch-sampler state (missing {missing}); pass "
                 "what StatefulBatchSampler.state_dict() returned"
             )
-        saved_global = state["batch_size"] * state["world_size"]
-        refusals = (  # (refused?, why), checked in this order
-            (
-                state["seed"] != self.seed,
+        if state["seed"] != self.seed:
+            raise TitanliteError(
                 f"the checkpoint's data order used seed={state['seed']} but "
-                f"this run has seed={self.seed}; rerun with seed={state['seed']}",
-            ),
-            (
-                state["num_windows"] != self.num_windows,
+                f"this run has seed={self.seed}; rerun with seed={state['seed']}"
+            )
+        if state["num_windows"] != self.num_windows:
+            raise TitanliteError(
                 f"the checkpoint's data had {state['num_windows']} windows, this run has "
                 f"{self.num_windows}: the corpus, tokenizer, seq_len or val_fraction "
-                "changed; resume with the settings the checkpoint was trained with",
-            ),
-            (
-                saved_global != self.global_batch,
+                "changed; resume with the settings the checkpoint was trained with"
+            )
+        if (saved_global := state["batch_size"] * state["world_size"]) != self.global_batch:
+            raise TitanliteError(
                 f"the checkpoint used batch_size*world_size = {state['batch_size']}*"
                 f"{state['world_size']} = {saved_global}, this run {self.batch_size}*"
                 f"{self.world_size} = {self.global_batch}; keep the global batch the same "
-                "to resume exactly",
-            ),
-            (  # a position between steps, or past an epoch's last full step
-                state["position"] % self.global_batch
-                or state["position"]
-                >= max(1, self.num_windows // self.global_batch) * self.global_batch
-                or state["epoch"] < 0,
+                "to resume exactly"
+            )
+        steps_per_epoch = max(1, self.num_windows // self.global_batch)
+        if (  # a position between steps, or past an epoch's last full step
+            state["position"] % self.global_batch
+            or state["position"] >= steps_per_epoch * self.global_batch
+            or state["epoch"] < 0
+        ):
+            raise TitanliteError(
                 f"corrupt sampler state (epoch={state['epoch']}, position="
-                f"{state['position']}); load an intact checkpoint",
-            ),
-        )
-        for refused, why in refusals:
-            if refused:
-                raise TitanliteError(why)
+                f"{state['position']}); load an intact checkpoint"
+            )
         self.epoch, self.position, self.steps = (
             int(state["epoch"]),
             int(state["position"]),
@@ -149,6 +145,9 @@ class TokenBatches:
         seed: int = 0,
     ):
         self.seq_len = _positive_int("seq_len", seq_len, 128)
+        _positive_int(
+            "batch_size", batch_size
+        )  # before the windows: the first line a bad call gets
         self.num_windows = len(tokens) // (seq_len + 1)
         if self.num_windows == 0:
             raise TitanliteError(
@@ -170,6 +169,9 @@ class TokenBatches:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next training batch: x and y are int64 [batch_size, seq_len], y = x shifted."""
         return self.batch_of(self.sampler.next_indices())
+
+    def __iter__(self):
+        return iter(self.next_batch, None)  # forever
 
     def eval_batches(self, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The same batches on every call, for any training seed (val losses compare); training untouched."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from tokenizers.pre_tokenizers import ByteLevel
+from tokenizers.pre_tokenizers import ByteLevel, Split
 from transformers import PreTrainedTokenizerFast
 
 from ..errors import TitanliteError
@@ -25,28 +25,37 @@ RECIPE = "bytelevel-bpe-llama3split-v1"  # bump when the training recipe changes
 
 
 def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE tokenizer. Deterministic: same documents, same tokenizer.
-    (`get_tokenizer` checks vocab_size first: tokenizers would quietly train a smaller one.)"""
+    """Train a byte-level BPE tokenizer. Deterministic: same documents, same tokenizer."""
+    check_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
             ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        documents,
-        trainer=trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            min_frequency=2,
-            show_progress=False,
-            special_tokens=list(SPECIAL_TOKENS),
-            initial_alphabet=ByteLevel.alphabet(),
-        ),
-        length=len(documents),
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=ByteLevel.alphabet(),
     )
+    tok.train_from_iterator(documents, trainer=trainer, length=len(documents))
     return tok
+
+
+def check_vocab_size(vocab_size) -> None:
+    if (
+        isinstance(vocab_size, bool)
+        or not isinstance(vocab_size, int)
+        or vocab_size < MIN_VOCAB_SIZE
+    ):
+        raise TitanliteError(
+            f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + "
+            f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size!r}; try 4096"
+        )
 
 
 def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
@@ -77,56 +86,52 @@ def get_tokenizer(
             "get_tokenizer needs either path= (an existing tokenizer) or "
             "documents= (text to train one on); pass one of them"
         )
-    # before anything is written to the cache
-    if (
-        isinstance(vocab_size, bool)
-        or not isinstance(vocab_size, int)
-        or vocab_size < MIN_VOCAB_SIZE
-    ):
-        raise TitanliteError(
-            f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + "
-            f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size!r}; try 4096"
-        )
+    check_vocab_size(vocab_size)
     corpus_id = corpus_id or f"corpus-{fingerprint(*documents)}"
     folder = (
         cache_subdir(data_dir, "tokenizers")
         / f"{corpus_id}-bpe{vocab_size}-{fingerprint(RECIPE)[:6]}"
     )
-    with build_lock(folder):  # one rank trains, the others wait and then load
-        if not (folder / "tokenizer.json").is_file():
-            start = time.perf_counter()
-            with atomic_file(folder, is_dir=True) as tmp:
-                wrap(train_bpe(documents, vocab_size)).save_pretrained(str(tmp))
-            if verbose:
-                print(
-                    f"trained a {vocab_size}-token BPE tokenizer in "
-                    f"{time.perf_counter() - start:.1f}s -> {folder}"
-                )
+    if not (folder / "tokenizer.json").is_file():
+        with build_lock(folder):  # one rank trains, the others wait and then load
+            if not (folder / "tokenizer.json").is_file():
+                start = time.perf_counter()
+                with atomic_file(folder, is_dir=True) as tmp:
+                    wrap(train_bpe(documents, vocab_size)).save_pretrained(str(tmp))
+                if verbose:
+                    print(
+                        f"trained a {vocab_size}-token BPE tokenizer in "
+                        f"{time.perf_counter() - start:.1f}s -> {folder}"
+                    )
     return load_tokenizer(folder)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """A folder saved by `save_pretrained`, or a bare tokenizer.json file."""
     path = Path(path).expanduser()
-    if not path.is_file() and not (path / "tokenizer.json").is_file():
-        raise TitanliteError(
-            f"no tokenizer at {path} (expected a tokenizer.json file or a folder "
-            "containing one); check the path, or pass tokenizer=None to train one "
-            "on the corpus"
-        )
-    try:  # a bare tokenizer.json, or a checkpoint's own folder (e.g. Llama 3's): never downloaded
-        tok = (
-            wrap(Tokenizer.from_file(str(path)))
-            if path.is_file()
-            else PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-        )
+    try:
+        if path.is_file():
+            tok = wrap(Tokenizer.from_file(str(path)))
+        elif (
+            path / "tokenizer.json"
+        ).is_file():  # a checkpoint's own (e.g. Llama 3's): never downloaded
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        else:
+            raise TitanliteError(
+                f"no tokenizer at {path} (expected a tokenizer.json file or a folder "
+                "containing one); check the path, or pass tokenizer=None to train one "
+                "on the corpus"
+            )
+    except TitanliteError:
+        raise
     except Exception as err:
         raise TitanliteError(
             f"cannot load the tokenizer at {path} ({str(err)[:200]}); "
             "point to a valid Hugging Face tokenizer.json"
         ) from None
-    # documents are separated by eos in the token stream: one must exist
-    if tok.eos_token_id is None:
+    if (
+        tok.eos_token_id is None
+    ):  # documents are separated by eos in the token stream: one must exist
         if EOS not in tok.get_vocab():
             raise TitanliteError(
                 f"the tokenizer at {path} has no eos token; set "

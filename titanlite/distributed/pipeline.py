@@ -44,9 +44,12 @@ def pipeline_split(
     schedule: str = "1f1b",
     stages_per_rank: int | None = None,
     device: torch.device | None = None,
+    first_stage_weight: float = 0.0,
+    last_stage_weight: float = 0.0,
 ):
     """This rank's stages (torch `PipelineStage`s) and their modules; every rank passes the same full model
-    (`pp_group`: group or 1-D mesh). Parallelize each part afterwards, then set its stage's `submod`."""
+    (`pp_group`: group or 1-D mesh). Parallelize each part afterwards, then set its stage's `submod`.
+    The stage weights: the embedding's and the output's work in layers (`split_layers`)."""
     group = _group(pp_group)
     pp, rank = dist.get_world_size(group), dist.get_rank(group)
     v = check_pipeline(
@@ -57,7 +60,7 @@ def pipeline_split(
         tie_embeddings=model.args.tie_embeddings,
     )
     n_stages = pp * v
-    layers = split_layers(model.args.n_layers, n_stages)
+    layers = split_layers(model.args.n_layers, n_stages, first_stage_weight, last_stage_weight)
     device = device or next(model.parameters()).device
     stages, parts = [], []
     for s in stage_ids(rank, pp, v, SCHEDULES[schedule][1]):

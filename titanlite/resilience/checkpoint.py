@@ -220,9 +220,10 @@ class Checkpointer:
         if self.rank != 0 or (self.distributed and not dist.is_initialized()):
             return
         commit(tmp, final, {"step": step, **self._described})
-        # Prune behind training, on the commit thread (an async commit already runs there: the
-        # prune queues behind it, and `wait` waits for the newest prune).
-        self._pruning = self._pool.submit(self._prune, step)
+        if self.mode == "sync":  # prune behind training, on the commit thread
+            self._pruning = self._pool.submit(self._prune, step)
+        else:  # already on the commit thread: a failure fails this save's commit, in one line
+            self._prune(step)
 
     def _prune(self, newest: int) -> None:
         for old in committed(self.folder)[: -self.keep] if self.keep else []:
