@@ -42,7 +42,10 @@ def matching(default: str, regex: str, shape: str, example: str | None = None):
     """A string matching `regex` in full; `shape` says which in words; `example` is the value an
     error message suggests where the default (say, "" for off) would not show the shape."""
     return dataclasses.field(
-        default=default, metadata={"pattern": (regex, shape), "example": example}
+        default=default,
+        # no example: the error message suggests the default
+        metadata={"pattern": (regex, shape)}
+        | ({"example": example} if example is not None else {}),
     )
 
 
@@ -112,7 +115,7 @@ def _example(f: dataclasses.Field):
     least value of the range."""
     r = f.metadata.get("range")
     least = _num(r.lo + (1 if r.lo_open else 0)) if r is not None else "none"
-    return f.metadata.get("example") or (least if f.default is None else f.default)
+    return f.metadata.get("example", least if f.default is None else f.default)
 
 
 def parse_overrides(cfg, overrides) -> dict:

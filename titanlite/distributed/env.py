@@ -53,9 +53,10 @@ LAUNCH_HINT = (
 
 
 def torchrun_env(env=os.environ) -> DistEnv | None:
-    """Who this process is (a `DistEnv` with no backend yet) when started by torchrun, else None. The variables are read
-    once and checked as a whole, before any process group starts: a hand-written job script that
-    sets some of them, or sets one wrong, gets one line saying which and how to launch instead."""
+    """Who this process is (a `DistEnv` with no backend yet) when started by torchrun, else None.
+    The variables are read once and checked as a whole, before any process group starts: a
+    hand-written job script that sets some of them, or sets one wrong, gets one line saying which
+    and how to launch instead."""
     present = sorted({"RANK", "WORLD_SIZE", "LOCAL_RANK"} & env.keys())
     if not present:
         tasks = env.get("SLURM_NTASKS", "1")
@@ -127,35 +128,38 @@ def init_distributed(
 ) -> DistEnv:
     """Join the job's process group (if torchrun started us); return who we are."""
     launch = torchrun_env() or ONE_PROCESS
-    rank, world_size = launch.rank, launch.world_size
-    if world_size == 1 or not dist.is_available():
+    if launch.world_size == 1 or not dist.is_available():
         return DistEnv(device=device_for_rank(device, 0))
     die_with_parent()
     dev = device_for_rank(
-        device, launch.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        device, launch.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", launch.world_size))
     )
     # mps named (`explicit`) is refused here; found by "auto", the ranks train on the CPU instead
     name, dev_type, note = backend_and_device_for(
-        dev.type, world_size, backend, explicit=str(device).strip().lower().startswith("mps")
+        dev.type, launch.world_size, backend, explicit=str(device).strip().lower().startswith("mps")
     )
     if dev_type != dev.type:  # MPS under torchrun: no backend moves its tensors
         dev = torch.device(dev_type)
-        if rank == 0:
+        if launch.rank == 0:
             print(f"[titanlite] {note}", file=sys.stderr, flush=True)
     if not dist.is_initialized():
         # Past the timeout a collective raises instead of hanging: a dead peer becomes an error.
         timeout = datetime.timedelta(seconds=timeout_s)
         # torch's own rendezvous (env://, torchrun's agent store where it has one), first to
         # check that no two ranks of a machine hold the same GPU, where NCCL would fail obscurely
-        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        store, _, _ = next(
+            dist.rendezvous("env://", launch.rank, launch.world_size, timeout=timeout)
+        )
         if dev.type == "cuda":  # the UUID: the same physical GPU whatever CUDA_VISIBLE_DEVICES says
             gpu = torch.cuda.get_device_properties(dev).uuid
-            refuse_shared_gpus(store, rank, world_size, f"{socket.gethostname()}/{gpu}")
+            refuse_shared_gpus(
+                store, launch.rank, launch.world_size, f"{socket.gethostname()}/{gpu}"
+            )
         dist.init_process_group(
             name,
             store=store,
-            rank=rank,
-            world_size=world_size,
+            rank=launch.rank,
+            world_size=launch.world_size,
             timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
         )

@@ -141,7 +141,9 @@ def parallelize(
         if stages:
             stages[i].submod = part  # the stage runs the parallelized module
     # The schedule is built over the stages' final (parallelized) modules
-    return parts, Pipeline(stages, mesh["pp"], p, micro_batch=example_shape[0]) if stages else None
+    return parts, (
+        Pipeline(stages, mesh["pp"], p, micro_batch=example_shape[0]) if stages else None
+    )
 
 
 def sequence_parallel_enabled(parallel: ParallelSection, dims: ParallelDims) -> bool:

@@ -137,9 +137,8 @@ def pipeline_step(
         if last
         else torch.zeros((), device=stages[0].device)
     )
-    return all_reduce_sum(
-        total, _group(pp_group)
-    )  # only the last stage knows the loss: tell the others
+    # only the last stage knows the loss: tell the others
+    return all_reduce_sum(total, _group(pp_group))
 
 
 @torch.no_grad()

@@ -86,8 +86,9 @@ class Precision:
         `clip(params, max_norm)`: clips by a norm computed elsewhere (a pipeline's, over all its
         stages); default torch's clip_grad_norm_ (0: measure the norm, clip nothing)."""
         params = [p for p in params if p.grad is not None]
-        for dtype in {p.dtype for p in params}:  # before unscale_, whose own error names no fix
-            check_param_dtype(self.mode, dtype)
+        if self.scaler.is_enabled():  # before unscale_, whose own error names no fix
+            for dtype in {p.dtype for p in params}:
+                check_param_dtype(self.mode, dtype)
         self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         norm = (clip or clip_grad_norm)(params, grad_clip or float("inf"))
         if not self.scaler.is_enabled():

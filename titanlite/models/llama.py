@@ -49,8 +49,8 @@ class ModelArgs:
 
     @property
     def hidden_dim(self) -> int:
-        m = self.multiple_of
-        return self.ffn_hidden_dim or m * math.ceil(int(8 * self.dim / 3) / m)
+        multiple = self.multiple_of
+        return self.ffn_hidden_dim or multiple * math.ceil(int(8 * self.dim / 3) / multiple)
 
     def validate(self) -> ModelArgs:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):

@@ -92,7 +92,7 @@ class Checkpointer:
         # (ByteCheckpoint's ping-pong). One before that: DCP starts its writer process in the first.
         self._in_flight: deque[SaveInFlight] = deque()
         self._one_write_done = False
-        self._pruning = None  # the newest prune, left to the commit thread
+        self._pruning = None  # what a sync save left to the commit thread
         self._stagers = []  # made when first needed, then reused: their (pinned) copies are kept
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="titanlite-commit")
         # torch's writer (thread or process) saves through the default group, and warns on every

@@ -769,8 +769,10 @@ def _job_store(port: int | None):
 
     try:
         return TCPStore("127.0.0.1", port or 0, is_master=True, wait_for_workers=False)
-    except RuntimeError:  # a port asked for, taken since _check_port looked at it
-        raise _port_taken(port) from None
+    except RuntimeError:
+        if port is None:  # port 0 cannot be taken: something else went wrong, say it as it is
+            raise
+        raise _port_taken(port) from None  # taken since _check_port looked at it
 
 
 def _check_port(port: int) -> int:
