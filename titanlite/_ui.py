@@ -41,7 +41,7 @@ class PlainProgress:
         self.stream, self.clock, self.every_s = stream, clock, every_s
         self.stride = max(1, -(-(total - initial) // 10))  # ceil: ten lines for the steps left
         self.start = self.last_line = clock()
-        self.postfix: dict[str, str] = {}
+        self.postfix: list[str] = []  # "loss 5.120", "1,234 tok/s"
         self.due = False  # a line is owed, written once this step's postfix has arrived
 
     def update(self, n: int = 1) -> None:
@@ -54,7 +54,7 @@ class PlainProgress:
         )
 
     def set_postfix(self, **values) -> None:
-        self.postfix = {k: str(v) for k, v in values.items()}
+        self.postfix = [f"{v} tok/s" if k == "tok_s" else f"{k} {v}" for k, v in values.items()]
         self.flush()
 
     def write(self, text: str) -> None:
@@ -66,12 +66,11 @@ class PlainProgress:
         self.due, self.last_line = False, self.clock()
         elapsed, done = self.last_line - self.start, self.n - self.initial
         left = elapsed / done * (self.total - self.n) if done > 0 else 0.0
-        postfix = [f"{v} tok/s" if k == "tok_s" else f"{k} {v}" for k, v in self.postfix.items()]
         self.write(
             " · ".join(
                 [
                     f"step {self.n}/{self.total}",
-                    *postfix,
+                    *self.postfix,
                     f"{_clock(elapsed)} elapsed, {_clock(left)} left",
                 ]
             )

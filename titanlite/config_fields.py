@@ -179,9 +179,8 @@ def _field_type(cfg, dotted: str) -> tuple[type | None, bool]:
     section_name, _, key = dotted.partition(".")
     # no such section: the hints of None's type, {}; no such key: None
     tp = typing.get_type_hints(type(getattr(cfg, section_name, None))).get(key)
-    if type(None) in typing.get_args(tp):
-        return next(a for a in typing.get_args(tp) if a is not type(None)), True
-    return tp, False
+    args = typing.get_args(tp)  # every optional key is declared `<type> | None`
+    return (args[0], True) if type(None) in args else (tp, False)
 
 
 # A TOML value or command-line text as the key's type `tp` (None where `optional`).

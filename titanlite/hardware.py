@@ -90,11 +90,10 @@ def resolve_dtype(name, device) -> torch.dtype:
 def bf16_refusal(gpu_name: str, capability: tuple[int, int]) -> str:
     """The one line that refuses bf16 before Ampere, advising fp32 weights + fp16 autocast: GradScaler needs
     fp32 master weights to unscale into (fp16 weights fail: "Attempting to unscale FP16 gradients")."""
-    major, minor = capability
     return (
         f"bfloat16 needs a CUDA GPU with compute capability >= 8.0, but {gpu_name} is "
-        f"sm_{major}{minor}: keep --training.dtype float32 and use --training.mixed_precision "
-        f"fp16 (autocast + GradScaler), or auto"
+        f"sm_{capability[0]}{capability[1]}: keep --training.dtype float32 and use "
+        f"--training.mixed_precision fp16 (autocast + GradScaler), or auto"
     )
 
 

@@ -22,10 +22,6 @@ from .errors import TitanliteError
 from .models.llama import ModelArgs, count
 from .resilience.faults import check_fault
 
-# Presets sized for training here take their vocabulary from the tokenizer; the large ones
-# keep the published vocabulary so their parameter counts stay true.
-VOCAB_FROM_TOKENIZER = ("debug", "small")
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -83,8 +79,9 @@ def model_args_for(cfg: Config, vocab_size: int, start_from=None) -> ModelArgs:
             n_layers=m.n_layers,
             n_heads=m.n_heads,
             n_kv_heads=m.n_kv_heads,
-            # unset: the tokenizer's for the presets trained here, else the preset's own
-            vocab_size=m.vocab_size or (vocab_size if m.preset in VOCAB_FROM_TOKENIZER else None),
+            # Unset: presets sized for training here take the tokenizer's vocabulary; the large
+            # ones keep the published one, so that their parameter counts stay true.
+            vocab_size=m.vocab_size or (vocab_size if m.preset in ("debug", "small") else None),
             max_seq_len=m.max_seq_len,
             tie_embeddings=m.tie_embeddings,
             moe=moe_args_of(m),
@@ -233,8 +230,6 @@ def check_memory_fits(plan: Plan, cfg: Config, limit: int | None, where: str) ->
     is allocated: a lower bound of what one process holds at once, so it never refuses a run that
     fits. The logits of one micro-batch and their gradient (in at least 16 bits each), its tokens,
     and the weights, gradients and AdamW moments of this process's shard."""
-    if limit is None:
-        return
     args, dims, t = plan.model_args, plan.dims, cfg.training
     _, params = count(args, t.seq_len)  # on the meta device: counted, not allocated
     param_bytes = 2 if t.dtype in ("bfloat16", "float16", "bf16", "fp16") else 4
@@ -242,7 +237,7 @@ def check_memory_fits(plan: Plan, cfg: Config, limit: int | None, where: str) ->
     state = params * (2 * param_bytes + 8) / (dims.dp_shard * dims.tp * dims.pp)
     per_sequence = t.seq_len * (args.vocab_size / dims.tp * 2 * param_bytes + 16)
     need = state + plan.micro_batch * per_sequence
-    if need <= limit:
+    if limit is None or need <= limit:  # None: this machine's memory is unknown
         return
     fits = int((limit - state) // per_sequence)
     fix = (

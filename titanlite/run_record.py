@@ -21,7 +21,6 @@ from .distributed.ddp import unwrap
 def built(trainer) -> dict:
     """This rank's settings in force, read back from what `trainer` built."""
     model = unwrap(trainer.model)
-    weight = next(model.parameters())  # a DTensor, if sharded, has its local shard's dtype
     blocks = list(getattr(model, "layers", {}).values())
     kernels = sdpa_priority(
         trainer.device.type,
@@ -32,7 +31,8 @@ def built(trainer) -> dict:
         "rank": trainer.dist.rank,
         "device": str(trainer.device),
         "device_name": hardware.device_name(trainer.device),
-        "weights_dtype": str(weight.dtype),
+        # a DTensor, if sharded, has its local shard's dtype
+        "weights_dtype": str(next(model.parameters()).dtype),
         "fsdp": fsdp_mixed_precision(trainer.model),  # None: not sharded by FSDP
         "autocast": str(trainer.precision.dtype) if trainer.precision.dtype else None,
         "grad_scaler": trainer.precision.scaler.is_enabled(),

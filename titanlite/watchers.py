@@ -189,14 +189,18 @@ def build_watchers(
     by the caller, such as the profiler, whose step must end with train_step, before evaluations
     and saves). Call it only once the run is accepted: creating them writes into the run directory."""
     log = TrainLog(run, history, callbacks, lr, precision)  # first: it creates the run directory
-    extra = [make(run) for make in extra]
-    chain: list[Watcher] = extra + ([Faults(run)] if run.cfg.fault.kind != "none" else [])
-    chain += [log, Samples(run, history, log, sample)]
-    chain += [Checkpoints(run, log, checkpointer, train_state)] if checkpointer is not None else []
-    chain += [Evaluation(run, log, evaluate)] if run.cfg.eval.every else []
+    chain: list[Watcher] = [
+        *(make(run) for make in extra),
+        *([Faults(run)] if run.cfg.fault.kind != "none" else []),
+        log,
+        Samples(run, history, log, sample),
+        *([Checkpoints(run, log, checkpointer, train_state)] if checkpointer is not None else []),
+        *([Evaluation(run, log, evaluate)] if run.cfg.eval.every else []),
+    ]
+    # Only a tool (the profiler) has `profiles`: none of the watchers above does.
     if (
         run.cfg.profile.steps
-        and not any(getattr(w, "profiles", False) for w in extra)
+        and not any(getattr(w, "profiles", False) for w in chain)
         and run.is_main
     ):
         say(

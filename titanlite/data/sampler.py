@@ -10,7 +10,6 @@ import torch
 
 from ..errors import TitanliteError
 
-STATE_VERSION = 1
 EVAL_ORDER_SEED = 1234  # val batches must not depend on the training seed, to compare runs
 
 
@@ -84,7 +83,8 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
         return iter(self.next_indices, None)  # forever: next_indices never returns None
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, **{k: getattr(self, k) for k in self._STATE_KEYS}}
+        # "version": bumped if the state's meaning ever changes
+        return {"version": 1, **{k: getattr(self, k) for k in self._STATE_KEYS}}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from any rank's `state_dict()`; seed, num_windows and the global batch must match."""
@@ -145,18 +145,21 @@ class TokenBatches:
         seed: int = 0,
     ):
         self.seq_len = _positive_int("seq_len", seq_len, 128)
-        _positive_int(
-            "batch_size", batch_size
-        )  # before the windows: the first line a bad call gets
+        # batch_size before the windows: the first line a bad call gets
+        _positive_int("batch_size", batch_size)
         self.num_windows = len(tokens) // (seq_len + 1)
         if self.num_windows == 0:
             raise TitanliteError(
                 f"{len(tokens)} tokens do not fill one window of seq_len+1 = "
                 f"{seq_len + 1}; use seq_len <= {max(len(tokens) - 1, 1)}"
             )
-        # [num_windows, seq_len + 1], in int32: half the memory; batch_of widens it to int64
-        whole_windows = torch.as_tensor(tokens)[: self.num_windows * (seq_len + 1)]
-        self.windows = whole_windows.to(torch.int32).view(-1, seq_len + 1)
+        # The whole windows as [num_windows, seq_len + 1], in int32: half the memory; batch_of widens
+        # it to int64. A tail shorter than a window is dropped.
+        self.windows = (
+            torch.as_tensor(tokens)[: self.num_windows * (seq_len + 1)]
+            .to(torch.int32)
+            .view(-1, seq_len + 1)
+        )
         self.sampler = StatefulBatchSampler(  # checks batch_size, rank, world_size and seed
             self.num_windows, batch_size, rank=rank, world_size=world_size, seed=seed
         )

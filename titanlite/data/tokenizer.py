@@ -112,9 +112,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     try:
         if path.is_file():
             tok = wrap(Tokenizer.from_file(str(path)))
-        elif (
-            path / "tokenizer.json"
-        ).is_file():  # a checkpoint's own (e.g. Llama 3's): never downloaded
+        # a checkpoint's own folder (e.g. Llama 3's): never downloaded
+        elif (path / "tokenizer.json").is_file():
             tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
         else:
             raise TitanliteError(
@@ -129,9 +128,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
             f"cannot load the tokenizer at {path} ({str(err)[:200]}); "
             "point to a valid Hugging Face tokenizer.json"
         ) from None
-    if (
-        tok.eos_token_id is None
-    ):  # documents are separated by eos in the token stream: one must exist
+    # documents are separated by eos in the token stream: one must exist
+    if tok.eos_token_id is None:
         if EOS not in tok.get_vocab():
             raise TitanliteError(
                 f"the tokenizer at {path} has no eos token; set "

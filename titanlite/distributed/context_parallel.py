@@ -114,17 +114,29 @@ def block_backward(kind: str, dout, q, k, v, out, lse, causal: bool):
     if kind == "cuda_flash":
         # Dense batches: no cumulative sequence lengths; dropout 0: no random state to replay.
         none, rng = torch.empty(0, device=q.device), torch.zeros(2, dtype=torch.int64)
-        lengths = (none, none, q.shape[2], k.shape[2], 0.0, causal, rng, rng)
         return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, *lengths, scale=scale
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            none,
+            none,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            causal,
+            rng,
+            rng,
+            scale=scale,
         )
     probs = (_scores(q, k, causal, scale) - lse[..., None]).exp()
     dout32 = dout.float()
     dv = probs.transpose(-2, -1) @ dout32
     correction = (dout32 * out.float()).sum(-1, keepdim=True)
     dscores = probs * (dout32 @ v.float().transpose(-2, -1) - correction)
-    dq, dk = dscores @ k.float() * scale, dscores.transpose(-2, -1) @ q.float() * scale
-    return dq, dk, dv
+    return dscores @ k.float() * scale, dscores.transpose(-2, -1) @ q.float() * scale, dv
 
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
@@ -173,13 +185,12 @@ class ContextParallel:
     def ring_pass(self, t: torch.Tensor):
         """Start sending `t` to the next rank while receiving the previous rank's; returns the
         buffer it arrives in and a wait(): compute meanwhile, wait before using it."""
-        ranks = dist.get_process_group_ranks(self.group)
-        after, before = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
         incoming = torch.empty_like(t)
+        after, before = (self.rank + 1) % self.size, (self.rank - 1) % self.size  # in the group
         works = dist.batch_isend_irecv(
             [
-                dist.P2POp(dist.isend, t.contiguous(), after, self.group),
-                dist.P2POp(dist.irecv, incoming, before, self.group),
+                dist.P2POp(dist.isend, t.contiguous(), group=self.group, group_peer=after),
+                dist.P2POp(dist.irecv, incoming, group=self.group, group_peer=before),
             ]
         )
         return incoming, lambda: [w.wait() for w in works]
@@ -197,14 +208,12 @@ class ContextParallel:
             for step in range(self.size):
                 yield (self.rank - step) % self.size, every[(self.rank - step) % self.size]
             return
-        for step in range(self.size):
-            more = step + 1 < self.size
-            if more:  # the next block travels while this one computes
-                incoming, wait = self.ring_pass(kv)
+        for step in range(self.size - 1):
+            incoming, wait = self.ring_pass(kv)  # the next block travels while this one computes
             yield (self.rank - step) % self.size, kv
-            if more:
-                wait()
-                kv = incoming
+            wait()
+            kv = incoming
+        yield (self.rank + 1) % self.size, kv  # the last block (the next rank's): nothing to send
 
 
 class ContextAttention(torch.autograd.Function):
@@ -254,10 +263,9 @@ class ContextAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         # allgather: gather again (not kept from the forward: memory), then scatter back
         if cp.method == "allgather":
-            every = cp.gather(kv)
-            dkv_every = torch.zeros(every.shape, dtype=torch.float32, device=q.device)
-            for source in range(cp.size):
-                add_block_grads(source, every[source], dkv_every[source])
+            dkv_every = torch.zeros((cp.size, *kv.shape), dtype=torch.float32, device=q.device)
+            for source, kv_in in enumerate(cp.gather(kv)):
+                add_block_grads(source, kv_in, dkv_every[source])
             dkv = torch.empty(kv.shape, dtype=torch.float32, device=q.device)
             dist.reduce_scatter_tensor(dkv, dkv_every.flatten(0, 1), group=cp.group)
         else:

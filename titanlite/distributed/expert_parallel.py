@@ -56,18 +56,13 @@ class ExpertDispatch:
         sent = counts.view(G, local).sum(1).tolist()
         received = [sum(row) for row in table]
         arrived = all_to_all(tokens[order // k], received, sent, self.group)
-        # Arrived by source rank, then expert; the experts want them by expert: regroup.
-        by_expert = regroup(table).to(tokens.device)
+        # Arrived by source rank, then expert; the experts want them by expert: a stable sort on
+        # each row's expert keeps the source ranks in order within an expert.
+        expert_of_row = (
+            torch.arange(local).repeat(G).repeat_interleave(torch.tensor(table).flatten())
+        )
+        by_expert = expert_of_row.argsort(stable=True).to(tokens.device)
         out = experts(arrived[by_expert], counts_in.sum(0))
         # The outputs, in arrival order again, back to the ranks their tokens came from
         back = torch.empty_like(out).index_copy(0, by_expert, out)
         return combine(all_to_all(back, sent, received, self.group), order, weights, chosen, tokens)
-
-
-def regroup(table: list[list[int]]) -> torch.Tensor:
-    """The order that turns rows laid out by source rank then expert (`table[g][e]` rows in each
-    block) into rows by expert, then source rank."""
-    ranks, experts = len(table), len(table[0])
-    # block[g * experts + e]: the row numbers of rank g's rows for expert e
-    block = torch.arange(sum(map(sum, table))).split([n for row in table for n in row])
-    return torch.cat([block[g * experts + e] for e in range(experts) for g in range(ranks)])

@@ -78,11 +78,8 @@ class ParallelDims:
     @property
     def strategy(self) -> str:
         """The data-parallel wrapper: none, ddp, fsdp (over dp_shard × ep × cp) or hsdp (both)."""
-        folded = self.dp_shard * self.ep * self.cp
-        if self.dp_replicate * folded == 1:
-            return "none"
-        if folded == 1:
-            return "ddp"
+        if self.dp_shard * self.ep * self.cp == 1:  # nothing to shard over: replicas only, if any
+            return "ddp" if self.dp_replicate > 1 else "none"
         return "hsdp" if self.dp_replicate > 1 else "fsdp"
 
     def describe(self) -> str:

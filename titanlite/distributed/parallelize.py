@@ -133,8 +133,13 @@ def parallelize(
                 part, lambda: build_model(args, "cpu").to(dtype), dp_mesh, device, **fsdp_kwargs
             )
         elif fsdp:
-            experts = dims.fsdp_mesh(mesh, experts=True) if dims.ep > 1 else "same"
-            part = apply_fsdp(part, dp_mesh, expert_mesh=experts, **fsdp_kwargs)
+            part = apply_fsdp(
+                part,
+                dp_mesh,
+                # ep has split the experts: FSDP shards them over the ranks holding the same ones
+                expert_mesh=dims.fsdp_mesh(mesh, experts=True) if dims.ep > 1 else "same",
+                **fsdp_kwargs,
+            )
         elif dims.strategy == "ddp":
             part = apply_ddp(part, mesh["dp_replicate"], bucket_cap_mb=p.bucket_cap_mb)
         parts[i] = part

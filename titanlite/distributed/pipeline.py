@@ -25,12 +25,18 @@ from torch import nn
 from ..efficiency.accumulation import count_targets, loss_sum
 from ..errors import TitanliteError
 from .env import all_reduce_sum, gather_from_ranks
-from .pipeline_schedules import SCHEDULES, check_pipeline, stage_ids
 
-# Re-exported: notebooks, tools and tests import these from here, beside pipeline_split.
+# build_schedule and microbatches too are imported from here by notebooks, tools and tests
+from .pipeline_schedules import (
+    SCHEDULES,
+    build_schedule,
+    check_pipeline,
+    microbatches,
+    stage_ids,
+)
+
+# Re-exported: notebooks, tools and tests import it from here, beside pipeline_split.
 from .pipeline_schedules import available_schedules as available_schedules
-from .pipeline_schedules import build_schedule as build_schedule
-from .pipeline_schedules import microbatches as microbatches
 
 
 def _group(pp_group):  # a process group (None: the default one) or a 1-D DeviceMesh
@@ -62,7 +68,7 @@ def pipeline_split(
     n_stages = pp * v
     layers = split_layers(model.args.n_layers, n_stages, first_stage_weight, last_stage_weight)
     device = device or next(model.parameters()).device
-    stages, parts = [], []
+    stages = []
     for s in stage_ids(rank, pp, v, SCHEDULES[schedule][1]):
         part = copy.deepcopy(model)
         for i in [i for i in part.layers if int(i) not in layers[s]]:
@@ -72,8 +78,7 @@ def pipeline_split(
         if s != n_stages - 1:
             part.norm = part.output = None
         stages.append(pipelining.PipelineStage(part, s, n_stages, device, group=group))
-        parts.append(part)
-    return stages, parts
+    return stages, [stage.submod for stage in stages]  # torch keeps each part as its submod
 
 
 def split_layers(

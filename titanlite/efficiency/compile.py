@@ -49,14 +49,12 @@ def apply_compile(
             f"regional compile needs model.layers (the transformer blocks), which "
             f"{type(model).__name__} does not have: use scope='model'"
         )
-    device = torch.device(
-        device if device is not None else next((p.device for p in model.parameters()), "cpu")
-    )
     # The trial compiles a copy of block 0 if it can run alone. Tensor-parallel blocks (DTensor
     # weights) expect sharded inputs and collectives on every rank: those get the tiny trial instead.
     sharded = blocks and any(hasattr(p, "placements") for p in blocks[0].parameters())
     support = compile_support(
-        device,
+        # where it will run: the parameters' device unless told (a meta-device model is told)
+        device if device is not None else next((p.device for p in model.parameters()), "cpu"),
         block=blocks[0] if blocks and not sharded else None,
         args=getattr(model, "args", None),  # a Transformer's ModelArgs: the block's shapes
         example_shape=example_shape,

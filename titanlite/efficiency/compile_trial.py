@@ -135,7 +135,6 @@ def _trial_compile(
                 x, torch.randn(8, 8, device=device)
             ).backward()
         else:
-            batch, seq_len = shape
             # fork_rng: the trial's random numbers must not shift the run's random streams.
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 # the real block stays uncompiled, its gradients untouched
@@ -149,10 +148,9 @@ def _trial_compile(
                 dtype = next(
                     trial.parameters()
                 ).dtype  # hidden states and rotary tables as the model's
-                x = torch.randn(
-                    batch, seq_len, args.dim, device=device, dtype=dtype, requires_grad=True
-                )
-                cos, sin = (t[:seq_len].to(dtype) for t in rope_cache(args, device=device))
+                # shape: (batch, seq_len)
+                x = torch.randn(*shape, args.dim, device=device, dtype=dtype, requires_grad=True)
+                cos, sin = (t[: shape[1]].to(dtype) for t in rope_cache(args, device=device))
                 with (
                     torch.autocast(device.type, dtype=autocast_dtype)
                     if autocast_dtype is not None

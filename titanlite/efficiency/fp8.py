@@ -122,32 +122,30 @@ def skip_reason(name: str, linear: nn.Linear, min_dim: int) -> str | None:
 def fp8_support(device: torch.device | str, recipe: str = "tensorwise") -> FP8Support:
     """Can this device train in FP8, for real or emulated, and why?"""
     device = torch.device(device)
-    kind = device.type
     _check_recipe(recipe)
     if not _fp8_linear_works(device, recipe, emulate=True):
         return FP8Support(
-            kind,
+            device.type,
             False,
             False,
-            f"torchao's FP8 '{recipe}' recipe cannot run on {kind} "
+            f"torchao's FP8 '{recipe}' recipe cannot run on {device.type} "
             f"with torch {torch.__version__} (a tiny emulated Float8Linear forward/backward "
             f"failed: float8 dtypes or the float64 scale math are missing there): train FP8 "
             f"on a CUDA GPU or the CPU (--training.device cpu, emulated), or disable float8",
         )
-    if (
-        kind != "cuda"
-    ):  # torch's CPU _scaled_mm is for correctness only: no CPU has FP8 units to gain
+    # torch's CPU _scaled_mm is for correctness only: no CPU has FP8 units to gain
+    if device.type != "cuda":
         return FP8Support(
-            kind,
+            device.type,
             False,
             True,
-            f"{kind} has no FP8 matrix units: torchao emulates FP8 "
+            f"{device.type} has no FP8 matrix units: torchao emulates FP8 "
             f"(quantise, then multiply in fp32) - same numerics, and the casts are extra work",
         )
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         return FP8Support(
-            kind,
+            device.type,
             False,
             True,
             f"SM {major}.{minor} has no FP8 tensor cores "
@@ -155,13 +153,13 @@ def fp8_support(device: torch.device | str, recipe: str = "tensorwise") -> FP8Su
         )
     if not _fp8_linear_works(device, recipe, emulate=False):
         return FP8Support(
-            kind,
+            device.type,
             False,
             True,
             f"this torch has no real '{recipe}' FP8 kernel "
             f"for SM {major}.{minor}: torchao emulates it",
         )
-    return FP8Support(kind, True, True, f"FP8 tensor cores on SM {major}.{minor}")
+    return FP8Support(device.type, True, True, f"FP8 tensor cores on SM {major}.{minor}")
 
 
 def _fp8_linear_works(device: torch.device, recipe: str, emulate: bool) -> bool:

@@ -91,17 +91,14 @@ class Precision:
                 check_param_dtype(self.mode, dtype)
         self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         norm = (clip or clip_grad_norm)(params, grad_clip or float("inf"))
-        if not self.scaler.is_enabled():
-            optimizer.step()
-            skipped = False
-        else:
-            # The scale stays on the device: reading it (get_scale) would wait for the GPU twice a
-            # step. Compared there, a skip is a device bool, read only when the step is logged.
-            scale_before = scaler_scale(self.scaler).clone()
-            self.scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/nan
-            self.scaler.update()  # ... and then halves the scale: that is how we see a skip
-            skipped = scaler_scale(self.scaler) < scale_before
-            self.skipped_steps = self.skipped_steps + skipped
+        # The scale stays on the device: reading it (get_scale) would wait for the GPU twice a
+        # step. Compared there, a skip is a device bool, read only when the step is logged.
+        scale_before = scaler_scale(self.scaler).clone() if self.scaler.is_enabled() else None
+        # A disabled scaler (bf16, fp32) just calls optimizer.step(), and its update does nothing.
+        self.scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/nan
+        self.scaler.update()  # ... and then halves the scale: that is how we see a skip
+        skipped = scale_before is not None and scaler_scale(self.scaler) < scale_before
+        self.skipped_steps = self.skipped_steps + skipped  # unchanged (+ False) without a scaler
         if hasattr(norm, "full_tensor"):  # FSDP: the norm is a DTensor, already summed over ranks
             norm = norm.full_tensor()
         # the norm (and an fp16 skip) stay on the device: read them when logging (that waits)

@@ -90,8 +90,9 @@ class ModelArgs:
                 f"unknown model preset '{name}'{closest(name, PRESETS)}; "
                 f"choose one of {', '.join(PRESETS)}"
             )
-        given = {k: v for k, v in overrides.items() if v is not None}
-        return replace(PRESETS[name], **given).validate()
+        return replace(
+            PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}
+        ).validate()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -178,9 +179,19 @@ class FeedForward(nn.Module):  # the SwiGLU MLP: a dense block's, and an MoE's s
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        for lin, s in ((self.gate_proj, std), (self.up_proj, std), (self.down_proj, out_std)):
-            nn.init.normal_(lin.weight, std=s)
+
+def initialise(module: nn.Module, std: float, out_std: float) -> None:
+    """Each weight of `module` drawn from N(0, std²), in `named_parameters` order (layer by layer; a
+    tied output counts once), but those that write into the residual stream (attention's o_proj, an
+    MLP's or expert's down projection) from N(0, out_std²); each norm set to ones, each buffer to 0."""
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight"):
+            nn.init.ones_(p)  # each norm starts as the identity
+        else:
+            into_residual = name.endswith(("o_proj.weight", "down_proj.weight", "w_down"))
+            nn.init.normal_(p, std=out_std if into_residual else std)
+    for buffer in module.buffers():  # an MoE router's bias and token counts; after `to_empty()`
+        buffer.zero_()  # they hold whatever memory held
 
 
 class TransformerBlock(nn.Module):
@@ -224,21 +235,12 @@ class Transformer(nn.Module):
         """Initialise in place on whatever device the parameters live on (after `to_empty`)."""
         if self.args.tie_embeddings:  # `to_empty()` gave each module a fresh tensor: tie them again
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_cache(self.args, self.rope_cos.device)
+        # GPT-2/nanoGPT: projections into the residual stream get 1/sqrt(2·n_layers), so it does not grow.
+        std = self.args.init_std
+        initialise(self, std, std / math.sqrt(2 * self.args.n_layers))
+        cos, sin = rope_cache(self.args, self.rope_cos.device)  # the buffers that are not zero
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        # GPT-2/nanoGPT: projections into the residual stream get 1/sqrt(2·n_layers), so it does not grow.
-        std, out_std = self.args.init_std, self.args.init_std / math.sqrt(2 * self.args.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
-        for block in self.layers.values():
-            a = block.attention
-            for lin, s in ((a.q_proj, std), (a.k_proj, std), (a.v_proj, std), (a.o_proj, out_std)):
-                nn.init.normal_(lin.weight, std=s)
-            block.feed_forward.init_weights(std, out_std)  # FeedForward or MoE
-        if not self.args.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=std)
-        for norm in (m for m in self.modules() if isinstance(m, RMSNorm)):
-            nn.init.ones_(norm.weight)  # each norm starts as the identity
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] → logits [B, T, vocab]. A pipeline stage (distributed/pipeline.py) sets parts to

@@ -33,7 +33,7 @@ from torch import nn
 from .._compat.torch_internals import in_backward
 from ..device_policy import capability_of
 from ..errors import TitanliteError
-from .llama import FeedForward  # the shared experts: one SwiGLU MLP as wide as they are
+from .llama import FeedForward, initialise  # FeedForward: the shared experts, as wide as they are
 
 ROUTERS, BALANCES = ("softmax", "sigmoid"), ("aux_free", "aux_loss", "none")
 
@@ -127,12 +127,8 @@ class MoE(nn.Module):
         return weights * kept
 
     def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.normal_(self.router.gate.weight, std=std)
-        self.experts.init_weights(std, out_std)
-        if self.shared is not None:
-            self.shared.init_weights(std, out_std)
-        self.router.expert_bias.zero_()
-        self.router.tokens_per_expert.zero_()  # after to_empty() it holds whatever memory held
+        # The router's, experts' and shared experts' weights; the router's bias and counts zeroed.
+        initialise(self, std, out_std)
 
 
 class Router(nn.Module):
@@ -207,10 +203,6 @@ class Experts(nn.Module):
             for e, xe in enumerate(x.split(counts.tolist()))
         ]
         return torch.cat(outs) if outs else x[:0]
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        for w, s in ((self.w_gate, std), (self.w_up, std), (self.w_down, out_std)):
-            nn.init.normal_(w, std=s)
 
 
 def dispatch_locally(tokens, weights, chosen, experts):

@@ -22,8 +22,10 @@ def tensor_device_types(state) -> set[str]:
 def staging_options(tensor_device_types) -> dict[str, bool]:
     """Pinned memory and a side stream (the copy overlaps training's kernels) for CUDA tensors only: a
     CPU rank on a GPU host would make a CUDA context (hundreds of MiB on GPU 0 per rank) for nothing."""
-    cuda = "cuda" in set(tensor_device_types)
-    return {"use_pinned_memory": cuda, "use_non_blocking_copy": cuda, "use_staging_stream": cuda}
+    return dict.fromkeys(
+        ("use_pinned_memory", "use_non_blocking_copy", "use_staging_stream"),
+        "cuda" in tensor_device_types,
+    )
 
 
 def make_stager(options: dict[str, bool], shared_memory: bool = False) -> DefaultStager:
@@ -45,15 +47,10 @@ class HostStager(DefaultStager):
     def __init__(self, options: StagingOptions):
         super().__init__(dataclasses.replace(options, use_async_staging=False))
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="titanlite-staging")
-        self._future = None
 
+    # Returns a future (so DCP never calls synchronize_staging: it waits on the future instead).
     def stage(self, state_dict, **kwargs):
-        self._future = self._copier.submit(super().stage, state_dict, **kwargs)
-        return self._future
-
-    def synchronize_staging(self) -> None:
-        if self._future is not None:
-            self._future.result()
+        return self._copier.submit(super().stage, state_dict, **kwargs)
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)

@@ -83,30 +83,21 @@ class TrainState(Stateful):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        # plain name (no DDP "module.", no compile "_orig_mod.") -> "<i>.<name>" in this rank's parts
-        owner = {
-            plain: f"{i}.{plain}"
-            for i, part in enumerate(self.parts)
-            for plain in (
-                key.removeprefix("module.").replace("_orig_mod.", "") for key in part.state_dict()
-            )
-        }
-
-        def prefix(key: str) -> str:  # the inverse of `_strip`, for this rank's parts
-            head, _, rest = key.partition(".")
-            if head in ("state", "param_groups"):
-                name, _, field = rest.rpartition(".")
-                return f"{head}.{owner[name]}.{field}"
-            return owner[key]
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            # This rank's own keys ("<i>.<name>" in its parts), by the plain names `state_dict`
+            # gave them: `_strip` inverted. get_state_dict already drops DDP's "module." and
+            # compile's "_orig_mod.".
+            model, optim = get_state_dict(
+                torch.nn.ModuleList(self.parts), self.optimizer, options=_OPTIONS
+            )
+            ours = {_strip(key): key for key in (*model, *optim)}
             set_state_dict(
                 torch.nn.ModuleList(self.parts),
                 self.optimizer,
                 options=_OPTIONS,
-                model_state_dict={prefix(k): v for k, v in state["model"].items()},
-                optim_state_dict={prefix(k): v for k, v in state["optimizer"].items()},
+                model_state_dict={ours[k]: v for k, v in state["model"].items()},
+                optim_state_dict={ours[k]: v for k, v in state["optimizer"].items()},
             )
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["data"])
