@@ -419,3 +419,31 @@ def test_a_dead_kernel_fails_every_check_of_its_notebook_in_one_line(tmp_path, m
         r.detail.startswith("not checked: DeadKernelError") and "\n" not in r.detail
         for r in results
     )
+
+
+@pytest.mark.skipif(os.name != "posix", reason="Unix sockets: POSIX only (Windows keeps TCP)")
+def test_notebook_kernels_listen_on_unix_sockets_in_their_own_folder(tmp_path):
+    """A kernel on TCP binds ports jupyter_client found free a moment before: under load another
+    process took one and the kernel died at start (CI, 2026-11-28: "Kernel died before replying to
+    kernel_info", zmq's bind failing). On Unix sockets in the run's own folder nothing can race."""
+    from nbclient import NotebookClient
+
+    from titanlite.tools.course import kernel_on_unix_sockets
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "import json\n"
+            "from ipykernel.connect import get_connection_info\n"
+            "info = json.loads(get_connection_info())\n"
+            "print(info['transport'], info['ip'])"
+        )
+    ]
+    NotebookClient(
+        nb, timeout=60, kernel_name="python3", **kernel_on_unix_sockets(tmp_path)
+    ).execute()
+    text = "".join(o.get("text", "") for o in nb.cells[0].outputs)
+    assert text.split() == ["ipc", str(tmp_path.resolve() / "kernel")], text
+    assert not list(tmp_path.iterdir())  # its sockets are removed with the kernel
+    # A folder too deep for a socket path (107 bytes) keeps TCP rather than fail.
+    assert kernel_on_unix_sockets(tmp_path / ("d" * 100)) == {}

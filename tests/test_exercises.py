@@ -27,6 +27,7 @@ from titanlite.tools.course import (
     END,
     is_check_cell,
     is_solution_cell,
+    kernel_on_unix_sockets,
     strip_solution,
     strip_solutions,
     stripper,
@@ -1242,6 +1243,7 @@ def _run_until_first_check(path: Path, tmp_path, monkeypatch):
         kernel_name="python3",
         allow_errors=False,
         resources={"metadata": {"path": str(work)}},
+        **kernel_on_unix_sockets(tmp_path),
     )
     return nb, client
 

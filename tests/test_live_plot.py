@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 
 from titanlite import TitanliteError
 from titanlite.tools import live_plot
+from titanlite.tools.course import kernel_on_unix_sockets
 from titanlite.tools.live_plot import LivePlot, resolve_mode
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -335,7 +336,11 @@ def test_nbclient_run_gets_one_static_figure(tmp_path, monkeypatch):
     ]
     start = time.monotonic()
     NotebookClient(
-        nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        nb,
+        timeout=60,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+        **kernel_on_unix_sockets(tmp_path),
     ).execute()
     outputs = nb.cells[0].outputs
     texts = "".join(o.get("text", "") for o in outputs if o["output_type"] == "stream")
@@ -518,7 +523,11 @@ def test_saved_notebook_keeps_the_final_curves(tmp_path, data_dir):
         )
     ]
     NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        nb,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+        **kernel_on_unix_sockets(tmp_path),
     ).execute()
     path = tmp_path / "trained.ipynb"
     nbformat.write(nb, path)

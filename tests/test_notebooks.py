@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from titanlite.tools.course import kernel_on_unix_sockets
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Run whole in tests/test_browser.py (Run All in a fresh kernel, in JupyterLab), which fails on any
@@ -53,7 +55,11 @@ def test_notebook_runs_in_smoke_scale(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(work / path.name, as_version=4)
     client = NotebookClient(
-        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(work)}}
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(work)}},
+        **kernel_on_unix_sockets(tmp_path),
     )
     start = time.perf_counter()
     try:

@@ -442,6 +442,20 @@ def checks_only(nb):
     return small
 
 
+def kernel_on_unix_sockets(folder: Path) -> dict:
+    """NotebookClient keyword arguments that give its kernel Unix sockets in `folder` instead of TCP
+    ports. With TCP, jupyter_client finds free ports and the kernel binds them a moment later: on a
+    busy machine (torch's stores, other kernels) another process can take one in between, and the
+    kernel dies at start ("Kernel died before replying to kernel_info"). Windows, or a folder whose
+    socket paths would pass the 107-byte limit, keeps TCP."""
+    prefix = Path(folder).resolve() / "kernel"
+    if os.name != "posix" or len(str(prefix)) > 90:
+        return {}
+    from traitlets.config import Config
+
+    return {"config": Config({"KernelManager": {"transport": "ipc", "ip": str(prefix)}})}
+
+
 def run_for_progress(path: Path, timeout_s: float = 600, checks: bool = False) -> list[Result]:
     """Execute notebook `path` (a copy, in a scratch folder beside nothing of the student's),
     errors allowed: up to its last check cell, or with `checks` only what `checks_only` keeps;
@@ -473,6 +487,7 @@ def run_for_progress(path: Path, timeout_s: float = 600, checks: bool = False) -
             kernel_name="python3",
             allow_errors=True,
             resources={"metadata": {"path": str(work)}},
+            **kernel_on_unix_sockets(Path(scratch)),
         )
         with open(log_path, "w") as log:
             try:
