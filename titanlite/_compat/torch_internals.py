@@ -44,10 +44,10 @@ def cpp_compiler_error() -> Exception | None:
     probe (2.11-2.13); if it moves we return None, and the trial compile that follows decides."""
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler  # compiling on a CPU only
-
-        get_cpp_compiler()
-    except ImportError:  # the probe moved: the trial compile decides
+    except ImportError:
         return None
+    try:
+        get_cpp_compiler()
     except Exception as e:  # InvalidCxxCompiler and friends
         return e
     return None

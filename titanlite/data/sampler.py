@@ -10,6 +10,7 @@ import torch
 
 from ..errors import TitanliteError
 
+STATE_VERSION = 1  # bumped if the saved state's meaning ever changes
 EVAL_ORDER_SEED = 1234  # val batches must not depend on the training seed, to compare runs
 
 
@@ -83,8 +84,7 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
         return iter(self.next_indices, None)  # forever: next_indices never returns None
 
     def state_dict(self) -> dict:
-        # "version": bumped if the state's meaning ever changes
-        return {"version": 1, **{k: getattr(self, k) for k in self._STATE_KEYS}}
+        return {"version": STATE_VERSION, **{k: getattr(self, k) for k in self._STATE_KEYS}}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from any rank's `state_dict()`; seed, num_windows and the global batch must match."""
