@@ -449,6 +449,7 @@ def kernel_on_unix_sockets(folder: Path) -> dict:
     kernel dies at start ("Kernel died before replying to kernel_info"). Windows, or a folder whose
     socket paths would pass the 107-byte limit, keeps TCP."""
     prefix = Path(folder).resolve() / "kernel"
+    # Each socket is "<prefix>-<n>": 90 bytes of prefix leave room for n under the 107-byte limit.
     if os.name != "posix" or len(str(prefix)) > 90:
         return {}
     from traitlets.config import Config
