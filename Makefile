@@ -38,7 +38,7 @@ LAB_ARGS ?=
 WORKBOOK ?= workbook
 
 lab: setup  ## the workbook: (re)write workbook/ from notebooks/, then JupyterLab on it
-	$(BIN)/python -m titanlite.tools.course --workbook notebooks $(WORKBOOK)
+	$(BIN)/python -m titanlite.tools.course.editions --workbook notebooks $(WORKBOOK)
 	$(BIN)/jupyter lab $(ROOT_FLAG) "--LabApp.app_settings_dir=$(CURDIR)/configs/jupyterlab" $(LAB_ARGS) $(WORKBOOK)/
 
 train: setup  ## the quick training run, headless
@@ -65,11 +65,11 @@ doctor: setup  ## self-check this machine's device: writes runs/doctor/report.md
 STUDENT ?= student
 
 student: setup  ## the student edition in student/ (your answers there are never overwritten)
-	$(BIN)/python -m titanlite.tools.course notebooks $(STUDENT)
+	$(BIN)/python -m titanlite.tools.course.editions notebooks $(STUDENT)
 	@echo "open it: make lab-student   (JupyterLab on $(STUDENT)/, with make lab's settings)"
 
 lab-student: setup  ## the student edition: (re)write student/, then JupyterLab on it, as make lab
-	$(BIN)/python -m titanlite.tools.course notebooks $(STUDENT)
+	$(BIN)/python -m titanlite.tools.course.editions notebooks $(STUDENT)
 	$(BIN)/jupyter lab $(ROOT_FLAG) "--LabApp.app_settings_dir=$(CURDIR)/configs/jupyterlab" $(LAB_ARGS) $(STUDENT)/
 
 bench: setup

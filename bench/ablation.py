@@ -48,7 +48,7 @@ def measure(variant: str, args) -> dict:
     import torch
 
     from titanlite import hardware, memory, peaks
-    from titanlite.tools.notebook import quiet_third_party
+    from titanlite.tools.display.notebook import quiet_third_party
 
     quiet_third_party()  # before torchao is imported: its "Failed to load" lines are noise here
     from titanlite.config import load_config
@@ -159,7 +159,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     from titanlite import is_smoke
-    from titanlite.tools.notebook import quiet_third_party
+    from titanlite.tools.display.notebook import quiet_third_party
 
     quiet_third_party()
 

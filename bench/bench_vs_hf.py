@@ -27,14 +27,14 @@ import statistics
 import time
 
 import titanlite
-from titanlite.tools.notebook import quiet_third_party
+from titanlite.tools.display.notebook import quiet_third_party
 
 quiet_third_party()  # first: hides torchao's import noise before transformers loads
 import torch  # noqa: E402 (after quiet_third_party, on purpose)
 import torch.nn.functional as F  # noqa: E402
 
 from titanlite.models.llama import ModelArgs, build_model  # noqa: E402
-from titanlite.tools.export import to_hf_model  # noqa: E402
+from titanlite.tools.formats.export import to_hf_model  # noqa: E402
 
 # Batch shapes of configs/debug.toml and configs/small.toml: what the notebooks train with.
 DEFAULT_SHAPE = {"debug": (16, 128), "small": (16, 256)}

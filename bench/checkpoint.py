@@ -209,7 +209,8 @@ def byte_checkpoint(
     from titanlite.config import load_config
     from titanlite.labs.nb12_distributed_checkpointing import training_state
     from titanlite.resilience.balanced_io import BalancedSavePlanner
-    from titanlite.tools.checkpoint_io import (
+    from titanlite.tools.jobs.launcher import launch, launch_function
+    from titanlite.tools.measure.checkpoint_io import (
         balance,
         bytes_written_per_rank,
         cpu_seconds_per_phase,
@@ -217,7 +218,6 @@ def byte_checkpoint(
         planned_bytes_per_rank,
         staging_reuse,
     )
-    from titanlite.tools.launcher import launch, launch_function
 
     verdict = lambda ok: "MET" if ok else "NOT met"  # noqa: E731
     _, sd = training_state(preset)
@@ -262,7 +262,7 @@ def byte_checkpoint(
                 reads[read_once] = sum(
                     r["bytes_read"]
                     for r in launch_function(
-                        "titanlite.tools.checkpoint_io:load_bytes",
+                        "titanlite.tools.measure.checkpoint_io:load_bytes",
                         nproc=2,
                         log_dir=str(folder / "jobs"),
                         timeout_s=1800,
@@ -349,7 +349,7 @@ def main() -> None:
     import torch
 
     from titanlite import hardware, is_smoke
-    from titanlite.tools.notebook import quiet_third_party
+    from titanlite.tools.display.notebook import quiet_third_party
 
     quiet_third_party()
     from titanlite.labs.nb12_distributed_checkpointing import (

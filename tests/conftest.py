@@ -76,7 +76,7 @@ def run_torchrun(script, *args, nproc: int = 2, timeout: float = 120, torchrun: 
     import tempfile
 
     from titanlite import TitanliteError
-    from titanlite.tools.launcher import launch_script, rank_output
+    from titanlite.tools.jobs.launcher import launch_script, rank_output
 
     if not torchrun:
         run_dir = Path(tempfile.mkdtemp(prefix="ranks-"))

@@ -3,9 +3,9 @@
 Each case builds a small world in its own folder (config files, data files, a copy of a trained
 run's checkpoints, a log folder), hashes every file in it, runs the bad input, and checks:
 exit status != 0 (or a TitanliteError from the Python API), exactly one non-blank line on
-stderr, no "Traceback", and the same hashes afterwards. Most cases call `titanlite.tools.cli.main`
+stderr, no "Traceback", and the same hashes afterwards. Most cases call `titanlite.tools.cli.commands.main`
 in this process (the CLI's code path, without a second torch import); a few run the real
-`python -m titanlite.tools.cli` to prove the process boundary too.
+`python -m titanlite.tools.cli.commands` to prove the process boundary too.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def snapshot(root: Path) -> dict:
 @pytest.fixture(scope="module")
 def trained(data_dir, tmp_path_factory):
     """A 4-step run saving checkpoints at steps 2 and 4 (tokenizer beside them)."""
-    from titanlite.tools.cli import main
+    from titanlite.tools.cli.commands import main
 
     home = tmp_path_factory.mktemp("trained")
     o = tiny_overrides(
@@ -247,7 +247,7 @@ OTHER_MODEL = [
 
 
 def run_cli(argv: list[str], capfd) -> tuple[int, str]:
-    from titanlite.tools.cli import main
+    from titanlite.tools.cli.commands import main
 
     capfd.readouterr()
     code = main(argv)
@@ -522,7 +522,7 @@ LAUNCH_CASES = [
 )
 def test_launcher_refuses_before_starting_processes(nproc, overrides, world, data_dir, capfd):
     from titanlite.config import load_config
-    from titanlite.tools import launcher
+    from titanlite.tools.jobs import launcher
 
     (world / "a-file").write_text("precious\n")
     o = tiny_overrides(data_dir, world)
@@ -540,13 +540,13 @@ def test_launcher_refuses_before_starting_processes(nproc, overrides, world, dat
     assert snapshot(world) == before
 
 
-# ----- the real process boundary: a few cases as `python -m titanlite.tools.cli` ---------------------
+# ----- the real process boundary: a few cases as `python -m titanlite.tools.cli.commands` ---------------------
 
 
 def titanlite(*args, timeout=60):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
-        [sys.executable, "-m", "titanlite.tools.cli", *args],
+        [sys.executable, "-m", "titanlite.tools.cli.commands", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -585,7 +585,7 @@ def test_as_a_real_process(kind, world, data_dir, trained):
 def test_launcher_shows_each_distinct_rank_error_once(tmp_path, capfd):
     """Both ranks refuse the same bad input (only the first prints it) and rank 1 also hits an
     error of its own: the launcher raises the first and prints the other, one line each."""
-    from titanlite.tools.launcher import _failure
+    from titanlite.tools.jobs.launcher import _failure
 
     blocks = [
         f"[{i}]:\n  time      : 2026-11-22_07:32:01\n  rank      : {r} (local_rank: {r})\n"
@@ -619,7 +619,7 @@ def test_ranks_of_one_torchrun_job_print_a_shared_error_once(tmp_path, monkeypat
     """cli._report under torchrun: the first rank to report a message prints it (one write,
     newline included); the same message from another rank of the same job is not repeated,
     a different one is, and another job (or attempt) prints its own."""
-    from titanlite.tools import cli
+    from titanlite.tools.cli import commands as cli
 
     monkeypatch.setenv("TITANLITE_JOB_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id
@@ -637,7 +637,7 @@ def test_launcher_job_whose_ranks_refuse_the_same_data_file(world, data_dir, cap
     """Both ranks of a real job refuse an empty data file (not checked before start-up: only a
     rank reads the corpus). The notebook sees one line, and the stderr stays empty."""
     from titanlite.config import load_config
-    from titanlite.tools import launcher
+    from titanlite.tools.jobs import launcher
 
     empty = world / "empty.txt"
     empty.write_text("")

@@ -119,7 +119,14 @@ def _as_make_lab_opens_it(tmp_path: Path) -> Path:
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "clone"]):
         subprocess.run([*git, *args], cwd=repo, check=True)
-    course = [sys.executable, "-m", "titanlite.tools.course", "--workbook", "notebooks", "workbook"]
+    course = [
+        sys.executable,
+        "-m",
+        "titanlite.tools.course.editions",
+        "--workbook",
+        "notebooks",
+        "workbook",
+    ]
     subprocess.run(course, cwd=repo, check=True, capture_output=True)
     return repo
 

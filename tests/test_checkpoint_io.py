@@ -11,8 +11,8 @@ import pytest
 from conftest import tiny_overrides
 
 from titanlite.config import load_config
-from titanlite.tools.checkpoint_io import balance, bytes_written_per_rank, data_bytes
-from titanlite.tools.launcher import launch, launch_function
+from titanlite.tools.jobs.launcher import launch, launch_function
+from titanlite.tools.measure.checkpoint_io import balance, bytes_written_per_rank, data_bytes
 
 LAYOUTS = {
     "ddp2": (2, {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}),
@@ -61,7 +61,7 @@ def test_read_once_loading_reads_each_replicated_byte_once_into_the_same_state(d
     runs = {}
     for read_once in (False, True):
         runs[read_once] = launch_function(
-            "titanlite.tools.checkpoint_io:load_bytes",
+            "titanlite.tools.measure.checkpoint_io:load_bytes",
             nproc=2,
             log_dir=str(tmp_path / f"load-{read_once}"),
             timeout_s=600,
@@ -109,7 +109,7 @@ def test_the_commit_takes_each_files_crc_from_the_bytes_written(tmp_path, monkey
 def test_a_reused_stager_allocates_staging_memory_only_for_the_first_save(tmp_path):
     import torch
 
-    from titanlite.tools.checkpoint_io import staging_reuse
+    from titanlite.tools.measure.checkpoint_io import staging_reuse
 
     state = {"model": {"w": torch.randn(200, 50), "b": torch.randn(5)}, "step": 1}
     first, *later = staging_reuse(state, tmp_path / "ck", saves=3)
@@ -123,7 +123,7 @@ def test_dcps_save_order_can_pile_bytes_on_one_rank_and_the_balanced_planner_doe
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     from titanlite.resilience.balanced_io import BalancedSavePlanner
-    from titanlite.tools.checkpoint_io import planned_bytes_per_rank
+    from titanlite.tools.measure.checkpoint_io import planned_bytes_per_rank
 
     sd = {
         "model": {

@@ -9,7 +9,7 @@ from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.efficiency.activation_checkpoint import apply_ac
 from titanlite.models.llama import ModelArgs, build_model
-from titanlite.tools.activation_memory import (
+from titanlite.tools.predict.activation_memory import (
     activation_memory_estimate,
     checkpointed_blocks,
     saved_activation_bytes,

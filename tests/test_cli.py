@@ -144,7 +144,7 @@ def test_every_listed_default_is_accepted_back_as_an_override():
     import re
 
     from titanlite.config import Config, load_config
-    from titanlite.tools.config_help import overrides_help
+    from titanlite.tools.cli.config_help import overrides_help
 
     pairs = re.findall(r"^    (--\S+) ('[^']*'|\S+)", overrides_help(), re.M)
     args = [
@@ -265,7 +265,7 @@ def test_every_entry_point_refuses_another_run_and_a_resume_goes_on(data_dir, tm
     run with a committed checkpoint and the same settings resumes as before."""
     from titanlite.config import load_config
     from titanlite.errors import TitanliteError
-    from titanlite.tools.launcher import launch
+    from titanlite.tools.jobs.launcher import launch
     from titanlite.train import Trainer
 
     o = tiny_overrides(

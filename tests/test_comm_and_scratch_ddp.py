@@ -59,8 +59,8 @@ def _scratch_vs_ddp(rank: int, cap_mb: float) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from titanlite.tools.comm import CommCounter
-    from titanlite.tools.scratch_ddp import ScratchDataParallel
+    from titanlite.labs.nb07_scratch_ddp import ScratchDataParallel
+    from titanlite.tools.measure.comm import CommCounter
 
     local = _llama(seed=rank)  # replicas start different: only the broadcast equalises them
     ddp = DDP(copy.deepcopy(local), bucket_cap_mb=cap_mb)
@@ -121,8 +121,8 @@ def _accumulation(rank: int, accum: int = 2) -> dict:
     difference is the summation order."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from titanlite.tools.comm import CommCounter
-    from titanlite.tools.scratch_ddp import ScratchDataParallel
+    from titanlite.labs.nb07_scratch_ddp import ScratchDataParallel
+    from titanlite.tools.measure.comm import CommCounter
 
     batches = {(r, k): _batch(100, r, k) for r in range(WORLD) for k in range(accum)}
     reference = _llama(seed=0, dtype=torch.float64)  # what rank 0 broadcasts
@@ -166,7 +166,7 @@ def _fsdp2(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from titanlite.tools.comm import CommCounter
+    from titanlite.tools.measure.comm import CommCounter
 
     mesh = init_device_mesh("cpu", (WORLD,))
     out = {}
@@ -207,7 +207,7 @@ def _plain_collectives(rank: int) -> dict:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from titanlite.tools.comm import CommCounter
+    from titanlite.tools.measure.comm import CommCounter
 
     t = torch.full((1000,), float(rank))
     with CommCounter() as cc:
@@ -216,7 +216,7 @@ def _plain_collectives(rank: int) -> dict:
         dist.all_gather_into_tensor(torch.empty(2000), t)
         dist.reduce_scatter_tensor(torch.empty(500), t)
         funcol.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD))
-    from titanlite.tools.scratch_ddp import allreduce_mean_
+    from titanlite.labs.nb07_scratch_ddp import allreduce_mean_
 
     tensors = [torch.full((3,), float(rank)), torch.full((5,), 2.0 * rank)]
     with CommCounter() as unbucketed:

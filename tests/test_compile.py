@@ -25,7 +25,7 @@ from titanlite.efficiency.compile import (
     is_compiled,
 )
 from titanlite.models.llama import ModelArgs, build_model
-from titanlite.tools.compile_report import graph_break_report, time_first_call
+from titanlite.tools.measure.compile_report import graph_break_report, time_first_call
 from titanlite.train import Trainer
 
 ARGS = ModelArgs.preset("debug", vocab_size=512)  # what the trainer builds from tiny_overrides

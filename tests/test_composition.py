@@ -12,7 +12,7 @@ from conftest import tiny_overrides
 from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.distributed.mesh import ParallelDims
-from titanlite.tools.launcher import launch
+from titanlite.tools.jobs.launcher import launch
 from titanlite.train import Trainer
 
 STEPS = 3

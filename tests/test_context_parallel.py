@@ -24,8 +24,8 @@ from titanlite.distributed.mesh import ParallelDims
 from titanlite.labs import nb17_context_parallel as lab
 from titanlite.resilience.checkpoint import Checkpointer
 from titanlite.resilience.checkpoint_files import committed
-from titanlite.tools.export import load_model
-from titanlite.tools.launcher import launch, launch_function
+from titanlite.tools.formats.export import load_model
+from titanlite.tools.jobs.launcher import launch, launch_function
 from titanlite.train import Trainer
 
 ATTENTION = "titanlite.labs.nb17_context_parallel:attention_matches_full"

@@ -159,7 +159,7 @@ def test_the_training_path_fits_the_budget():
 
 
 def test_notebook_01s_part_of_the_reading_order_fits_its_budget():
-    from titanlite.tools.reading_order import READING_ORDER
+    from titanlite.tools.course.reading_order import READING_ORDER
 
     (files,) = [files for notebook, _, files in READING_ORDER if notebook == "01"]
     counts = {f: statements(PACKAGE / f) for f in files}
@@ -208,13 +208,13 @@ def test_the_budget_check_counts_lazy_imports(tmp_path):
     """A module imported only inside a function is still reachable (so hiding an import saves
     nothing), and a module nobody imports is not."""
     assert "titanlite.efficiency.fp8" in reachable()  # imported inside apply_efficiency only
-    assert "titanlite.tools.live_plot" not in reachable()
+    assert "titanlite.tools.display.live_plot" not in reachable()
 
 
 def test_readme_reading_order_lists_every_core_file_once_with_todays_line_counts():
     from collections import Counter
 
-    from titanlite.tools.reading_order import (
+    from titanlite.tools.course.reading_order import (
         READING_ORDER,
         core_files,
         readme_block,
@@ -229,7 +229,7 @@ def test_readme_reading_order_lists_every_core_file_once_with_todays_line_counts
     )
     readme = (PACKAGE.parent / "README.md").read_text()
     assert readme_block(readme) == table(), (
-        "stale: run python -m titanlite.tools.reading_order --readme"
+        "stale: run python -m titanlite.tools.course.reading_order --readme"
     )
     assert with_table(readme) == readme  # rewriting it in place changes nothing else
 

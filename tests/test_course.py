@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 from titanlite.errors import TitanliteError
-from titanlite.tools.course import (
+from titanlite.tools.course.editions import (
     STAMP,
     checks_only,
     format_table,
@@ -108,7 +108,7 @@ def test_student_edition_replaces_only_what_the_student_did_not_change(tmp_path)
 def test_the_workbook_edition_keeps_the_solutions_and_the_learners_edits(tmp_path, capsys):
     """make lab's working copy: every notebook as the instructor wrote it, without outputs; an
     edited one kept on the next make lab, the others refreshed; a student edition is refused."""
-    from titanlite.tools.course import _main
+    from titanlite.tools.course.editions import _main
 
     src = _source(tmp_path, NB02, NB13)
     out = tmp_path / "workbook"
@@ -195,7 +195,7 @@ def _clone(tmp_path) -> Path:
 def _course(clone: Path, *args):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [PYTHON, "-m", "titanlite.tools.course", *args],
+        [PYTHON, "-m", "titanlite.tools.course.editions", *args],
         cwd=clone,
         env=env,
         capture_output=True,
@@ -205,7 +205,7 @@ def _course(clone: Path, *args):
 
 
 def test_the_course_command_into_the_clone_itself_deletes_nothing(tmp_path):
-    """`python -m titanlite.tools.course notebooks .` once deleted the whole clone."""
+    """`python -m titanlite.tools.course.editions notebooks .` once deleted the whole clone."""
     clone = _clone(tmp_path)
     before = _tree(clone)
     for args in (["notebooks", "."], ["notebooks", "notebooks"], ["notebooks", ".git"]):
@@ -367,7 +367,7 @@ def _student_folder(tmp_path) -> Path:
 
 @pytest.mark.slow
 def test_progress_checks_grades_a_folder_from_its_exercise_cells(tmp_path, monkeypatch, capfd):
-    from titanlite.tools.cli import main
+    from titanlite.tools.cli.commands import main
 
     monkeypatch.setenv("MPLBACKEND", "Agg")
     # The rows wrap to the terminal's width: one width, whoever runs it.
@@ -390,7 +390,7 @@ def test_progress_checks_grades_a_folder_from_its_exercise_cells(tmp_path, monke
 @pytest.mark.slow
 def test_progress_runs_both_editions_in_full(tmp_path, monkeypatch, capsys):
     """`titanlite progress` on notebook 02: the instructor's passes, the student's is not attempted."""
-    from titanlite.tools.cli import main
+    from titanlite.tools.cli.commands import main
 
     monkeypatch.setenv("MPLBACKEND", "Agg")
     student_edition(ROOT / "notebooks", tmp_path / "student")
@@ -428,7 +428,7 @@ def test_notebook_kernels_listen_on_unix_sockets_in_their_own_folder(tmp_path):
     kernel_info", zmq's bind failing). On Unix sockets in the run's own folder nothing can race."""
     from nbclient import NotebookClient
 
-    from titanlite.tools.course import kernel_on_unix_sockets
+    from titanlite.tools.course.editions import kernel_on_unix_sockets
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [

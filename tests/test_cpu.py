@@ -1,11 +1,11 @@
-"""titanlite.tools.cpu, titanlite.tools.mps and titanlite.tools.data_loading: facts about the host, measured."""
+"""titanlite.tools.probe.cpu, titanlite.tools.probe.mps and titanlite.tools.measure.data_loading: facts about the host, measured."""
 
 import pytest
 import torch
 
 import titanlite
-from titanlite.tools import cpu, mps
-from titanlite.tools.data_loading import TokenizingDataset, host_to_device_gbps, loader_rate
+from titanlite.tools.measure.data_loading import TokenizingDataset, host_to_device_gbps, loader_rate
+from titanlite.tools.probe import cpu, mps
 
 
 def _features(flags, cores=8):

@@ -28,7 +28,7 @@ from titanlite.data import (
 from titanlite.data import tokenizer as tokenizer_module
 from titanlite.data.tokenizer import EOS, tokenizer_hash, train_bpe, wrap
 from titanlite.errors import TitanliteError
-from titanlite.tools import corpora as remote
+from titanlite.tools.formats import corpora as remote
 
 TRICKY_TEXT = "héllo wörld 🚀\r\n\tdef f(x):\n    return 4242  # ok  \n\n<b>tag</b> 'quoted'"
 
@@ -337,7 +337,7 @@ def test_hf_loader_reads_local_files(tmp_path):
     text.write_text("first line\nsecond line\n\nthird line\n", encoding="utf-8")
     with pytest.raises(TitanliteError) as excinfo:  # the core never touches the network
         load_corpus(f"hf:{text}")
-    one_line_error(excinfo, "fetched once before training", "titanlite.tools.corpora.fetch")
+    one_line_error(excinfo, "fetched once before training", "titanlite.tools.formats.corpora.fetch")
     remote.fetch(f"hf:{text}")
     assert load_corpus(f"hf:{text}") == ["first line", "second line", "third line"]
     remote.fetch("hf", path=str(text), max_docs=2)

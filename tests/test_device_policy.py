@@ -16,7 +16,7 @@ from titanlite.device_policy import (
     resolve_mixed_precision,
     tf32_default,
 )
-from titanlite.tools.sdpa_kernels import sdpa_kernel_for
+from titanlite.labs.nb04_sdpa_kernels import sdpa_kernel_for
 
 T4, V100, A100, H100 = (7, 5), (7, 0), (8, 0), (9, 0)
 

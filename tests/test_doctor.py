@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from titanlite import peaks
-from titanlite.tools.cli import main
-from titanlite.tools.doctor import DeviceFacts, plan
+from titanlite.tools.cli.commands import main
+from titanlite.tools.cli.doctor import DeviceFacts, plan
 
 H100_PAIR = DeviceFacts("cuda", gpus=2, capability=(9, 0), name="NVIDIA H100 80GB HBM3")
 A100 = DeviceFacts("cuda", gpus=1, capability=(8, 0), name="NVIDIA A100-SXM4-40GB")
@@ -120,7 +120,7 @@ def test_doctor_runs_here_in_smoke_scale_passes_and_writes_a_report(tmp_path, ca
 def test_the_fp8_row_says_its_speed_from_the_numbers():
     """Against the fp32 run of the same doctor, beyond the wider of the two runs' ranges: a fixed
     "slower than fp32" was once printed beside an FP8 run that measured 2.3x faster."""
-    from titanlite.tools.doctor import Check, _compare_fp8
+    from titanlite.tools.cli.doctor import Check, _compare_fp8
 
     def row(name, rate, low, high):
         data = {"tokens_per_sec": rate, "tokens_per_sec_range": [low, high]}
@@ -160,7 +160,7 @@ def test_doctor_refuses_unknown_arguments(argv):
 
 
 def test_throughput_leaves_out_the_warm_up_and_says_the_spread():
-    from titanlite.tools.doctor import throughput, timing_plan
+    from titanlite.tools.cli.doctor import throughput, timing_plan
 
     records = [
         {"step": s, "tokens_per_sec": r}
@@ -195,7 +195,7 @@ def test_on_a_gpu_unlogged_steps_run_under_torchs_sync_detector(data_dir, tmp_pa
     from conftest import tiny_overrides
 
     from titanlite.config import load_config
-    from titanlite.tools.host_syncs import CudaSyncDebug
+    from titanlite.tools.measure.host_syncs import CudaSyncDebug
     from titanlite.train import Trainer
 
     modes, made = [], []
@@ -213,7 +213,7 @@ def test_on_a_gpu_unlogged_steps_run_under_torchs_sync_detector(data_dir, tmp_pa
     assert modes[:6] == ["error", 0, "error", 0, 0, "error"] and modes[-1] == 0
 
 
-# ----- other accelerators, on faked devices (tools/vendors.py) --------------------------------
+# ----- other accelerators, on faked devices (tools/probe/vendors.py) --------------------------------
 
 # `nvidia-smi topo -m` as an 8×H100 SXM node prints it (NVSwitch: 18 NVLinks between every pair),
 # trimmed to its GPU rows and legend's first line.
@@ -250,7 +250,8 @@ def _a_gpu(monkeypatch, name, hip=None, cuda="12.8"):
 def test_an_nvidia_node_reports_its_stack_and_its_nvlink_topology(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    from titanlite.tools import doctor, vendors
+    from titanlite.tools.cli import doctor
+    from titanlite.tools.probe import vendors
 
     _a_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
     ran = []
@@ -277,7 +278,8 @@ def test_an_nvidia_node_reports_its_stack_and_its_nvlink_topology(monkeypatch, t
 
 
 def test_an_amd_gpu_is_named_with_rocm_rccl_and_fnuz_fp8_and_said_untested(monkeypatch, tmp_path):
-    from titanlite.tools import doctor, vendors
+    from titanlite.tools.cli import doctor
+    from titanlite.tools.probe import vendors
 
     _a_gpu(monkeypatch, "AMD Instinct MI300X", hip="6.2.41133", cuda=None)
     monkeypatch.setattr(vendors, "topology", lambda: None)  # no rocm-smi here
@@ -296,7 +298,7 @@ def test_an_amd_gpu_is_named_with_rocm_rccl_and_fnuz_fp8_and_said_untested(monke
 def test_an_intel_gpu_is_recognised_and_said_to_train_on_the_cpu(monkeypatch):
     from types import SimpleNamespace
 
-    from titanlite.tools import vendors
+    from titanlite.tools.probe import vendors
 
     fake = SimpleNamespace(
         is_available=lambda: True,

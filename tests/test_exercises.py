@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from titanlite.errors import TitanliteError
 from titanlite.labs.exercises import EXERCISES, check
 from titanlite.labs.exercises.grading import ExerciseError
-from titanlite.tools.course import (
+from titanlite.tools.course.editions import (
     BEGIN,
     END,
     is_check_cell,
@@ -197,7 +197,7 @@ def _buckets(params, cap, *, by_dtype=True, strict=False, open_first=False):
 
 
 def _allreduce(grads, cap, *, per_tensor=False, one=False, op="mean"):
-    from titanlite.tools.scratch_ddp import assign_buckets
+    from titanlite.labs.nb07_scratch_ddp import assign_buckets
 
     world = len(grads)
     stacked = [torch.stack([rank[i] for rank in grads]) for i in range(len(grads[0]))]
@@ -1017,7 +1017,7 @@ def test_numbers_are_printed_with_the_digits_that_differ():
     assert show_pair(0.5, 0.25) == ("0.5", "0.25")
 
     def off_by_one_byte(n, w, s):  # close to the answer: the message must still show a difference
-        from titanlite.tools.zero import zero_bytes_per_rank
+        from titanlite.tools.predict.zero import zero_bytes_per_rank
 
         real = zero_bytes_per_rank(n, w, s)
         return {

@@ -21,8 +21,8 @@ from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.efficiency import fp8
 from titanlite.efficiency.fp8 import apply_fp8, fp8_support
+from titanlite.labs.nb06_fp8_numerics import fp8_roundtrip
 from titanlite.models.llama import ModelArgs, build_model
-from titanlite.tools.fp8_numerics import fp8_roundtrip
 from titanlite.train import Trainer
 
 E4M3_U, E5M2_U = 2.0**-4, 2.0**-3

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from titanlite.errors import TitanliteError
-from titanlite.tools import goodput_model as gm
+from titanlite.tools.predict import goodput_model as gm
 
 HOUR = 3600.0
 

@@ -13,8 +13,8 @@ import torch
 
 from titanlite import TitanliteError, hardware, memory, peaks
 from titanlite.peaks import Peak
-from titanlite.tools import datasheet, roofline
-from titanlite.tools.roofline import measure_memory_bandwidth
+from titanlite.tools.probe import datasheet, roofline
+from titanlite.tools.probe.roofline import measure_memory_bandwidth
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_MPS = torch.backends.mps.is_available()
@@ -357,7 +357,7 @@ def test_variants_with_other_peaks_are_not_matched_to_the_desktop_part(gpu):
 
 
 def test_amd_rows_and_their_fp8_format():
-    from titanlite.tools.datasheet import fp8_dtypes_for
+    from titanlite.tools.probe.datasheet import fp8_dtypes_for
 
     for gpu in ("AMD Instinct MI300X", "AMD Instinct MI325X"):
         assert datasheet.lookup_datasheet(gpu, torch.bfloat16).flops == pytest.approx(1307.4e12)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import titanlite  # noqa: F401  (first: quiet torchao before transformers imports it)
 from titanlite import TitanliteError
 from titanlite.models.llama import ModelArgs, build_model
-from titanlite.tools.export import from_hf, to_hf, to_hf_config, to_hf_model
-from titanlite.tools.hf_start import from_hf_config, hf_name
+from titanlite.tools.formats.export import from_hf, to_hf, to_hf_config, to_hf_model
+from titanlite.tools.formats.hf_start import from_hf_config, hf_name
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,7 +21,7 @@ from test_bad_input import check, flags, snapshot
 
 
 def run_cli(argv, capfd) -> tuple[int, str]:
-    from titanlite.tools.cli import main
+    from titanlite.tools.cli.commands import main
 
     capfd.readouterr()
     code = main([str(a) for a in argv])
@@ -31,7 +31,7 @@ def run_cli(argv, capfd) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def good_run(data_dir, tmp_path_factory):
     """A finished 4-step run with checkpoints, the 'good run beside' every case."""
-    from titanlite.tools.cli import main
+    from titanlite.tools.cli.commands import main
 
     home = tmp_path_factory.mktemp("good")
     o = tiny_overrides(

@@ -1,11 +1,11 @@
-"""titanlite.tools.hpo: the Optuna objective over the trainer, pruning, SQLite storage, processes."""
+"""titanlite.tools.jobs.hpo: the Optuna objective over the trainer, pruning, SQLite storage, processes."""
 
 import optuna
 import pytest
 
 import titanlite
 from titanlite.config import Config
-from titanlite.tools import hpo
+from titanlite.tools.jobs import hpo
 
 
 def _base(tmp_path):

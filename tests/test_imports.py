@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from titanlite.errors import TitanliteError
-from titanlite.tools.notebook import chain_lines
+from titanlite.tools.display.notebook import chain_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "titanlite"
@@ -56,7 +56,7 @@ def test_importing_every_titanlite_module_changes_no_setting():
         import torch.utils.checkpoint, torch.multiprocessing.reductions, torch._dynamo
         import matplotlib.pyplot, transformers, torchao.float8, optuna
         before = snapshot()
-        import titanlite, titanlite.tools.notebook
+        import titanlite, titanlite.tools.display.notebook
         names = [m.name for m in pkgutil.walk_packages(titanlite.__path__, "titanlite.")
                  if not m.name.endswith("__main__")]  # __main__ runs the CLI
         for name in names:
@@ -80,11 +80,11 @@ def test_importing_every_titanlite_module_changes_no_setting():
 
 def test_notebook_setup_quiets_and_installs_the_handler_once():
     r = run_python("""
-        import titanlite, titanlite.tools.notebook
+        import titanlite, titanlite.tools.display.notebook
         before = snapshot()
-        titanlite.tools.notebook.notebook_setup()
+        titanlite.tools.display.notebook.notebook_setup()
         once = snapshot()
-        titanlite.tools.notebook.notebook_setup()
+        titanlite.tools.display.notebook.notebook_setup()
         print(json.dumps({"before": before, "once": once, "twice": snapshot()}))
     """)
     out = last_json(r)
@@ -102,8 +102,8 @@ def test_quiet_third_party_hides_torchao_import_noise_and_keeps_user_settings():
     r = run_python("""
         import os
         os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "0"   # the user's choice wins
-        import titanlite, titanlite.tools.notebook
-        titanlite.tools.notebook.quiet_third_party()
+        import titanlite, titanlite.tools.display.notebook
+        titanlite.tools.display.notebook.quiet_third_party()
         import torchao.float8
         print(json.dumps(snapshot()["env"]["TRANSFORMERS_NO_ADVISORY_WARNINGS"]))
     """)
@@ -126,8 +126,8 @@ def test_notebook_handler_shows_every_link_of_the_chain_and_no_traceback():
     r = run_python(
         prelude=f"CELL = {CELL!r}\n",
         code="""
-        import titanlite, titanlite.tools.notebook
-        titanlite.tools.notebook.notebook_setup()
+        import titanlite, titanlite.tools.display.notebook
+        titanlite.tools.display.notebook.notebook_setup()
         shell.run_cell(CELL)
         shell.run_cell("raise ValueError('plain error')")
     """,
@@ -282,8 +282,8 @@ def test_notebook_setup_shows_a_warning_as_one_line_without_its_source():
     """Issue 25: `RuntimeWarning: MFU 1.08 > 1 ...` came with the file, line number and the
     Python source line that raised it; in a notebook that is one clean line."""
     r = run_python("""
-        import titanlite, titanlite.tools.notebook
-        titanlite.tools.notebook.notebook_setup()
+        import titanlite, titanlite.tools.display.notebook
+        titanlite.tools.display.notebook.notebook_setup()
         shell.run_cell("import warnings\\nwarnings.warn('MFU 1.08 > 1 against a peak', RuntimeWarning)")
     """)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -1,5 +1,5 @@
 """--checkpoint.initial_load_path: continue pretraining a Llama written by transformers itself
-(a tool, tools/hf_start.py, handed to the trainer; `titanlite train` and `launch` hand it in).
+(a tool, tools/formats/hf_start.py, handed to the trainer; `titanlite train` and `launch` hand it in).
 
 A small random `LlamaForCausalLM` (GQA, Llama 3 RoPE scaling, tied or untied) is saved with
 `save_pretrained`, beside a tokenizer.json trained here. The trainer's first logged loss is the
@@ -18,7 +18,7 @@ import titanlite  # noqa: F401  (first: quiet torchao before transformers import
 from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.data import build_data
-from titanlite.tools.hf_start import HuggingFaceStart
+from titanlite.tools.formats.hf_start import HuggingFaceStart
 from titanlite.train import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -183,7 +183,7 @@ def test_first_loss_equals_transformers_in_one_process(data_dir, tmp_path, tie):
     ids=["fsdp", "tp", "pp", "fsdp+tp"],
 )
 def test_first_loss_equals_transformers_on_several_ranks(data_dir, tmp_path, layout, tie, nproc):
-    from titanlite.tools.launcher import launch
+    from titanlite.tools.jobs.launcher import launch
 
     hf = write_checkpoint(tmp_path / "hf", tie)
     cfg = load_config(None, overrides(data_dir, tmp_path, tmp_path / "hf", **layout))
@@ -236,7 +236,7 @@ def test_checkpoint_of_another_shape_is_refused_at_load(tmp_path):
     # Weights that disagree with the model they are loaded into (e.g. the files were replaced
     # by another download after start-up): one line, not DCP's traceback.
     from titanlite.models.llama import ModelArgs, build_model
-    from titanlite.tools.hf_start import load_initial_weights
+    from titanlite.tools.formats.hf_start import load_initial_weights
 
     write_checkpoint(tmp_path / "hf", tie=False)
     model = build_model(

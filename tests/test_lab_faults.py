@@ -7,7 +7,7 @@ import pytest
 
 from titanlite.errors import TitanliteError
 from titanlite.labs import nb13_fault_tolerance as lab
-from titanlite.tools import goodput
+from titanlite.tools.measure import goodput
 
 
 def test_final_losses_keep_the_last_attempt_of_each_step_in_step_order():
@@ -183,7 +183,7 @@ def test_missing_log_or_no_steps_is_one_clear_line(tmp_path):
 def test_launch_expecting_failure_returns_the_error_and_captures_the_traceback(monkeypatch):
     import sys
 
-    from titanlite.tools import launcher
+    from titanlite.tools.jobs import launcher
 
     def failing(*args, **kwargs):
         print(

@@ -19,7 +19,7 @@ from conftest import tiny_overrides
 
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.tools.launcher import STOP_GRACE_S, _check_machine, job_processes, launch
+from titanlite.tools.jobs.launcher import STOP_GRACE_S, _check_machine, job_processes, launch
 from titanlite.train import Trainer
 
 STEPS = 4
@@ -131,7 +131,7 @@ def test_a_killed_rank_is_named_even_when_its_peer_is_stamped_first(tmp_path):
     'first observed failure' although the killed rank caused it (seen once on CI)."""
     import json
 
-    from titanlite.tools.launcher import _failure
+    from titanlite.tools.jobs.launcher import _failure
 
     peer = tmp_path / "error.json"
     peer.write_text(
@@ -218,7 +218,7 @@ def _start_driver(data_dir, tmp_path) -> subprocess.Popen:
         from conftest import tiny_overrides
         from pathlib import Path
         from titanlite.config import load_config
-        from titanlite.tools.launcher import launch
+        from titanlite.tools.jobs.launcher import launch
         o = tiny_overrides(Path({str(data_dir)!r}), Path({str(tmp_path)!r}),
                            **{{"training.steps": 10000, "eval.every": 0, "parallel.dp_shard": 2}})
         def announce(record, said=[]):
@@ -326,7 +326,7 @@ def _our_processes() -> list[int]:
     """Live processes (but this one) that carry this test's marker, and the ranks this process's
     fork server still runs. The server itself is not a leftover: it stays, warm, by design (its
     ranks are forks of it, so they show its environment in /proc, and are asked of it)."""
-    from titanlite.tools.forkserver import ForkServer
+    from titanlite.tools.jobs.forkserver import ForkServer
 
     server = ForkServer._shared
     ours = {os.getpid()} | ({server.proc.pid} if server is not None else set())
@@ -361,7 +361,7 @@ def _is_fork_server(pid: int) -> bool:
         parent_cmdline = open(f"/proc/{parent}/cmdline", "rb").read()
     except OSError:
         return False
-    return b"titanlite.tools.forkserver" in cmdline and b"forkserver" not in parent_cmdline
+    return b"titanlite.tools.jobs.forkserver" in cmdline and b"forkserver" not in parent_cmdline
 
 
 def _alive(pid: int) -> bool:
@@ -379,7 +379,7 @@ def _assert_no_job_processes():
 REPORT_RACE_WORKER = """
 import json, os, signal, sys, time
 from pathlib import Path
-from titanlite.tools.worker_errors import record
+from titanlite.tools.jobs.worker_errors import record
 
 out = Path(sys.argv[1])
 attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
@@ -452,9 +452,10 @@ def test_every_worker_entry_reports_through_the_atomic_handler():
     import titanlite
 
     package = Path(titanlite.__file__).parent
-    assert "from .tools.worker_errors import record" in (package / "__main__.py").read_text()
+    assert "from .tools.jobs.worker_errors import record" in (package / "__main__.py").read_text()
     assert (
-        "from .worker_errors import record" in (package / "tools" / "run_function.py").read_text()
+        "from .worker_errors import record"
+        in (package / "tools" / "jobs" / "run_function.py").read_text()
     )
 
 
@@ -468,7 +469,7 @@ def test_two_warm_jobs_in_a_row_train_like_two_fresh_torchrun_launches(
     Two jobs in a row through the warm path (the second forked from the server the first
     started) give the losses of two jobs each started by torchrun from nothing; the second
     job, and every rank of it, took the warm path (a flag, not a timing)."""
-    from titanlite.tools.launcher import launch_path
+    from titanlite.tools.jobs.launcher import launch_path
 
     layouts = [  # a compiled FSDP job, then an eager one: graphs would be what leaks
         {"parallel.dp_shard": 2, "compile.enable": True},
@@ -515,7 +516,7 @@ def test_the_warm_server_loads_what_every_rank_needs_and_nothing_that_forbids_a_
         for name in ("is_available", "device_count", "init", "_lazy_init", "current_device"):
             setattr(torch.cuda, name, spy(name))
         import importlib
-        from titanlite.tools.forkserver import PRELOAD, fork_safety
+        from titanlite.tools.jobs.forkserver import PRELOAD, fork_safety
         for name in PRELOAD:
             importlib.import_module(name)
         print(json.dumps({"calls": calls, **fork_safety()}))
@@ -532,7 +533,7 @@ def test_a_forked_rank_gets_its_own_threads_seeds_and_environment(tmp_path):
     """What a fresh interpreter would have: OMP_NUM_THREADS as asked, Python's, NumPy's and
     torch's generators seeded anew (two ranks differ, as two fresh processes do), the job's
     variables and arguments."""
-    from titanlite.tools.launcher import launch_script
+    from titanlite.tools.jobs.launcher import launch_script
 
     script = tmp_path / "probe.py"
     script.write_text(
@@ -562,7 +563,7 @@ def test_the_ranks_meet_at_a_store_the_launcher_bound_before_they_started(tmp_pa
     it another job had taken it (EADDRINUSE, the job dead before step 1). Now no port is picked and
     left for a rank to bind: the launcher binds the job's store on a port the kernel gives it, and
     every rank is its client (TORCHELASTIC_USE_AGENT_STORE), as under torchrun's agent."""
-    from titanlite.tools import launcher
+    from titanlite.tools.jobs import launcher
 
     script = tmp_path / "ranks.py"
     script.write_text(
@@ -587,7 +588,7 @@ def test_the_ranks_meet_at_a_store_the_launcher_bound_before_they_started(tmp_pa
 
 
 def test_a_port_asked_for_and_taken_before_the_store_binds_it_is_one_line():
-    from titanlite.tools import launcher
+    from titanlite.tools.jobs import launcher
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

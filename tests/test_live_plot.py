@@ -19,9 +19,9 @@ import torch
 from matplotlib.figure import Figure
 
 from titanlite import TitanliteError
-from titanlite.tools import live_plot
-from titanlite.tools.course import kernel_on_unix_sockets
-from titanlite.tools.live_plot import LivePlot, resolve_mode
+from titanlite.tools.course.editions import kernel_on_unix_sockets
+from titanlite.tools.display import live_plot
+from titanlite.tools.display.live_plot import LivePlot, resolve_mode
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -325,7 +325,7 @@ def test_nbclient_run_gets_one_static_figure(tmp_path, monkeypatch):
     nb.cells = [
         nbformat.v4.new_code_cell(
             "import os\n"
-            "from titanlite.tools.live_plot import LivePlot\n"
+            "from titanlite.tools.display.live_plot import LivePlot\n"
             "plot = LivePlot()\n"
             "for step in range(30):\n"
             "    plot({'kind': 'train', 'step': step, 'loss': 3 - step / 30, 'mfu': 0.01})\n"
@@ -514,7 +514,7 @@ def test_saved_notebook_keeps_the_final_curves(tmp_path, data_dir):
             "import os\n"
             "os.environ['TITANLITE_LIVE_PLOT'] = 'widget'  # as in a JupyterLab kernel\n"
             "from titanlite.config import load_config\n"
-            "from titanlite.tools.live_plot import LivePlot\n"
+            "from titanlite.tools.display.live_plot import LivePlot\n"
             "from titanlite.train import Trainer\n"
             f"trainer = Trainer(load_config(None, {overrides!r}))\n"
             "plot = LivePlot(steps=8, min_interval_s=0)\n"

@@ -17,8 +17,8 @@ from titanlite.config import load_config
 from titanlite.efficiency import mixed_precision as mp
 from titanlite.efficiency.mixed_precision import MODES, Precision
 from titanlite.models.llama import ModelArgs, build_model
-from titanlite.tools import precision_support as ps
-from titanlite.tools.precision_support import support, support_matrix
+from titanlite.tools.probe import precision_support as ps
+from titanlite.tools.probe.precision_support import support, support_matrix
 from titanlite.train import Trainer
 
 CPU = torch.device("cpu")

@@ -5,7 +5,7 @@ import torch
 
 from titanlite import TitanliteError
 from titanlite.models.llama import PRESETS, ModelArgs, Transformer, build_model
-from titanlite.tools.flops import count_training_flops
+from titanlite.tools.measure.flops import count_training_flops
 
 
 def manual_param_count(a: ModelArgs) -> int:

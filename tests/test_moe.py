@@ -14,9 +14,9 @@ from titanlite.models.llama import ModelArgs, build_model
 from titanlite.models.moe import MoE, MoEArgs, Router, expert_kernel, grouped_swiglu
 from titanlite.resilience.checkpoint import Checkpointer
 from titanlite.resilience.checkpoint_files import committed
-from titanlite.tools.export import from_hf, load_model, to_hf, to_hf_model
-from titanlite.tools.flops import count_training_flops
-from titanlite.tools.launcher import launch
+from titanlite.tools.formats.export import from_hf, load_model, to_hf, to_hf_model
+from titanlite.tools.jobs.launcher import launch
+from titanlite.tools.measure.flops import count_training_flops
 from titanlite.train import Trainer
 
 # ----- the pieces ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 from titanlite.errors import TitanliteError
 from titanlite.labs import nb16_capstone as lab
 from titanlite.models.llama import ModelArgs
-from titanlite.tools.launcher import LaunchResult
+from titanlite.tools.jobs.launcher import LaunchResult
 
 
 def test_each_row_carries_the_ones_before_except_siblings():

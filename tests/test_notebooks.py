@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from titanlite.tools.course import kernel_on_unix_sockets
+from titanlite.tools.course.editions import kernel_on_unix_sockets
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))

@@ -45,7 +45,7 @@ def test_readme_gives_two_commands_and_ci_runs_the_test_one():
 
 def test_console_script_is_declared():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["titanlite"] == "titanlite.tools.cli:main"
+    assert scripts["titanlite"] == "titanlite.tools.cli.commands:main"
 
 
 def test_license_is_an_spdx_string_setuptools_reads_without_a_deprecation_warning():

@@ -12,8 +12,7 @@ from titanlite.distributed import pipeline as pp_mod
 from titanlite.distributed.pipeline import available_schedules, check_pipeline, split_layers
 from titanlite.labs.nb10_pipeline_parallel import lab_args, lab_batches, train_single
 from titanlite.models.llama import ModelArgs, build_model
-from titanlite.tools.launcher import launch_function
-from titanlite.tools.pipeline_timeline import (
+from titanlite.tools.display.pipeline_timeline import (
     Event,
     afab_order,
     bubble,
@@ -26,6 +25,7 @@ from titanlite.tools.pipeline_timeline import (
     peak_live_microbatches,
     simulate,
 )
+from titanlite.tools.jobs.launcher import launch_function
 
 LAB = "titanlite.labs.nb10_pipeline_parallel:schedule_lab"
 # fp32 losses of ~5 carry ~5e-7 of rounding (1 ulp); PP sums the same per-micro-batch

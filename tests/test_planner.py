@@ -16,9 +16,9 @@ from titanlite.config import load_config
 from titanlite.distributed.mesh import ParallelDims
 from titanlite.errors import TitanliteError
 from titanlite.models.llama import ModelArgs, Transformer, build_model
-from titanlite.tools.activation_memory import saved_activation_bytes, tokens_for
-from titanlite.tools.planner import activation_bytes_per_layer, plan, stage_params
-from titanlite.tools.zero import zero_bytes_per_rank
+from titanlite.tools.predict.activation_memory import saved_activation_bytes, tokens_for
+from titanlite.tools.predict.planner import activation_bytes_per_layer, plan, stage_params
+from titanlite.tools.predict.zero import zero_bytes_per_rank
 
 # Llama 3 70B's published shape (Meta's params.json): built by hand, there is no preset.
 LLAMA3_70B = ModelArgs(
@@ -208,7 +208,7 @@ def test_torch_builds_the_groups_and_shards_the_planner_assumes(data_dir, tmp_pa
     """4 processes, pp=2 × tp=2, through the trainer (`layout_lab`): every rank's process
     groups are ParallelDims.groups, every group answers an all-gather, each rank holds exactly
     stage_params of its stage, and the losses are one process's with the same batch."""
-    from titanlite.tools.launcher import launch_function
+    from titanlite.tools.jobs.launcher import launch_function
     from titanlite.train import Trainer
 
     model = {

@@ -8,7 +8,7 @@ from conftest import tiny_overrides
 
 from titanlite import TitanliteError
 from titanlite.config import load_config
-from titanlite.tools.profiling import (
+from titanlite.tools.measure.profiling import (
     StepProfiler,
     memory_record_kind,
     memory_timeline,
@@ -70,7 +70,7 @@ def test_profiling_off_writes_nothing(data_dir, tmp_path, capsys):
     notes = [ln for ln in capsys.readouterr().out.splitlines() if "profile.steps" in ln]
     assert notes == [
         "profile.steps is set, but profiling is a tool: hand it to the loop with "
-        "fit(watchers=[StepProfiler]) (titanlite.tools.profiling); `titanlite train` does"
+        "fit(watchers=[StepProfiler]) (titanlite.tools.measure.profiling); `titanlite train` does"
     ]
 
 
@@ -94,7 +94,7 @@ def test_memory_off_writes_only_the_trace(data_dir, tmp_path):
 
 
 def test_two_ranks_write_two_traces_with_their_collectives(data_dir, tmp_path):
-    from titanlite.tools.launcher import launch
+    from titanlite.tools.jobs.launcher import launch
 
     cfg = load_config(
         None,

@@ -27,7 +27,7 @@ BLOCKS = [(m[1], m[2]) for m in re.finditer(r"```(\w*)\n(.*?)```", README, re.S)
 CLAIMS = {
     "make lab ": "test_packaging.py::test_readme_gives_two_commands_and_ci_runs_the_test_one",
     "history = Trainer(cfg).fit": "test_the_python_api_and_launch_blocks_run_as_shown",
-    "from titanlite.tools.launcher import launch": "test_the_python_api_and_launch_blocks_run_as_shown",
+    "from titanlite.tools.jobs.launcher import launch": "test_the_python_api_and_launch_blocks_run_as_shown",
     "# FSDP2": "test_the_torchrun_commands_train",
     "--max-restarts 3": "test_the_restart_drill_restarts_and_reports_goodput",
     "hf download": "test_the_download_block_uses_options_the_hf_cli_has",
@@ -72,7 +72,7 @@ def test_the_python_api_and_launch_blocks_run_as_shown(data_dir, tmp_path):
     """The Python API block (a 100-step run with a live plot) and the launch block after it, in
     one fresh interpreter, as a newcomer pastes them into one notebook."""
     api, launch = (t for lang, t in BLOCKS if lang == "python")
-    assert "from titanlite.tools.launcher import launch" in launch
+    assert "from titanlite.tools.jobs.launcher import launch" in launch
     script = tmp_path / "readme.py"
     checks = textwrap.dedent("""
         assert len(history.losses) == 100 and history.losses[-1] < history.losses[0]
@@ -95,7 +95,7 @@ def test_the_python_api_and_launch_blocks_run_as_shown(data_dir, tmp_path):
 def test_the_torchrun_commands_train(data_dir, tmp_path):
     """`torchrun --nproc-per-node N -m titanlite train ...` as shown (FSDP2, DDP), shortened, on the
     launcher's path: the same module, arguments and ranks."""
-    from titanlite.tools.launcher import launch_script
+    from titanlite.tools.jobs.launcher import launch_script
 
     (block,) = [t for _, t in BLOCKS if "# FSDP2" in t]
     commands = _commands(block)

@@ -16,10 +16,10 @@ from titanlite.config import load_config
 from titanlite.resilience.checkpoint import Checkpointer
 from titanlite.resilience.checkpoint_files import committed, verify
 from titanlite.resilience.faults import InjectedFailure
-from titanlite.tools.export import export_hf, export_torch, load_model
-from titanlite.tools.goodput import Goodput, summarize
-from titanlite.tools.launcher import launch
-from titanlite.tools.stragglers import StragglerDetector, detect_stragglers
+from titanlite.tools.formats.export import export_hf, export_torch, load_model
+from titanlite.tools.jobs.launcher import launch
+from titanlite.tools.measure.goodput import Goodput, summarize
+from titanlite.tools.measure.stragglers import StragglerDetector, detect_stragglers
 from titanlite.train import Trainer
 
 STEPS = 8

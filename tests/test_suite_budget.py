@@ -62,7 +62,7 @@ def test_no_test_file_starts_more_processes_outside_the_fast_path_than_allowed()
         if n > ALLOWED.get(name, (0,))[0]
     }
     assert not over, (
-        f"{over}: start ranks with titanlite.tools.launcher (launch, launch_function, "
+        f"{over}: start ranks with titanlite.tools.jobs.launcher (launch, launch_function, "
         f"launch_script) or conftest.run_torchrun, which fork them warm; or, if a test needs its "
         f"own process, allow it in ALLOWED with the reason"
     )

@@ -20,7 +20,7 @@ from titanlite.distributed.tensor_parallel import apply_tp, check_tp
 from titanlite.errors import TitanliteError
 from titanlite.labs.nb09_tensor_parallel import tp_comm_formula
 from titanlite.models.llama import ModelArgs, build_model
-from titanlite.tools.launcher import launch_function
+from titanlite.tools.jobs.launcher import launch_function
 
 LAB = "titanlite.labs.nb09_tensor_parallel:tp_lab"
 CONFIGS = [(True, True), (True, False), (False, True), (False, False)]  # (SP, loss parallel)

@@ -21,7 +21,7 @@ from titanlite.device_policy import (
     sdpa_priority,
     use_fused_adamw,
 )
-from titanlite.tools.host_syncs import HostSyncs, train_and_count
+from titanlite.tools.measure.host_syncs import HostSyncs, train_and_count
 
 H100, A100, T4 = (9, 0), (8, 0), (7, 5)
 
@@ -31,7 +31,7 @@ H100, A100, T4 = (9, 0), (8, 0), (7, 5)
 
 def test_the_counter_sees_every_kind_of_sync():
     """The check can fail: each way of waiting for the device is seen, with where it was made."""
-    from titanlite.tools import host_syncs
+    from titanlite.tools.measure import host_syncs
 
     t = torch.ones(3)
     with HostSyncs() as syncs:  # as if titanlite's own code made these calls
@@ -136,7 +136,7 @@ def test_an_overflowing_fp16_step_is_skipped_and_counted_without_a_wait():
 def test_an_unlogged_step_never_waits_for_the_device_on_two_ranks(data_dir, tmp_path, layout):
     """With the tools `titanlite train` hands in (goodput, stragglers): before, every step built a
     device tensor from the token count and gathered and read the stragglers' times."""
-    from titanlite.tools.launcher import launch_function
+    from titanlite.tools.jobs.launcher import launch_function
 
     o = tiny_overrides(
         data_dir,
@@ -145,7 +145,7 @@ def test_an_unlogged_step_never_waits_for_the_device_on_two_ranks(data_dir, tmp_
     )
     for rank, per_step in enumerate(
         launch_function(
-            "titanlite.tools.host_syncs:train_and_count",
+            "titanlite.tools.measure.host_syncs:train_and_count",
             nproc=2,
             log_dir=str(tmp_path),
             overrides=o,
@@ -302,8 +302,8 @@ def test_on_an_h100_attention_tries_cudnn_first_and_keeps_gqa(monkeypatch):
 def test_the_attention_kernel_each_preset_would_get(capability, kernel, expanded):
     """Predicted, not measured: every preset in the dtype CUDA's defaults give it on this GPU."""
     from titanlite.device_policy import default_mixed_precision, expand_kv_for_sdpa
+    from titanlite.labs.nb04_sdpa_kernels import sdpa_kernel_for
     from titanlite.models.llama import PRESETS, ModelArgs
-    from titanlite.tools.sdpa_kernels import sdpa_kernel_for
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[
         default_mixed_precision("cuda", capability)
@@ -487,7 +487,7 @@ def test_fsdp_defaults_keep_no_weight_copy_for_backward_and_match_the_formulas(p
     from torch import nn
 
     from titanlite.models.llama import ModelArgs, Transformer
-    from titanlite.tools.predict_memory import predict
+    from titanlite.tools.predict.predict_memory import predict
 
     now = predict(preset, seq_len, 8, H100)
     assert now["policy"] == {"param_dtype": torch.bfloat16, "autocast": None}
@@ -513,8 +513,8 @@ def test_two_totals_of_the_predicted_table_recomputed_by_another_route(preset, s
     from pathlib import Path
 
     from titanlite.models.llama import ModelArgs
-    from titanlite.tools.activation_memory import activation_memory_estimate
-    from titanlite.tools.zero import zero_bytes_per_rank
+    from titanlite.tools.predict.activation_memory import activation_memory_estimate
+    from titanlite.tools.predict.zero import zero_bytes_per_rank
 
     args = ModelArgs.preset(preset, max_seq_len=max(seq_len, ModelArgs.preset(preset).max_seq_len))
     D, F, V, hd = args.dim, args.hidden_dim, args.vocab_size, args.head_dim
@@ -544,11 +544,11 @@ def test_two_totals_of_the_predicted_table_recomputed_by_another_route(preset, s
 def test_the_predicted_h100_table_in_docs_is_what_the_script_prints_now():
     from pathlib import Path
 
-    from titanlite.tools.predict_memory import markdown
+    from titanlite.tools.predict.predict_memory import markdown
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "hardware" / "predicted-h100.md"
     assert doc.read_text() == markdown(), (
-        "regenerate: python -m titanlite.tools.predict_memory > " + str(doc)
+        "regenerate: python -m titanlite.tools.predict.predict_memory > " + str(doc)
     )
     assert "not measured" in doc.read_text().splitlines()[0]
 

@@ -139,7 +139,7 @@ def _fake_cuda_tensors(monkeypatch):
 def _build(data_dir, tmp_path, **overrides):
     from titanlite.config import load_config
     from titanlite.run_record import built
-    from titanlite.tools.datasheet import datasheet_peak
+    from titanlite.tools.probe.datasheet import datasheet_peak
     from titanlite.train import Trainer
 
     o = tiny_overrides(data_dir, tmp_path, **{"metrics.peak": "datasheet", **overrides})

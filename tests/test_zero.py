@@ -17,7 +17,7 @@ import torch
 from conftest import run_torchrun
 
 from titanlite.errors import TitanliteError
-from titanlite.tools.zero import (
+from titanlite.tools.predict.zero import (
     fsdp_shard_numel,
     measure_state_bytes,
     zero1_partition,

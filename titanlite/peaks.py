@@ -2,7 +2,7 @@
 
 MFU = achieved / peak FLOP/s is only as honest as the peak. The default peak is *measured*: the best
 square-matmul rate this device reaches in this dtype (`matmul_peak`: cached a week at most, measured
-again once if a run beats it). Vendor datasheet peaks (tools/datasheet.py), upper bounds, are labelled so."""
+again once if a run beats it). Vendor datasheet peaks (tools/probe/datasheet.py), upper bounds, are labelled so."""
 
 import contextlib
 import json
@@ -247,7 +247,7 @@ def _with_datasheet(peak: Peak, sheet: Peak | None) -> Peak:
 def get_peak(device, dtype, source: str = "auto", datasheet=None) -> Peak:
     """The MFU denominator: "measured", "datasheet", or "auto" (measured, the datasheet figure
     quoted beside it). `datasheet(device, dtype) -> Peak | None` looks vendor figures up: a tool
-    (titanlite.tools.datasheet.datasheet_peak) the caller hands in, as `titanlite train` does."""
+    (titanlite.tools.probe.datasheet.datasheet_peak) the caller hands in, as `titanlite train` does."""
     sources = ("auto", "measured", "datasheet")
     if source not in sources:
         raise TitanliteError(

@@ -68,7 +68,7 @@ def model_args_for(cfg: Config, vocab_size: int, start_from=None) -> ModelArgs:
         raise TitanliteError(
             "checkpoint.initial_load_path starts from a Hugging Face model, which a tool "
             "reads: pass Trainer(cfg, start_from=HuggingFaceStart.from_config(cfg)) "
-            "(titanlite.tools.hf_start); `titanlite train` does"
+            "(titanlite.tools.formats.hf_start); `titanlite train` does"
         )
     if start_from is not None:
         args = start_from.model_args(cfg)

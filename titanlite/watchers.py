@@ -205,7 +205,7 @@ def build_watchers(
     ):
         say(
             "profile.steps is set, but profiling is a tool: hand it to the loop with "
-            "fit(watchers=[StepProfiler]) (titanlite.tools.profiling); `titanlite train` does",
+            "fit(watchers=[StepProfiler]) (titanlite.tools.measure.profiling); `titanlite train` does",
             None,
         )
     return chain

@@ -3,7 +3,7 @@
 `load_corpus(name)` is the one entry point. ``"pydoc"`` (default, offline): CPython's reference docs
 (the text behind ``help("for")``), then the public stdlib modules' docstrings as ``pydoc`` pages, the same
 on every run with the same Python. ``"file:<path>"`` (or a path): a .txt file, or a folder of .txt/.md
-files. ``"tinyshakespeare"``, ``"hf:<name>[:<config>]"``: fetched before (tools/corpora.py): no network."""
+files. ``"tinyshakespeare"``, ``"hf:<name>[:<config>]"``: fetched before (tools/formats/corpora.py): no network."""
 
 import ast
 import itertools
@@ -46,12 +46,12 @@ def load_corpus(
         docs = pydoc_corpus(data_dir=data_dir)
     elif kind == "file":
         docs = file_corpus(target)
-    else:  # fetched before (tools/corpora.py)
+    else:  # fetched before (tools/formats/corpora.py)
         file = fetched_path(kind, target, data_dir, hf_split, text_column, max_docs, max_chars)
         if not file.is_file():
             raise TitanliteError(
                 f"dataset {dataset!r} is fetched once before training and has not been: "
-                f"run titanlite.tools.corpora.fetch({dataset!r}) (`titanlite train` "
+                f"run titanlite.tools.formats.corpora.fetch({dataset!r}) (`titanlite train` "
                 f"fetches it itself), or train on a local file:<path>"
             )
         docs = json.loads(file.read_text(encoding="utf-8"))

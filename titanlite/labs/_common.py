@@ -16,7 +16,7 @@ from ..distributed.env import init_distributed, pick_backend, torchrun_env
 from ..efficiency.accumulation import count_targets, loss_sum
 from ..errors import TitanliteError
 from ..models.llama import ModelArgs, build_model
-from ..tools.run_function import report
+from ..tools.jobs.run_function import report
 
 
 def group_device() -> str:

@@ -26,10 +26,10 @@ from ..distributed.ddp import apply_ddp, grad_sync
 from ..errors import TitanliteError
 from ..hardware import synchronize
 from ..models.llama import ModelArgs
-from ..tools.comm import CommCounter
-from ..tools.run_function import report
-from ..tools.scratch_ddp import ScratchDataParallel, allreduce_mean_
+from ..tools.jobs.run_function import report
+from ..tools.measure.comm import CommCounter
 from ._common import join, next_token_loss, random_tokens, seeded_model
+from .nb07_scratch_ddp import ScratchDataParallel, allreduce_mean_
 
 
 def _batch(args: ModelArgs, batch_size: int, seq_len: int, device, *key: int):

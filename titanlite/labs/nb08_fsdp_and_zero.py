@@ -39,8 +39,8 @@ from ..distributed.fsdp import apply_fsdp, shard_and_init
 from ..efficiency.fp8 import precompute_fp8_scales
 from ..errors import TitanliteError, closest
 from ..models.llama import ModelArgs, Transformer
-from ..tools.comm import CommCounter
-from ..tools.zero import (
+from ..tools.measure.comm import CommCounter
+from ..tools.predict.zero import (
     describe_sharding,
     fsdp_shard_numel,
     measure_state_bytes,

@@ -17,10 +17,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from ..distributed.tensor_parallel import apply_tp, loss_context, tp_loss_sum
 from ..efficiency.accumulation import IGNORE_INDEX, loss_sum
 from ..models.llama import ModelArgs
-from ..tools.comm import CommCounter
-from ..tools.run_function import report
-from ..tools.scratch_tp import ScratchParallelMLP
+from ..tools.jobs.run_function import report
+from ..tools.measure.comm import CommCounter
 from ._common import Progress, join, random_tokens, seeded_model, train_adamw
+from .nb09_scratch_tp import ScratchParallelMLP
 
 # ----- communication: counted, and predicted -------------------------------------------------
 

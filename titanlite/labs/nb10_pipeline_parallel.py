@@ -22,8 +22,8 @@ from ..distributed.pipeline import (
 )
 from ..efficiency.accumulation import count_targets, loss_sum
 from ..models.llama import ModelArgs
-from ..tools.pipeline_timeline import TimelineRecorder, bubble, gather_events
-from ..tools.run_function import report
+from ..tools.display.pipeline_timeline import TimelineRecorder, bubble, gather_events
+from ..tools.jobs.run_function import report
 from ._common import random_tokens, seeded_model, train_adamw
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.mesh import DIM_NAMES
-from ..tools.run_function import report
+from ..tools.jobs.run_function import report
 from ..train import Trainer
 from ..weights import save_weights
 

@@ -514,7 +514,7 @@ def where_the_bytes_go(overrides: dict) -> dict:
     Returns this rank's bytes written and read each way, the checkpoint's data bytes, and a digest
     of the state each load produced (equal digests: the same state)."""
     from ..config import load_config
-    from ..tools.checkpoint_io import (
+    from ..tools.measure.checkpoint_io import (
         CountingReader,
         bytes_written_per_rank,
         data_bytes,

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import TitanliteError
-from ..tools import goodput_model
-from ..tools.goodput import read_events, summarize
+from ..tools.measure.goodput import read_events, summarize
+from ..tools.predict import goodput_model
 
 # A failure just after a committed checkpoint: a hair past the step boundary, so the replay
 # resumes from that checkpoint (exactly on a boundary it strikes before the save).
@@ -59,7 +59,7 @@ def launch_expecting_failure(
     """Launch a job that its [fault] section breaks; return the error instead of raising it.
     The failing rank's traceback, which the launcher prints to stderr, is captured so a notebook
     can show it as ordinary output."""
-    from ..tools.launcher import launch
+    from ..tools.jobs.launcher import launch
 
     captured, start = io.StringIO(), time.perf_counter()
     with contextlib.redirect_stderr(captured):

@@ -252,7 +252,7 @@ def train_here(cfg, overrides: dict, callbacks=()):
 
     import torch
 
-    from ..tools.launcher import LaunchResult
+    from ..tools.jobs.launcher import LaunchResult
     from ..train import Trainer
 
     cfg = _row_config(cfg, overrides)
@@ -282,7 +282,7 @@ def train_rows(cfg, rows: list[tuple[str, dict]]) -> list[dict]:
     folder and wall time, or its one-line error."""
     import time
 
-    from ..tools.run_function import report
+    from ..tools.jobs.run_function import report
     from ..train import Trainer
 
     out = []
@@ -323,7 +323,7 @@ def run_ladder(
     any row has; a row on fewer ranks accumulates), so after the same steps every row has seen
     the same tokens. `callbacks_for(row_name)` gives a row's callbacks; `on_phase(text)` hears
     what starts before a row's first step (a compile, processes), e.g. LivePlot.phase."""
-    from ..tools.launcher import launch
+    from ..tools.jobs.launcher import launch
 
     batch = cfg.training.batch_size
     plan = row_overrides(rungs)
@@ -436,7 +436,7 @@ def _run_group(cfg, group, callbacks_for, timeout_s: float) -> list:
     its callbacks as they arrive; returns a LaunchResult per row, or its error."""
     from pathlib import Path
 
-    from ..tools.launcher import LaunchResult, launch_function
+    from ..tools.jobs.launcher import LaunchResult, launch_function
 
     nproc = group[0][0].nproc
     callbacks = {

@@ -371,7 +371,7 @@ def choose_recipe(
     """The planner's layout for a model, device count and memory, and each technique's measured
     evidence from the table, against the same reference as the table: its speed ratio read
     against that comparison's noise band, its memory ratio where both figures are the rows' own."""
-    from ..tools.planner import plan
+    from ..tools.predict.planner import plan
 
     p = plan(
         args,

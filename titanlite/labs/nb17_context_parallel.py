@@ -23,8 +23,8 @@ from ..distributed.context_parallel import (
     blocks,
 )
 from ..models.llama import ModelArgs, build_model
-from ..tools.comm import CommCounter
-from ..tools.host_syncs import HostSyncs
+from ..tools.measure.comm import CommCounter
+from ..tools.measure.host_syncs import HostSyncs
 
 # ----- values and gradients: the ring against one process's full attention ---------------------
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..distributed.expert_parallel import apply_ep
 from ..models.moe import MoE, MoEArgs, sort_by_expert
-from ..tools.comm import CommCounter
+from ..tools.measure.comm import CommCounter
 
 # ----- the load on each expert ------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import warnings
 import numpy as np
 
 from ..errors import TitanliteError
-from ..tools.comm import bus_factor  # 2(n−1)/n for an all-reduce: notebook 09's counter's
+from ..tools.measure.comm import bus_factor  # 2(n−1)/n for an all-reduce: notebook 09's counter's
 
 # ----- eight XLA devices on the host ------------------------------------------------------------
 
@@ -347,7 +347,7 @@ def torch_collectives(model_args, layout: str, n: int, tokens) -> dict:
     from ..distributed.fsdp import apply_fsdp
     from ..distributed.tensor_parallel import apply_tp
     from ..models.llama import build_model
-    from ..tools.comm import CommCounter
+    from ..tools.measure.comm import CommCounter
 
     if torch.distributed.is_initialized():
         raise TitanliteError("torch_collectives() starts its own fake group: call it alone")
@@ -447,7 +447,7 @@ def step_cost(model_args, batch: int, seq_len: int, weight_bytes: int = 2) -> di
     the fp32 weight, gradient and both moments and writing back three of them; the activations
     the backward needs written once and read once."""
     from ..models.llama import count
-    from ..tools.activation_memory import activation_memory_estimate
+    from ..tools.predict.activation_memory import activation_memory_estimate
 
     flops_per_token, n = count(model_args, seq_len)
     tokens = batch * seq_len

@@ -1,7 +1,7 @@
 """A Llama-3-style decoder, small enough to read in one sitting.
 
 Pre-norm grouped-query attention with rotary embeddings, then a SwiGLU MLP, `n_layers` times; names follow
-Hugging Face's `LlamaForCausalLM`, so weights map one to one (tools/export.py). Built on the meta device, then
+Hugging Face's `LlamaForCausalLM`, so weights map one to one (tools/formats/export.py). Built on the meta device, then
 `to_empty` + `init_weights()` on the target one, so a model can be sharded before memory is spent:
 
     model = build_model(ModelArgs.preset("small", vocab_size=4096), device="cpu")  # does just that"""

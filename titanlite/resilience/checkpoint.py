@@ -239,7 +239,7 @@ class Checkpointer:
 
     def load(self, state, path: str | Path | None = None, crc: bool = True, reader=None) -> int:
         """Fill `state` from checkpoint `path` (default: the newest), resharded; returns its step.
-        reader: a DCP storage reader for `path` (e.g. one that counts bytes: tools/checkpoint_io.py)."""
+        reader: a DCP storage reader for `path` (e.g. one that counts bytes: tools/measure/checkpoint_io.py)."""
         path = Path(path) if path is not None else self.latest()
         if path is None:
             raise TitanliteError(f"no committed checkpoint in '{self.folder}' to load")

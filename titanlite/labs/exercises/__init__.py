@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 
 from ...errors import closest
-from ...tools.notebook import install_notebook_handler, quiet_third_party
+from ...tools.display.notebook import install_notebook_handler, quiet_third_party
 from .grading import Check, ExerciseError
 
 EXERCISES: dict[str, tuple[str, object]] = {}  # name → (title, check function)

@@ -252,7 +252,7 @@ def sac_policy(c, fn):
 def selective_blocks(c, fn):
     from ...efficiency.activation_checkpoint import apply_ac
     from ...models.llama import ModelArgs, build_model
-    from ...tools.activation_memory import checkpointed_blocks
+    from ...tools.predict.activation_memory import checkpointed_blocks
 
     rng = c.rng
     cases = [
@@ -298,7 +298,7 @@ def _extreme_sin_input(c, negative: bool) -> torch.Tensor:
 
 @exercise("05_no_graph_break", "the same function, rewritten to compile into one graph")
 def no_graph_break(c, fn):
-    from ...tools.compile_report import graph_break_report
+    from ...tools.measure.compile_report import graph_break_report
 
     for negative in (True, False):  # the largest |sin| is negative in one input: abs() matters
         x = _extreme_sin_input(c, negative)
@@ -381,7 +381,7 @@ def _f32_scale_roundtrip(x: torch.Tensor) -> torch.Tensor:
 def _fp8_input(c, shape, spread) -> torch.Tensor:
     """A random tensor whose amax puts a float32-computed scale one bit off torchao's, so far
     that the round trip differs: about one tensor in four does; draw until this one does."""
-    from ...tools.fp8_numerics import fp8_roundtrip
+    from ..nb06_fp8_numerics import fp8_roundtrip
 
     for _ in range(200):
         x = torch.randn(*shape, generator=c.gen) * spread
@@ -394,7 +394,7 @@ def _fp8_input(c, shape, spread) -> torch.Tensor:
 
 @exercise("06_tensorwise_fp8", "tensorwise FP8 (e4m3) quantise and dequantise")
 def tensorwise_fp8(c, fn):
-    from ...tools.fp8_numerics import fp8_roundtrip
+    from ..nb06_fp8_numerics import fp8_roundtrip
 
     for shape, spread in (((8, 16), 1.0), ((4, 32), 1e-3), ((16, 8), 50.0)):
         x = _fp8_input(c, shape, spread)
@@ -410,7 +410,7 @@ def tensorwise_fp8(c, fn):
 
 @exercise("06_fp8_dtype", "which FP8 format each operand gets")
 def fp8_format(c, fn):
-    from ...tools.fp8_numerics import fp8_dtype_for
+    from ..nb06_fp8_numerics import fp8_dtype_for
 
     for role in ("input", "weight", "grad_output"):
         c.same_value(

@@ -1,5 +1,5 @@
 """Checks for notebooks 14-15: a CPU run's memory budget, reading a bf16 measurement against its
-noise, and reading an Optuna study (a real one, recorded by titanlite.tools.hpo's own code)."""
+noise, and reading an Optuna study (a real one, recorded by titanlite.tools.jobs.hpo's own code)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from . import exercise
 @exercise("14_state_bytes", "fp32 AdamW training memory, without the activations")
 def state_bytes(c, fn):
     from ...models.llama import ModelArgs
-    from ...tools.cpu import training_memory_formula
+    from ...tools.probe.cpu import training_memory_formula
 
     args = ModelArgs()
     for _ in range(8):
@@ -28,12 +28,12 @@ def state_bytes(c, fn):
             want["total"] - want["activations"],
             f"state_bytes({n:,} parameters, batch={batch}, seq_len={seq}, vocab={vocab:,})",
         )
-    c.passed("equals titanlite.tools.cpu.training_memory_formula less its activations")
+    c.passed("equals titanlite.tools.probe.cpu.training_memory_formula less its activations")
 
 
 def _bf16_kind(bf16, fp32) -> str:
     """Notebook 14's reading, by the package's functions: fast, slow or same."""
-    from ...tools.cpu import CpuFeatures, bf16_verdict, relative_spread
+    from ...tools.probe.cpu import CpuFeatures, bf16_verdict, relative_spread
 
     noise = max(relative_spread(bf16), relative_spread(fp32))
     ratio = statistics.median(bf16) / statistics.median(fp32)
@@ -109,7 +109,7 @@ def bf16_verdict_exercise(c, fn):
             f"the verdict for bf16 rates {[round(x, 3) for x in bf16]} and fp32 rates "
             f"{[round(x, 3) for x in fp32]} GFLOP/s",
         )
-    c.passed(f"the reading of titanlite.tools.cpu.bf16_verdict on {len(cases)} measurements")
+    c.passed(f"the reading of titanlite.tools.probe.cpu.bf16_verdict on {len(cases)} measurements")
 
 
 @contextlib.contextmanager
@@ -125,7 +125,7 @@ def _quiet_optuna():
 
 
 def _study(rng):
-    """A real Optuna study whose trials were asked for, suggested (titanlite.tools.hpo.suggest),
+    """A real Optuna study whose trials were asked for, suggested (titanlite.tools.jobs.hpo.suggest),
     reported (hpo.PruningCallback, which records tokens_trained and each validation loss) and
     told with Optuna's own API, in every state a search leaves: complete; pruned, which carries
     its last reported loss as its value; failed (a crash, before or after a validation); and
@@ -136,7 +136,7 @@ def _study(rng):
     from optuna.trial import TrialState
 
     from ...config import load_config
-    from ...tools.hpo import ACCUM_CHOICES, PruningCallback, suggest
+    from ...tools.jobs.hpo import ACCUM_CHOICES, PruningCallback, suggest
 
     base = load_config()
     evals = 4
@@ -221,7 +221,7 @@ def _describe(study) -> str:
 def best_lr(c, fn):
     from optuna.trial import TrialState
 
-    from ...tools.hpo import best_lr_per_accum
+    from ...tools.jobs.hpo import best_lr_per_accum
 
     for _ in range(3):
         with _quiet_optuna():
@@ -262,14 +262,14 @@ def best_lr(c, fn):
             c.same_value(pair[1], loss, f"the loss for grad_accum_steps={accum} {where}")
         assert any(t.state == TrialState.PRUNED for t in study.trials)
     c.passed(
-        "equals titanlite.tools.hpo.best_lr_per_accum on 3 real studies with pruned, failed "
+        "equals titanlite.tools.jobs.hpo.best_lr_per_accum on 3 real studies with pruned, failed "
         "and running trials"
     )
 
 
 @exercise("15_compute_saved", "the tokens pruning saved")
 def compute_saved(c, fn):
-    from ...tools.hpo import compute_saved as real
+    from ...tools.jobs.hpo import compute_saved as real
 
     for _ in range(3):
         with _quiet_optuna():
@@ -280,6 +280,6 @@ def compute_saved(c, fn):
             f"the tokens saved in {_describe(study)}",
         )
     c.passed(
-        "equals titanlite.tools.hpo.compute_saved on 3 real studies with pruned, failed and "
+        "equals titanlite.tools.jobs.hpo.compute_saved on 3 real studies with pruned, failed and "
         "running trials"
     )

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ...errors import TitanliteError
-from ...tools.course import NOT_ATTEMPTED, PASSED  # the words `titanlite progress` reads
+from ...tools.course.editions import NOT_ATTEMPTED, PASSED  # the words `titanlite progress` reads
 
 
 class ExerciseError(TitanliteError):

@@ -87,7 +87,7 @@ def _draw_buckets(rng: random.Random):
 
 @exercise("07_buckets", "DDP's bucket assignment")
 def buckets(c, fn):
-    from ...tools.scratch_ddp import assign_buckets
+    from ..nb07_scratch_ddp import assign_buckets
 
     cases = c.separating(
         _draw_buckets, lambda ps, cap: _which(ps, assign_buckets(ps, cap)), BUCKET_MISTAKES
@@ -113,12 +113,12 @@ def buckets(c, fn):
                 f"{got_i[where] if where < len(got_i) else 'missing'}, expected "
                 f"{want_i[where] if where < len(want_i) else 'no more buckets'} (all: {want_i})"
             )
-    c.passed("the same buckets as titanlite.tools.scratch_ddp.assign_buckets")
+    c.passed("the same buckets as titanlite.labs.nb07_scratch_ddp.assign_buckets")
 
 
 @exercise("07_bucketed_allreduce", "average gradients over ranks, one collective per bucket")
 def bucketed_allreduce(c, fn):
-    from ...tools.scratch_ddp import assign_buckets
+    from ..nb07_scratch_ddp import assign_buckets
 
     rng = c.rng
     while True:  # at least two buckets, and one holding several tensors: counting per tensor fails
@@ -157,7 +157,7 @@ def bucketed_allreduce(c, fn):
 
 @exercise("08_zero_bytes", "bytes per rank at ZeRO stage 0-3 (fp32 Adam)")
 def zero_bytes(c, fn):
-    from ...tools.zero import zero_bytes_per_rank
+    from ...tools.predict.zero import zero_bytes_per_rank
 
     rng = c.rng
     cases = []
@@ -186,7 +186,9 @@ def zero_bytes(c, fn):
             {k: real[k] for k in ("params", "grads", "optimizer")},
             f"zero_bytes({n:,} parameters, world_size={world}, stage={stage})",
         )
-    c.passed(f"equals titanlite.tools.zero.zero_bytes_per_rank on {len(cases)} random cases")
+    c.passed(
+        f"equals titanlite.tools.predict.zero.zero_bytes_per_rank on {len(cases)} random cases"
+    )
 
 
 def _array_split(shape, world, rank):
@@ -223,7 +225,7 @@ def _draw_shards(rng: random.Random):
 
 @exercise("08_fsdp_shard", "elements of a parameter FSDP2 keeps on a rank")
 def fsdp_shard(c, fn):
-    from ...tools.zero import fsdp_shard_numel
+    from ...tools.predict.zero import fsdp_shard_numel
 
     cases = c.separating(_draw_shards, fsdp_shard_numel, SHARD_MISTAKES)
     for shape, world, rank in cases:
@@ -232,7 +234,7 @@ def fsdp_shard(c, fn):
             fsdp_shard_numel(shape, world, rank),
             f"shard_numel(shape={shape}, world_size={world}, rank={rank})",
         )
-    c.passed("equals titanlite.tools.zero.fsdp_shard_numel, rank by rank")
+    c.passed("equals titanlite.tools.predict.zero.fsdp_shard_numel, rank by rank")
 
 
 @exercise("09_tp_mlp", "a column-parallel then row-parallel SwiGLU MLP")
@@ -285,7 +287,7 @@ def tp_mlp(c, fn):
 
 @exercise("10_one_f_one_b", "the 1F1B order of rank r for p stages and m micro-batches")
 def one_f_one_b(c, fn):
-    from ...tools.pipeline_timeline import one_f_one_b_order
+    from ...tools.display.pipeline_timeline import one_f_one_b_order
 
     for p in (2, 3, 4):
         for m in (1, p - 1, p, 2 * p + 1):
@@ -309,12 +311,12 @@ def one_f_one_b(c, fn):
                         f"{got[where] if where < len(got) else 'missing'}, expected "
                         f"{want[where] if where < len(want) else 'nothing more'} (full: {want})"
                     )
-    c.passed("the same order as titanlite.tools.pipeline_timeline for every rank")
+    c.passed("the same order as titanlite.tools.display.pipeline_timeline for every rank")
 
 
 @exercise("10_bubble", "the 1F1B bubble fraction")
 def bubble(c, fn):
-    from ...tools.pipeline_timeline import formula_bubble
+    from ...tools.display.pipeline_timeline import formula_bubble
 
     cases = [(2, 4), (4, 4), (4, 16), (8, 3)] + [
         (c.rng.randint(2, 16), c.rng.randint(1, 64)) for _ in range(4)

@@ -195,7 +195,7 @@ def latest_committed(c, fn):
 
 @exercise("13_young", "Young's optimal checkpoint interval")
 def young(c, fn):
-    from ...tools.goodput_model import young_interval
+    from ...tools.predict.goodput_model import young_interval
 
     for _ in range(10):
         cost, mtbf = c.rng.uniform(0.1, 300), c.rng.uniform(60, 86400 * 30)
@@ -204,12 +204,12 @@ def young(c, fn):
             young_interval(cost, mtbf),
             f"the interval for a {cost:.6g} s checkpoint and a {mtbf:.6g} s MTBF",
         )
-    c.passed("equals titanlite.tools.goodput_model.young_interval")
+    c.passed("equals titanlite.tools.predict.goodput_model.young_interval")
 
 
 @exercise("13_cluster_mtbf", "a job's MTBF from its instances' failure rate")
 def cluster_mtbf(c, fn):
-    from ...tools.goodput_model import cluster_mtbf_s
+    from ...tools.predict.goodput_model import cluster_mtbf_s
 
     for _ in range(10):
         n, rate = c.rng.randint(1, 20000), c.rng.uniform(1e-6, 1e-2)
@@ -218,4 +218,4 @@ def cluster_mtbf(c, fn):
             cluster_mtbf_s(n, rate),
             f"the MTBF in seconds of {n:,} instances failing {rate:.6g} times an hour each",
         )
-    c.passed("equals titanlite.tools.goodput_model.cluster_mtbf_s")
+    c.passed("equals titanlite.tools.predict.goodput_model.cluster_mtbf_s")
