@@ -134,6 +134,42 @@ def test_the_workbook_edition_keeps_the_solutions_and_the_learners_edits(tmp_pat
         student_edition(src, student, solutions=True)
 
 
+def test_a_kept_workbook_notebook_that_imports_a_moved_module_is_told_the_new_name(
+    tmp_path, capsys
+):
+    """tools/ was regrouped (2026-11): a learner's edited copy may still import an old name.
+    `make lab` keeps it and lists each old name with the new one; running the old import fails
+    in one line that names the new module, never a bare ImportError."""
+    from titanlite.tools.course.editions import _main
+
+    src = _source(tmp_path, NB02)
+    out = tmp_path / "workbook"
+    student_edition(src, out, solutions=True)
+    nb = nbformat.read(out / NB02, 4)
+    old = "from titanlite.tools.live_plot import LivePlot\nfrom titanlite.tools import datasheet"
+    nb.cells[1].source = old + "\n" + nb.cells[1].source
+    nbformat.write(nb, out / NB02)
+    assert _main(["--workbook", str(src), str(out)]) == 0
+    said = capsys.readouterr().out
+    assert (
+        f"{out / NB02} imports modules that moved: "
+        "titanlite.tools.datasheet is now titanlite.tools.probe.datasheet; "
+        "titanlite.tools.live_plot is now titanlite.tools.display.live_plot"
+    ) in said
+    assert nbformat.read(out / NB02, 4).cells[1].source.startswith(old)  # kept as it was
+    ran = subprocess.run([PYTHON, "-c", old], capture_output=True, text=True)
+    assert ran.returncode == 1 and ran.stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: titanlite.tools.live_plot moved to titanlite.tools.display."
+        "live_plot: import it from there (titanlite's tools are grouped by purpose; "
+        "titanlite/tools/__init__.py lists them)"
+    )
+    # an untouched copy of the course's notebooks imports no old name
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        from titanlite.tools.course.editions import old_imports
+
+        assert old_imports(nbformat.read(path, 4)) == [], path.name
+
+
 def test_an_edition_written_before_hashes_is_stamped_not_replaced(tmp_path):
     src = _source(tmp_path, NB02, NB13)
     out = tmp_path / "course" / "student"

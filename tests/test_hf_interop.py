@@ -12,7 +12,8 @@ import titanlite  # noqa: F401  (first: quiet torchao before transformers import
 from titanlite import TitanliteError
 from titanlite.models.llama import ModelArgs, build_model
 from titanlite.tools.formats.export import from_hf, to_hf, to_hf_config, to_hf_model
-from titanlite.tools.formats.hf_start import from_hf_config, hf_name
+from titanlite.tools.formats.hf_names import hf_name
+from titanlite.tools.formats.hf_start import from_hf_config
 
 transformers = pytest.importorskip("transformers")
 

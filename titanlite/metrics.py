@@ -9,7 +9,6 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from . import peaks
 from ._ui import progress_bar, say
@@ -17,9 +16,6 @@ from .errors import TitanliteError, writing
 from .memory import allocator_readings, peak_memory_bytes, reset_peak_memory
 from .paths import check_output_dir
 from .resilience.faults import attempt
-
-if TYPE_CHECKING:  # the watchers' types, named here only for the annotations
-    from .watchers import Run, StepEnd
 
 
 @dataclass
@@ -43,13 +39,15 @@ class History:
 
 
 class TrainLog:
-    # A watcher (watchers.py) like the others, defined here beside what it writes.
+    # A watcher (watchers.py) like the others, defined here beside what it writes. It is handed
+    # the run's facts (`run`, a watchers.Run) and each step's end (`end`, a watchers.StepEnd);
+    # watchers.py imports this module, so this one names those types only in words (no circle).
     """Where records go: metrics.jsonl (metrics.rank<r>.jsonl off rank 0: step times and memory
     differ per rank; a restarted attempt appends), TensorBoard if asked, the History, the
     callbacks, the progress bar. `lr()`: the learning rate of the step about to run; `precision`:
     the run's Precision (loss scale)."""
 
-    def __init__(self, run: "Run", history: History, callbacks, lr, precision):
+    def __init__(self, run, history: History, callbacks, lr, precision):
         self.run, self.history, self.callbacks = run, history, callbacks
         self.lr_now, self.precision, self.lr = lr, precision, 0.0
         run_dir = check_output_dir(run.run_dir, "run folder (metrics.log_dir / metrics.run_name)")
@@ -114,7 +112,7 @@ class TrainLog:
         reset_peak_memory(self.run.device)  # the peak of this step alone
         self.lr = self.lr_now()
 
-    def on_step_end(self, end: "StepEnd") -> None:
+    def on_step_end(self, end) -> None:
         # Steps between records do not wait for the device, so one step's time means little on
         # a GPU; the interval's average, ended by the logged step's wait, is honest.
         self.interval_s, self.interval_steps = (
@@ -132,7 +130,7 @@ class TrainLog:
                     tok_s=f"{self.history.train[-1]['tokens_per_sec']:,.0f}",
                 )
 
-    def train_record(self, end: "StepEnd") -> dict:
+    def train_record(self, end) -> dict:
         """The record of a logged step: its loss and gradient norm (`end.out`, train_step's
         result), speed, MFU against the peak, memory, and what watchers added (`end.extra`)."""
         run, out = self.run, end.out

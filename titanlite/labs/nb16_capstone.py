@@ -35,6 +35,7 @@ from .nb16_report import (  # noqa: F401
     noise,
     published_bars,
     published_table,
+    step_gains,
     table,
     verdict,
     why_cpu_differs,  # the reading of the rows, re-exported
@@ -55,12 +56,6 @@ PUBLISHED_ROWS = {
     "+FP8": "+FP8 tensorwise",
     "+FP8 all-gather": "+FP8 all-gather",
 }
-
-
-def step_gains(cumulative: dict[str, float]) -> dict[str, float]:
-    """Each row of a cumulative table over the row before it: what that step alone bought."""
-    names = list(cumulative)
-    return {name: cumulative[name] / cumulative[before] for before, name in zip(names, names[1:])}
 
 
 def _published(step: str) -> str:

@@ -155,11 +155,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def step_gains(cumulative: dict[str, float]) -> dict[str, float]:
+    """Each row of a cumulative table over the row before it: what that step alone bought."""
+    names = list(cumulative)
+    return {name: cumulative[name] / cumulative[before] for before, name in zip(names, names[1:])}
+
+
 def published_bars(rows: list[dict], published_rows: dict, tables: dict[str, dict]) -> list[dict]:
     """Per published step: our row over its reference, and each published table's row over the
     row before it (both cumulative tables: a step's own gain is its row ÷ the one before)."""
-    from .nb16_capstone import step_gains
-
     named, gains = by_name(rows), {source: step_gains(t) for source, t in tables.items()}
     out = []
     for step, row_name in published_rows.items():

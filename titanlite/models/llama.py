@@ -20,6 +20,7 @@ from torch.nn.attention import sdpa_kernel
 
 from ..device_policy import capability_of, expand_kv_for_sdpa, sdpa_priority
 from ..errors import TitanliteError, closest
+from .layers import FeedForward, initialise
 from .rope import CONTEXT_KEY, apply_rope, rope_cache
 
 if TYPE_CHECKING:  # a dense model never imports the mixture of experts (notebook 18)
@@ -165,33 +166,6 @@ def causal_attention(
     gqa = q.shape[1] != k.shape[1]  # not when the KV heads were repeated above
     with sdpa_kernel(priority, set_priority=True) if priority else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-
-
-class FeedForward(nn.Module):  # the SwiGLU MLP: a dense block's, and an MoE's shared experts
-    skipped_per_token = 0  # parameters a token does not use: none, in a dense block
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def initialise(module: nn.Module, std: float, out_std: float) -> None:
-    """Each weight of `module` drawn from N(0, std²), in `named_parameters` order (layer by layer; a
-    tied output counts once), but those that write into the residual stream (attention's o_proj, an
-    MLP's or expert's down projection) from N(0, out_std²); each norm set to ones, each buffer to 0."""
-    for name, p in module.named_parameters():
-        if name.endswith("norm.weight"):
-            nn.init.ones_(p)  # each norm starts as the identity
-        else:
-            into_residual = name.endswith(("o_proj.weight", "down_proj.weight", "w_down"))
-            nn.init.normal_(p, std=out_std if into_residual else std)
-    for buffer in module.buffers():  # an MoE router's bias and token counts; after `to_empty()`
-        buffer.zero_()  # they hold whatever memory held
 
 
 class TransformerBlock(nn.Module):

@@ -33,7 +33,7 @@ from torch import nn
 from .._compat.torch_internals import in_backward
 from ..device_policy import capability_of
 from ..errors import TitanliteError
-from .llama import FeedForward, initialise  # FeedForward: the shared experts, as wide as they are
+from .layers import FeedForward, initialise  # FeedForward: the shared experts, as wide as they are
 
 ROUTERS, BALANCES = ("softmax", "sigmoid"), ("aux_free", "aux_loss", "none")
 

@@ -19,17 +19,7 @@ import warnings
 
 from ...errors import closest
 from ...tools.display.notebook import install_notebook_handler, quiet_third_party
-from .grading import Check, ExerciseError
-
-EXERCISES: dict[str, tuple[str, object]] = {}  # name → (title, check function)
-
-
-def exercise(name: str, title: str):
-    def register(fn):
-        EXERCISES[name] = (title, fn)
-        return fn
-
-    return register
+from .grading import EXERCISES, Check, ExerciseError, exercise
 
 
 def check(name: str, student_fn, *, seed: int | None = None) -> None:

@@ -3,7 +3,7 @@ of an all-reduce from its measured time."""
 
 from __future__ import annotations
 
-from . import exercise
+from .grading import exercise
 
 LAYOUTS = ("dp", "fsdp", "tp", "2d")
 NAMES = (

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from . import exercise
+from .grading import exercise
 
 IGNORE = -100  # the targets' padding value (titanlite.efficiency.accumulation.IGNORE_INDEX)
 

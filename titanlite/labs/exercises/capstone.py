@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from . import exercise
+from .grading import exercise
 
 _ABSENT = object()
 _KEYS = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 
-from . import exercise
+from .grading import exercise
 
 
 @exercise("14_state_bytes", "fp32 AdamW training memory, without the activations")

@@ -267,3 +267,16 @@ class Check:
         """Print the line a passing check shows (once: check() returns nothing to echo)."""
         print(f"✓ {self.name}: {PASSED} - {detail}")
         sys.stdout.flush()
+
+
+# The exercises, registered by the modules beside this one under the name a notebook's check
+# cell uses (`@exercise("02_global_token_loss", title)`); `check` in __init__.py runs them.
+EXERCISES: dict[str, tuple[str, object]] = {}  # name → (title, check function)
+
+
+def exercise(name: str, title: str):
+    def register(fn):
+        EXERCISES[name] = (title, fn)
+        return fn
+
+    return register

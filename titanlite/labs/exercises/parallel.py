@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from . import exercise
+from .grading import exercise
 
 _SHORT = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -239,7 +239,7 @@ def fsdp_shard(c, fn):
 
 @exercise("09_tp_mlp", "a column-parallel then row-parallel SwiGLU MLP")
 def tp_mlp(c, fn):
-    from ...models.llama import FeedForward
+    from ...models.layers import FeedForward
 
     tp = c.rng.choice([2, 4])
     with (

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from . import exercise
+from .grading import exercise
 
 
 def _shards(folder: Path, rng) -> None:

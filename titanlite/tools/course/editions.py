@@ -190,6 +190,8 @@ class Edition:
     refreshed: list[str] = field(default_factory=list)  # replaced: the student had not changed it
     unchanged: list[str] = field(default_factory=list)  # already what would be written
     kept: list[str] = field(default_factory=list)  # changed by the student: left alone
+    # a kept notebook's imports of modules that have moved since: {notebook: [(old, new), ...]}
+    old_imports: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
 
     def summary(self, command: str = "make student", stripped_by: str | None = None) -> str:
         parts = [
@@ -211,7 +213,42 @@ class Edition:
                 f"\n  for a fresh copy of one, move yours aside and run `{command}` again, e.g. "
                 f"mv {first} {first.with_name(first.stem + '.mine.ipynb')}"
             )
+        for name, moves in self.old_imports.items():
+            line += f"\n{self.out / name} imports modules that moved: " + "; ".join(
+                f"{old} is now {new}" for old, new in moves
+            )
         return line
+
+
+def old_imports(nb) -> list[tuple[str, str]]:
+    """(old, new) for each module a notebook's code imports that has moved since (tools.MOVED):
+    `titanlite.tools.live_plot` as written, or `from titanlite.tools import live_plot`."""
+    from .. import moved_to
+
+    found = {}
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") != "code":
+            continue
+        source = "".join(cell.get("source", ""))
+        names = re.findall(r"titanlite\.tools\.[\w.]+", source)
+        for listed in re.findall(r"from\s+titanlite\.tools\s+import\s+\(?([\w\s,]+)", source):
+            names += [f"titanlite.tools.{n.split()[0]}" for n in listed.split(",") if n.strip()]
+        for name in names:
+            parts = name.split(".")
+            for i in range(len(parts), 2, -1):  # the longest name that is a module, or moved
+                prefix = ".".join(parts[:i])
+                if _is_module(prefix):
+                    break
+                if (new := moved_to(prefix)) is not None:
+                    found.setdefault(prefix, new)
+                    break
+    return sorted(found.items())
+
+
+def _is_module(name: str) -> bool:
+    """Whether titanlite has module `name` today (a file, or a package's folder)."""
+    path = Path(__file__).resolve().parents[2].joinpath(*name.split(".")[1:])
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def _within(a: Path, b: Path) -> bool:
@@ -338,6 +375,8 @@ def student_edition(
             report.refreshed.append(name)
         else:
             report.kept.append(name)
+            if moves := old_imports(there):
+                report.old_imports[name] = moves
     return report
 
 

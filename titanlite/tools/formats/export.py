@@ -32,11 +32,10 @@ from ...models.llama import ModelArgs, Transformer, build_model
 from ...models.rope import rope_cache
 from ...paths import check_output_dir
 from ...resilience.checkpoint_files import RawReader, dcp_load, verify
-from .hf_start import _LAYER_NAMES, _TOP_NAMES, from_hf_config, hf_name, read_hf_config
+from .hf_names import decoder_config, hf_name, titanlite_name
+from .hf_start import from_hf_config, read_hf_config
 
 TOKENIZER_DIR = "tokenizer"  # the trainer keeps a copy beside its checkpoints
-_LAYER_NAMES_BACK = {v: k for k, v in _LAYER_NAMES.items()}
-_TOP_NAMES_BACK = {v: k for k, v in _TOP_NAMES.items()}
 
 
 def check_new_output(path: str | Path, what: str, source: str | Path | None = None) -> Path:
@@ -126,19 +125,6 @@ def new_file(out: Path, what: str):
         tmp.unlink(missing_ok=True)
 
 
-def titanlite_name(name: str) -> str:
-    """HF `LlamaForCausalLM` tensor name → titanlite parameter name."""
-    if name in _TOP_NAMES_BACK:
-        return _TOP_NAMES_BACK[name]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _LAYER_NAMES_BACK:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES_BACK[m.group(2)]}"
-    raise TitanliteError(
-        f"unexpected tensor '{name}' in the Hugging Face checkpoint: titanlite "
-        f"maps only plain Llama weights (no biases, no extra heads)"
-    )
-
-
 def load_model(path: str | Path, crc: bool = True) -> Transformer:
     """The model of a committed checkpoint, whole, in this process (no process group)."""
     info = verify(path, crc=crc)
@@ -181,34 +167,6 @@ def export_hf(path: str | Path, out_dir: str | Path, tokenizer=None) -> Path:
 
 
 # ----- the Hugging Face bridge --------------------------------------------------------
-def decoder_config(args: ModelArgs) -> dict:
-    """The keywords every Hugging Face config of a Llama-style decoder (Llama, Mixtral) takes from
-    ModelArgs; each architecture adds its own (tools/formats/hf_moe.py: the experts)."""
-    return dict(
-        vocab_size=args.vocab_size,
-        hidden_size=args.dim,
-        intermediate_size=args.hidden_dim,
-        num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads,
-        head_dim=args.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=args.max_seq_len,
-        initializer_range=args.init_std,
-        rms_norm_eps=args.norm_eps,
-        tie_word_embeddings=args.tie_embeddings,
-        # transformers 5 folds `rope_theta`/`rope_scaling` into `rope_parameters`; 4.x keeps
-        # them as attributes. Passing the legacy keywords works with both.
-        rope_theta=args.rope_theta,
-        rope_scaling=dict(args.rope_scaling) if args.rope_scaling else None,
-        # LlamaConfig's defaults (bos=1, eos=2) are ids of Llama 2's vocabulary, not ours.
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        attn_implementation="sdpa",
-    )
-
-
 def to_hf_config(args: ModelArgs, **extra):
     """ModelArgs → `LlamaConfig`; `extra` (e.g. bos_token_id) is passed through."""
     from transformers import LlamaConfig

@@ -19,6 +19,7 @@ import torch
 from ...errors import TitanliteError
 from ...models.llama import ModelArgs, Transformer
 from ...models.moe import MoEArgs
+from .hf_names import decoder_config
 
 _EXPERTS = re.compile(
     r"layers\.(\d+)\.feed_forward\.(router\.gate\.weight|experts\.w_(gate|up|down))"
@@ -48,8 +49,6 @@ def check_mixtral(model: Transformer) -> None:
 def to_mixtral_config(args: ModelArgs, **extra):
     """ModelArgs of a mixture → `MixtralConfig`: the decoder's keywords (export.py), the experts'."""
     from transformers import MixtralConfig
-
-    from .export import decoder_config
 
     moe = args.moe
     kw = decoder_config(args) | dict(

@@ -18,7 +18,6 @@ interleaved dims, which is why HF's conversion script permutes q/k).
 
 from __future__ import annotations
 
-import re
 import time
 import warnings
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 from ...errors import TitanliteError
 from ...models.llama import ModelArgs
+from .hf_names import hf_name
 
 # [model] settings the checkpoint decides; an explicit value must agree with it.
 _SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings")
@@ -124,34 +124,7 @@ def _first_line(err: BaseException) -> str:
     return " ".join(str(err).split())[:240]
 
 
-# Per-layer names, titanlite → HF; everything under `layers.{i}.` / `model.layers.{i}.`.
-_LAYER_NAMES = (
-    {f"attention.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"}
-    | {f"feed_forward.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
-    | {
-        "attention_norm.weight": "input_layernorm.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-    }
-)
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _ROPE_TYPES = ("default", "llama3")  # what titanlite's `rope_cache` implements
-
-
-def hf_name(name: str) -> str:
-    """titanlite parameter name → the HF `LlamaForCausalLM` name of the same tensor."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise TitanliteError(
-        f"no Hugging Face name for titanlite tensor '{name}': only Llama "
-        f"weights map (embeddings, q/k/v/o, gate/up/down, norms, output)"
-    )
 
 
 def _rope_of(cfg) -> tuple[float, dict]:

@@ -66,7 +66,7 @@ class StepProfiler(Watcher):
         if (
             self.prof is None
         ):  # the first profiled step (or the first after a resume inside the range)
-            from . import _quiet_fd2, activities_for
+            from .steps import _quiet_fd2, activities_for
 
             if self.memory and self.kind == "snapshot":
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
@@ -89,8 +89,8 @@ class StepProfiler(Watcher):
             self._stop_and_write()
 
     def _stop_and_write(self) -> None:
-        from . import _quiet_fd2
         from .reading import memory_timeline
+        from .steps import _quiet_fd2
 
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the last kernels belong in the trace
