@@ -52,6 +52,7 @@ def measure(variant: str, args) -> dict:
 
     quiet_third_party()  # before torchao is imported: its "Failed to load" lines are noise here
     from titanlite.config import load_config
+    from titanlite.tools.probe.matmul_peak import MatmulPeaks
     from titanlite.train import Trainer
 
     overrides = dict(VARIANTS[variant])
@@ -71,7 +72,7 @@ def measure(variant: str, args) -> dict:
     )
     if args.threads:
         overrides["training.threads"] = args.threads
-    trainer = Trainer(load_config(None, overrides))
+    trainer = Trainer(load_config(None, overrides), peaks=MatmulPeaks())
     t0 = time.perf_counter()
     trainer.train_step(trainer.next_micro_batches())  # compile (if any) happens here
     first_step_s = time.perf_counter() - t0

@@ -24,9 +24,9 @@ def _isolated_peak_cache(tmp_path_factory):
     os.environ["TITANLITE_CACHE_DIR"] = str(cache)  # inherited by notebook kernels too
     import torch
 
-    from titanlite import peaks
+    from titanlite.tools.probe import matmul_peak
 
-    peaks.matmul_peak(torch.device("cpu"), torch.float32)
+    matmul_peak.matmul_peak(torch.device("cpu"), torch.float32)
     yield cache
     if old is None:
         os.environ.pop("TITANLITE_CACHE_DIR", None)

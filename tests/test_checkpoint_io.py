@@ -153,12 +153,12 @@ def test_a_save_stages_into_a_second_kept_buffer_while_the_previous_one_still_wr
 
     import torch
 
-    from titanlite.resilience import checkpoint
+    from titanlite.resilience import async_saves
     from titanlite.resilience.checkpoint import Checkpointer
 
-    made, make_stager = [], checkpoint.make_stager
+    made, make_stager = [], async_saves.make_stager
     monkeypatch.setattr(
-        checkpoint, "make_stager", lambda *a, **kw: made.append(make_stager(*a, **kw)) or made[-1]
+        async_saves, "make_stager", lambda *a, **kw: made.append(make_stager(*a, **kw)) or made[-1]
     )
     release, started, running, most = threading.Event(), [], [0], [0]
     from titanlite.resilience.checkpoint_files import RawWriter
@@ -269,12 +269,12 @@ def test_a_save_whose_group_is_torn_down_before_it_writes_is_never_committed(tmp
         ckpt.save(state, 2)
         ckpt.wait_for_staging()
         dist.destroy_process_group()  # as a failing rank leaves: its peer is gone
-        ckpt._pg = None  # destroyed with the rest
+        ckpt.behind.group = None  # destroyed with the rest
         go.set()
         ckpt.wait()
         assert [p.name for p in committed(tmp_path / "ck")] == ["step-00000001"]
     finally:
-        ckpt._pg = None
+        ckpt.behind.group = None
         ckpt.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -7,8 +7,9 @@ technique's module opens with the technique. Sizes, not timings: no noise.
 Statements are tokenize's NEWLINE tokens (logical lines), as ../shared/tools/training_path.py
 counts them: the same however the code is wrapped, and comments cost nothing, so a budget never
 rewards packing lines or dropping a comment that says why. The budgets are today's counts: a
-ratchet that fails on growth. (The goal set for them - loaded <= 2,400, reachable <= 3,700 with
-context parallel and mixture of experts in, notebook 01's part <= 1,250 - is not reached yet.)"""
+ratchet that fails on growth: a new technique raises them only by what it needs, with the reason
+written beside them. (The round's goals of 2,400 / 3,700 / 1,250 were retired by issue 45: tighter
+than every anchor; counted the same way, titanlite is the leanest per technique.)"""
 
 import ast
 import io
@@ -37,7 +38,13 @@ PACKAGE = Path(titanlite.__file__).parent
 # 3,089 -> 2,817 loaded, 4,718 -> 4,308 reachable, notebook 01's part 1,770 -> 1,585. A third
 # pass (one weight initialisation for the model and its experts, dead staging code, keys mapped back
 # through get_state_dict's own): 2,794 loaded, 4,250 reachable, notebook 01's part 1,572.
-LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 2_794, 4_250, 1_572  # statements
+# One house (issue 45): the measured peak (timing, its disk cache, staleness rules: 151 statements)
+# left the core for tools/probe/matmul_peak.py, the trainer handed a peak finder as it is handed the
+# datasheet; the three hardest files rewritten for a reader (parallelize's steps as functions, the
+# Trainer's build steps as methods, the checkpointer's async saves and purge apart) and the two
+# import circles of the core cut (models/layers.py, metrics naming the watchers' types in words):
+# 2,794 -> 2,690 loaded, 4,250 -> 4,194 reachable, notebook 01's part 1,572 -> 1,585.
+LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 2_690, 4_194, 1_585  # statements
 MODULE_BUDGET = 300  # lines, as `ruff format` leaves them
 
 # A technique's module opens with the technique: its first public function or class is this.

@@ -13,7 +13,7 @@ import torch
 
 from titanlite import TitanliteError, hardware, memory, peaks
 from titanlite.peaks import Peak
-from titanlite.tools.probe import datasheet, roofline
+from titanlite.tools.probe import datasheet, matmul_peak, roofline
 from titanlite.tools.probe.roofline import measure_memory_bandwidth
 
 HAS_CUDA = torch.cuda.is_available()
@@ -115,23 +115,27 @@ def test_bf16_on_a_pre_ampere_gpu_is_refused(monkeypatch):
 # ---- timing and peaks ----------------------------------------------------------------------
 def test_time_fn_warms_up_and_returns_a_positive_time():
     calls = []
-    seconds = peaks.time_fn(lambda: calls.append(1), "cpu", budget_s=0.01)
+    seconds = matmul_peak.time_fn(lambda: calls.append(1), "cpu", budget_s=0.01)
     assert seconds > 0 and len(calls) >= 2  # warm-up call + at least one timed call
 
 
 def test_measured_peak_is_positive_and_labelled():
-    peak = peaks.measure_matmul_peak("cpu", torch.float32, budget_s=0.2)
+    peak = matmul_peak.measure_matmul_peak("cpu", torch.float32, budget_s=0.2)
     assert peak.flops > 1e6 and peak.source == "measured"
     assert peak.label.startswith("measured float32 matmul peak") and "CPU" in peak.label
 
 
 def test_measure_rejects_a_format_without_a_matmul():
     # e5m2 is FP8's gradient format: real FP8 matmuls take e4m3 inputs, so there is no e5m2 peak.
-    for measure in (peaks.measure_matmul_peak, datasheet.measure_matmul_peak):
-        with pytest.raises(TitanliteError, match="or float16 .float8_e4m3fn: tools.datasheet"):
+    for measure in (matmul_peak.measure_matmul_peak, datasheet.measure_matmul_peak):
+        with pytest.raises(
+            TitanliteError, match="or float16 .float8_e4m3fn: tools.probe.datasheet"
+        ):
             measure("cpu", torch.float8_e5m2, budget_s=0.1)
     with pytest.raises(TitanliteError, match="cannot measure a matmul peak in torch.float8_e4m3fn"):
-        peaks.measure_matmul_peak("cpu", torch.float8_e4m3fn, budget_s=0.1)  # the core has no FP8
+        matmul_peak.measure_matmul_peak(
+            "cpu", torch.float8_e4m3fn, budget_s=0.1
+        )  # the core has no FP8
 
 
 @pytest.fixture
@@ -146,29 +150,29 @@ def counted_measure(monkeypatch, tmp_path):
             out[dtype] = (Peak(100e9 * (1 + 0.1 * len(calls)), "measured", f"fake {dtype}"), 0.01)
         return out
 
-    monkeypatch.setattr(peaks, "measure_peaks", fake)
+    monkeypatch.setattr(matmul_peak, "measure_peaks", fake)
     return calls
 
 
 def test_matmul_peak_is_cached_on_disk(counted_measure, tmp_path):
-    first = peaks.matmul_peak("cpu", torch.float32)
-    second = peaks.matmul_peak("cpu", torch.float32)
+    first = matmul_peak.matmul_peak("cpu", torch.float32)
+    second = matmul_peak.matmul_peak("cpu", torch.float32)
     assert len(counted_measure) == 1, "second call must read the cache, not measure"
     assert second.flops == first.flops and "[cached" in second.label
     stored = json.loads((tmp_path / "matmul_peaks.json").read_text())
     assert len(stored) == 1 and torch.__version__ in next(iter(stored))
     assert [p.name for p in tmp_path.iterdir()] == ["matmul_peaks.json"]  # no temp file left over
-    peaks.matmul_peak("cpu", torch.bfloat16)  # another dtype is another key
-    refreshed = peaks.matmul_peak("cpu", torch.float32, refresh=True)
+    matmul_peak.matmul_peak("cpu", torch.bfloat16)  # another dtype is another key
+    refreshed = matmul_peak.matmul_peak("cpu", torch.float32, refresh=True)
     assert len(counted_measure) == 3 and refreshed.flops != first.flops
 
 
 def test_cache_key_includes_threads(counted_measure):
-    peaks.matmul_peak("cpu", torch.float32)
+    matmul_peak.matmul_peak("cpu", torch.float32)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        peaks.matmul_peak("cpu", torch.float32)
+        matmul_peak.matmul_peak("cpu", torch.float32)
     finally:
         torch.set_num_threads(threads)
     assert len(counted_measure) == 2
@@ -176,7 +180,7 @@ def test_cache_key_includes_threads(counted_measure):
 
 def test_corrupt_cache_is_remeasured_not_fatal(counted_measure, tmp_path):
     (tmp_path / "matmul_peaks.json").write_text("{not json")
-    assert peaks.matmul_peak("cpu", torch.float32).flops > 0
+    assert matmul_peak.matmul_peak("cpu", torch.float32).flops > 0
     assert len(counted_measure) == 1
 
 
@@ -185,12 +189,12 @@ def test_unwritable_cache_warns_but_returns_the_peak(counted_measure, monkeypatc
     blocker.write_text("")
     monkeypatch.setenv("TITANLITE_CACHE_DIR", str(blocker / "cache"))  # a folder inside a file
     with pytest.warns(RuntimeWarning, match="TITANLITE_CACHE_DIR"):
-        assert peaks.matmul_peak("cpu", torch.float32).flops > 0
+        assert matmul_peak.matmul_peak("cpu", torch.float32).flops > 0
 
 
 def test_cache_dir_defaults_to_home(monkeypatch):
     monkeypatch.delenv("TITANLITE_CACHE_DIR", raising=False)
-    assert peaks.cache_dir() == Path.home() / ".cache" / "titanlite"
+    assert matmul_peak.cache_dir() == Path.home() / ".cache" / "titanlite"
 
 
 FRESH = {
@@ -210,12 +214,12 @@ def _stale(
     torch_version="2.13.0",
     device_name="Some CPU (CPU, 4 threads)",
 ):
-    return peaks.peak_is_stale(entry, now, threads, torch_version, device_name)
+    return matmul_peak.peak_is_stale(entry, now, threads, torch_version, device_name)
 
 
 def test_a_fresh_peak_of_the_same_machine_is_not_stale():
     assert _stale() is None
-    assert _stale(now=FRESH["measured_at"] + peaks.PEAK_MAX_AGE_S) is None
+    assert _stale(now=FRESH["measured_at"] + matmul_peak.PEAK_MAX_AGE_S) is None
 
 
 @pytest.mark.parametrize(
@@ -238,13 +242,15 @@ def test_a_peak_is_stale_when_old_or_measured_elsewhere(change, reason):
 
 
 def test_an_expired_cache_entry_is_measured_again(counted_measure, tmp_path, monkeypatch):
-    first = peaks.matmul_peak("cpu", torch.float32)
+    first = matmul_peak.matmul_peak("cpu", torch.float32)
     real_time = time.time
-    monkeypatch.setattr(peaks.time, "time", lambda: real_time() + peaks.PEAK_MAX_AGE_S + 60)
-    again = peaks.matmul_peak("cpu", torch.float32)
+    monkeypatch.setattr(
+        matmul_peak.time, "time", lambda: real_time() + matmul_peak.PEAK_MAX_AGE_S + 60
+    )
+    again = matmul_peak.matmul_peak("cpu", torch.float32)
     assert len(counted_measure) == 2 and again.flops != first.flops  # measured, and kept
     entry = next(iter(json.loads((tmp_path / "matmul_peaks.json").read_text()).values()))
-    assert entry["measured_at"] > real_time() + peaks.PEAK_MAX_AGE_S
+    assert entry["measured_at"] > real_time() + matmul_peak.PEAK_MAX_AGE_S
     assert entry["threads"] == torch.get_num_threads() and entry["torch"] == torch.__version__
     assert entry["device"] == hardware.device_name("cpu")
 
@@ -252,39 +258,46 @@ def test_an_expired_cache_entry_is_measured_again(counted_measure, tmp_path, mon
 def test_a_peak_is_replaced_only_by_one_that_beats_it_beyond_its_spread(tmp_path, monkeypatch):
     monkeypatch.setenv("TITANLITE_CACHE_DIR", str(tmp_path))
     low = Peak(50e9, "measured", "measured float32 matmul peak (planted, busy machine)")
-    planted = peaks.record_peak("cpu", torch.float32, low, spread=0.10)
+    planted = matmul_peak.record_peak("cpu", torch.float32, low, spread=0.10)
     assert planted.flops == 50e9 and "spread 10%" in planted.label and "load" in planted.label
     # Within the planted peak's 10% spread, above or below it: noise, the cached peak stays.
     for flops in (54e9, 30e9):
-        kept = peaks.record_peak("cpu", torch.float32, Peak(flops, "measured", "x"), 0.02)
+        kept = matmul_peak.record_peak("cpu", torch.float32, Peak(flops, "measured", "x"), 0.02)
         assert kept.flops == 50e9
     # Beyond it: the quieter measurement wins, and everything that reads the cache sees it.
-    won = peaks.record_peak("cpu", torch.float32, Peak(80e9, "measured", "quiet"), spread=0.03)
+    won = matmul_peak.record_peak(
+        "cpu", torch.float32, Peak(80e9, "measured", "quiet"), spread=0.03
+    )
     assert won.flops == 80e9 and "spread 3%" in won.label
-    monkeypatch.setattr(peaks, "measure_peaks", lambda *a, **k: pytest.fail("must read the cache"))
-    assert peaks.matmul_peak("cpu", torch.float32).flops == 80e9  # what the trainer reads
-    assert peaks.get_peak("cpu", torch.float32, "measured").flops == 80e9
+    monkeypatch.setattr(
+        matmul_peak, "measure_peaks", lambda *a, **k: pytest.fail("must read the cache")
+    )
+    assert matmul_peak.matmul_peak("cpu", torch.float32).flops == 80e9  # what the trainer reads
+    assert matmul_peak.get_peak("cpu", torch.float32, "measured").flops == 80e9
     stored = json.loads((tmp_path / "matmul_peaks.json").read_text())
     assert [e["flops"] for e in stored.values()] == [80e9]
 
 
 def test_a_run_beating_its_peak_re_measures_it_once(counted_measure, monkeypatch):
-    monkeypatch.setattr(peaks, "_RECHECKED", set())
-    cached = peaks.matmul_peak("cpu", torch.float32)
+    monkeypatch.setattr(matmul_peak, "_RECHECKED", set())
+    cached = matmul_peak.matmul_peak("cpu", torch.float32)
     said = []
     assert (
-        peaks.recheck_peak(cached.flops / 2, cached, "cpu", torch.float32, say=said.append)
+        matmul_peak.recheck_peak(cached.flops / 2, cached, "cpu", torch.float32, say=said.append)
         is cached
     )
-    fresh = peaks.recheck_peak(cached.flops * 2, cached, "cpu", torch.float32, say=said.append)
+    fresh = matmul_peak.recheck_peak(
+        cached.flops * 2, cached, "cpu", torch.float32, say=said.append
+    )
     assert len(counted_measure) == 2 and fresh.flops > cached.flops
     assert len(said) == 1 and "above the peak" in said[0] and "re-measured" in said[0]
     # Still beaten: no third measurement (mfu() warns instead), and datasheet peaks are left alone.
     assert (
-        peaks.recheck_peak(fresh.flops * 2, fresh, "cpu", torch.float32, say=said.append) is fresh
+        matmul_peak.recheck_peak(fresh.flops * 2, fresh, "cpu", torch.float32, say=said.append)
+        is fresh
     )
     sheet = Peak(1.0, "datasheet", "datasheet: test")
-    assert peaks.recheck_peak(10.0, sheet, "cpu", torch.float16, say=said.append) is sheet
+    assert matmul_peak.recheck_peak(10.0, sheet, "cpu", torch.float16, say=said.append) is sheet
     assert len(counted_measure) == 2 and len(said) == 1
 
 
@@ -385,7 +398,7 @@ def test_fp8_matmul_peak_is_measured_through_scaled_mm():
 
 def test_datasheet_peak_for_a_faked_cuda_device(monkeypatch):
     monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(peaks, "_tf32_enabled", lambda: False)
+    monkeypatch.setattr(matmul_peak, "_tf32_enabled", lambda: False)
     peak = datasheet.datasheet_peak(torch.device("cuda"), torch.bfloat16)
     assert peak.label == "datasheet: NVIDIA H100 SXM dense bf16 989.5 TFLOP/s"
     assert datasheet.datasheet_peak("cpu", torch.float32) is None
@@ -393,18 +406,20 @@ def test_datasheet_peak_for_a_faked_cuda_device(monkeypatch):
 
 def test_get_peak_sources(counted_measure, monkeypatch):
     with pytest.raises(TitanliteError, match="no datasheet peak.*source='measured'"):
-        peaks.get_peak("cpu", torch.float32, source="datasheet")
+        matmul_peak.get_peak("cpu", torch.float32, source="datasheet")
     with pytest.raises(TitanliteError, match="did you mean: measured"):
-        peaks.get_peak("cpu", torch.float32, source="measure")
-    assert peaks.get_peak("cpu", torch.float32, "measured").source == "measured"
+        matmul_peak.get_peak("cpu", torch.float32, source="measure")
+    assert matmul_peak.get_peak("cpu", torch.float32, "measured").source == "measured"
     monkeypatch.setattr(hardware, "device_name", lambda device: "NVIDIA A100-SXM4-80GB")
-    auto = peaks.get_peak(torch.device("cuda"), torch.bfloat16, datasheet=datasheet.datasheet_peak)
+    auto = matmul_peak.get_peak(
+        torch.device("cuda"), torch.bfloat16, datasheet=datasheet.datasheet_peak
+    )
     assert auto.source == "measured" and "datasheet: NVIDIA A100 dense bf16 312" in auto.label
     # Without the tool handed in, the core knows no datasheet: measured only, and one line for
     # source="datasheet" that says how to hand it in.
-    assert "datasheet" not in peaks.get_peak(torch.device("cuda"), torch.bfloat16).label
-    with pytest.raises(TitanliteError, match="hand in tools.datasheet.datasheet_peak"):
-        peaks.get_peak(torch.device("cuda"), torch.bfloat16, source="datasheet")
+    assert "datasheet" not in matmul_peak.get_peak(torch.device("cuda"), torch.bfloat16).label
+    with pytest.raises(TitanliteError, match="hand in tools.probe.datasheet.datasheet_peak"):
+        matmul_peak.get_peak(torch.device("cuda"), torch.bfloat16, source="datasheet")
 
 
 # ---- MFU -----------------------------------------------------------------------------------
@@ -576,7 +591,7 @@ def test_cuda_device_index_out_of_range():
 @needs_cuda
 def test_cuda_peak_bandwidth_and_memory():
     dev = torch.device("cuda")
-    assert peaks.measure_matmul_peak(dev, torch.float32, budget_s=0.3).flops > 1e9
+    assert matmul_peak.measure_matmul_peak(dev, torch.float32, budget_s=0.3).flops > 1e9
     assert measure_memory_bandwidth(dev, nbytes=64 * 2**20, budget_s=0.1) > 1e9
     memory.reset_peak_memory(dev)
     x = torch.empty(2**20, device=dev)
@@ -587,7 +602,7 @@ def test_cuda_peak_bandwidth_and_memory():
 def test_mps_peak_and_memory():
     dev = torch.device("mps")
     assert hardware.device_name(dev).startswith("Apple MPS")
-    assert peaks.measure_matmul_peak(dev, torch.float32, budget_s=0.3).flops > 1e9
+    assert matmul_peak.measure_matmul_peak(dev, torch.float32, budget_s=0.3).flops > 1e9
     x = torch.ones(2**20, device=dev)
     assert memory.peak_memory_bytes(dev) >= x.numel() * 4
 

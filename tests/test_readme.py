@@ -26,7 +26,7 @@ BLOCKS = [(m[1], m[2]) for m in re.finditer(r"```(\w*)\n(.*?)```", README, re.S)
 # Which test claims a block: a phrase the block contains.
 CLAIMS = {
     "make lab ": "test_packaging.py::test_readme_gives_two_commands_and_ci_runs_the_test_one",
-    "history = Trainer(cfg).fit": "test_the_python_api_and_launch_blocks_run_as_shown",
+    "history = Trainer(cfg, peaks=MatmulPeaks()).fit": "test_the_python_api_and_launch_blocks_run_as_shown",
     "from titanlite.tools.jobs.launcher import launch": "test_the_python_api_and_launch_blocks_run_as_shown",
     "# FSDP2": "test_the_torchrun_commands_train",
     "--max-restarts 3": "test_the_restart_drill_restarts_and_reports_goodput",
@@ -76,6 +76,7 @@ def test_the_python_api_and_launch_blocks_run_as_shown(data_dir, tmp_path):
     script = tmp_path / "readme.py"
     checks = textwrap.dedent("""
         assert len(history.losses) == 100 and history.losses[-1] < history.losses[0]
+        assert all(0 < r["mfu"] for r in history.train)  # the peak finder was handed in
         assert len(result.losses) == 100 and result.warm is not None
         print("README blocks ran")
     """)

@@ -468,11 +468,11 @@ def test_kept_stagers_serve_every_async_save_and_their_buffers_carry_each_new_st
     """torch's stager keeps its (pinned) copy of the state and refreshes it in place: one per run (two
     when a save comes while the previous one still writes), not a fresh full-size copy per save; each
     checkpoint still holds its own step's values."""
-    from titanlite.resilience import checkpoint
+    from titanlite.resilience import async_saves
 
-    made, make_stager = [], checkpoint.make_stager
+    made, make_stager = [], async_saves.make_stager
     monkeypatch.setattr(
-        checkpoint, "make_stager", lambda *a, **kw: made.append(make_stager(*a, **kw)) or made[-1]
+        async_saves, "make_stager", lambda *a, **kw: made.append(make_stager(*a, **kw)) or made[-1]
     )
     ckpt = Checkpointer(tmp_path / "ck", mode="async", keep_latest_k=0)
     state = {"w": torch.zeros(256)}

@@ -11,6 +11,7 @@ from conftest import tiny_overrides
 from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.optimizer import lr_lambda
+from titanlite.tools.probe.matmul_peak import MatmulPeaks
 from titanlite.train import Trainer
 from titanlite.weights import load_weights, save_weights
 
@@ -29,7 +30,7 @@ def test_loss_falls_and_metrics_are_logged(data_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(peaks, "_WARNED", set())  # an earlier test's warning must not hide ours
     seen = []
     cfg = load_config(None, tiny_overrides(data_dir, tmp_path, **{"training.steps": 40}))
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, peaks=MatmulPeaks())  # the peak finder `titanlite train` hands in
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = trainer.fit(callbacks=[seen.append])

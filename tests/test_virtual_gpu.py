@@ -407,21 +407,21 @@ def test_an_async_save_of_cuda_tensors_lets_the_step_finish_before_staging(tmp_p
     the compute stream is synchronised before every staging, logged step or not."""
     from types import SimpleNamespace
 
-    from titanlite.resilience import checkpoint
+    from titanlite.resilience import async_saves
     from titanlite.resilience.checkpoint import Checkpointer
 
-    order, make_stager = [], checkpoint.make_stager
+    order, make_stager = [], async_saves.make_stager
 
     def recording_stager(options, shared_memory):
         assert options["use_staging_stream"]  # what CUDA tensors get
         # a CPU copy stands in
-        stager = make_stager(checkpoint.staging_options({"cpu"}), shared_memory)
+        stager = make_stager(async_saves.staging_options({"cpu"}), shared_memory)
         stage = stager.stage
         stager.stage = lambda state_dict, **kw: (order.append("stage"), stage(state_dict, **kw))[1]
         return stager
 
-    monkeypatch.setattr(checkpoint, "tensor_device_types", lambda state: {"cuda"})
-    monkeypatch.setattr(checkpoint, "make_stager", recording_stager)
+    monkeypatch.setattr(async_saves, "tensor_device_types", lambda state: {"cuda"})
+    monkeypatch.setattr(async_saves, "make_stager", recording_stager)
     monkeypatch.setattr(
         torch.cuda,
         "current_stream",
@@ -439,8 +439,9 @@ def test_an_async_save_of_cuda_tensors_lets_the_step_finish_before_staging(tmp_p
 TRAIN_SCRIPT = """
 import json, sys
 from titanlite.config import load_config
+from titanlite.tools.probe.matmul_peak import MatmulPeaks
 from titanlite.train import Trainer
-trainer = Trainer(load_config(None, json.loads(sys.argv[1])))
+trainer = Trainer(load_config(None, json.loads(sys.argv[1])), peaks=MatmulPeaks())
 trainer.fit()
 trainer.close(barrier=True)
 """

@@ -140,10 +140,11 @@ def _build(data_dir, tmp_path, **overrides):
     from titanlite.config import load_config
     from titanlite.run_record import built
     from titanlite.tools.probe.datasheet import datasheet_peak
+    from titanlite.tools.probe.matmul_peak import MatmulPeaks
     from titanlite.train import Trainer
 
     o = tiny_overrides(data_dir, tmp_path, **{"metrics.peak": "datasheet", **overrides})
-    trainer = Trainer(load_config(None, o), datasheet=datasheet_peak)
+    trainer = Trainer(load_config(None, o), datasheet=datasheet_peak, peaks=MatmulPeaks())
     return trainer, built(trainer)
 
 

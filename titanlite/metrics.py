@@ -45,10 +45,10 @@ class TrainLog:
     """Where records go: metrics.jsonl (metrics.rank<r>.jsonl off rank 0: step times and memory
     differ per rank; a restarted attempt appends), TensorBoard if asked, the History, the
     callbacks, the progress bar. `lr()`: the learning rate of the step about to run; `precision`:
-    the run's Precision (loss scale)."""
+    the run's Precision (loss scale); `peaks`: the peak finder the trainer was handed, if any."""
 
-    def __init__(self, run, history: History, callbacks, lr, precision):
-        self.run, self.history, self.callbacks = run, history, callbacks
+    def __init__(self, run, history: History, callbacks, lr, precision, peaks=None):
+        self.run, self.history, self.callbacks, self.peaks = run, history, callbacks, peaks
         self.lr_now, self.precision, self.lr = lr, precision, 0.0
         run_dir = check_output_dir(run.run_dir, "run folder (metrics.log_dir / metrics.run_name)")
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -72,7 +72,7 @@ class TrainLog:
             enabled=run.cfg.metrics.progress and run.is_main,
             initial=run.start_step,
         )
-        self.peak = run.peak  # re-measured if a step beats it (peaks.recheck_peak)
+        self.peak = run.peak  # re-measured if a step beats it (matmul_peak.recheck_peak)
         self.start = None  # when the first step began
         self.interval_s, self.interval_steps = 0.0, 0  # since the last train record
 
@@ -137,8 +137,10 @@ class TrainLog:
         step_time = self.interval_s / self.interval_steps
         # per device
         achieved = run.flops_per_token * run.tokens_per_step / step_time / run.world_size
-        if not run.distributed:  # ranks sharing a machine would disturb a re-measurement
-            self.peak = peaks.recheck_peak(
+        # A step beat the peak: it was measured on a busy machine. The peak finder measures it
+        # again (ranks sharing a machine would disturb a re-measurement: only a lone process).
+        if self.peaks and self.peak and achieved > self.peak.flops and not run.distributed:
+            self.peak = self.peaks.beaten(
                 achieved, self.peak, run.device, run.compute_dtype, self.say, run.datasheet
             )
         record = {
@@ -148,7 +150,7 @@ class TrainLog:
             "lr": self.lr,
             "grad_norm": out["grad_norm"],
             "tokens_per_sec": run.tokens_per_step / step_time,
-            "mfu": peaks.mfu(achieved, self.peak),
+            "mfu": peaks.mfu(achieved, self.peak) if self.peak else None,  # no peak finder: none
             # the figure published MFUs (torchtitan, nanoGPT, PaLM) use; None off the table
             "mfu_datasheet": achieved / run.datasheet.flops if run.datasheet else None,
             "peak_memory_bytes": peak_memory_bytes(run.device),
@@ -156,7 +158,7 @@ class TrainLog:
             "step_time_s": step_time,
             "elapsed_s": self.elapsed(),
             "tokens": end.step * run.tokens_per_step,
-            "peak_label": self.peak.label,
+            "peak_label": self.peak.label if self.peak else None,
             "ready_s": out["ready_s"],
         }
         if run.distributed:  # MFU is per device: the job's FLOPs over all peaks

@@ -1,7 +1,7 @@
 """AdamW and its learning-rate schedule: linear warm-up, then cosine (or linear) decay.
 
 optimizer = build_optimizer(model_parts, cfg.optimizer)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.scheduler, cfg.training.steps))
+scheduler = build_schedule(optimizer, cfg.scheduler, cfg.training.steps)
 """
 
 import math
@@ -34,6 +34,11 @@ def build_optimizer(parts: list[torch.nn.Module], o, fused: bool = False) -> tor
         if hasattr(module, "after_optimizer_step"):
             optimizer.register_step_post_hook(lambda *_, m=module: m.after_optimizer_step())
     return optimizer
+
+
+def build_schedule(optimizer, scheduler, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """torch's LambdaLR over `optimizer`: the peak lr times `lr_lambda`'s factor at each step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(scheduler, total))
 
 
 def lr_lambda(scheduler, total: int):

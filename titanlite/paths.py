@@ -28,7 +28,7 @@ def check_output_dir(path: str | Path, what: str) -> Path:
     return path
 
 
-def claim_run_dir(run_dir: Path, info: dict, checkpoint, overwrite: bool) -> str | None:
+def run_dir_refusal(run_dir: Path, info: dict, checkpoint, overwrite: bool) -> str | None:
     """Why a new run may not write into `run_dir`, a folder holding another run (None: it may): this
     job's own earlier attempt (the same info["job"]) or a resume of the same data, optimizer, schedule,
     seq_len and seed from a committed checkpoint may; with `overwrite` the old run is deleted instead."""

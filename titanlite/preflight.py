@@ -34,7 +34,7 @@ class Plan:
 
 def preflight(cfg: Config, world_size: int, vocab_size: int, start_from=None) -> Plan:
     """Check `cfg` for a job of `world_size` processes whose tokenizer has `vocab_size` tokens
-    (`tokenizer_size`); `start_from`: a published model (tools.hf_start.HuggingFaceStart) sets the shape."""
+    (`tokenizer_size`); `start_from`: a published model (tools.formats.hf_start.HuggingFaceStart) sets the shape."""
     cfg.validate()
     p, t = cfg.parallel, cfg.training
     dims = ParallelDims.resolve(
@@ -133,7 +133,7 @@ def moe_args_of(m):
 
 def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
     """Combinations of layout and techniques that cannot work, refused before any model exists."""
-    fsdp = dims.strategy in ("fsdp", "hsdp")
+    fsdp = dims.sharded
     p, t = cfg.parallel, cfg.training
     n_experts = args.moe.n_experts if args.moe else 0
     pieces = 2 * dims.cp if p.cp_layout == "zigzag" else dims.cp  # zigzag: 2 chunks a rank

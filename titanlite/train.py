@@ -10,7 +10,6 @@ validation, samples and logging watch from the side (watchers.py); tools are han
 import json
 import math
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -30,94 +29,107 @@ from .errors import TitanliteError, writing
 from .evaluate import generate, validation_loss
 from .metrics import History
 from .models.llama import count
-from .optimizer import build_optimizer, lr_lambda
-from .paths import claim_run_dir
-from .peaks import peak_for
-from .preflight import model_args_for, preflight, prepare_process, tokenizer_for, tokenizer_size
-from .resilience.resume import open_checkpoint, run_name_for
+from .optimizer import build_optimizer, build_schedule
+from .preflight import preflight, prepare_process, tokenizer_for, tokenizer_size
+from .resilience.resume import claim_run_dir, open_checkpoint, run_name_for
 from .run_record import built, run_record
 from .watchers import Run, StepEnd, build_watchers, notify
 
 
 class Trainer:
-    def __init__(self, cfg: Config | None = None, datasheet=None, start_from=None):
-        """Tools handed in (`titanlite train` hands in both): `datasheet(device, dtype)`, vendor
-        peaks for MFU against the datasheet (tools.datasheet.datasheet_peak); `start_from`, a
-        published model to start from (tools.hf_start.HuggingFaceStart)."""
-        self.cfg = cfg = cfg or Config()
-        self.start_from = start_from
-        # Every check the config can fail, once, before a process group, data or model exists:
-        # the batch (micro-batch, accumulation, global), the rank grid and the model's shape.
-        world = (env.torchrun_env() or env.ONE_PROCESS).world_size
-        plan = preflight(cfg, world, tokenizer_size(cfg, start_from), start_from)
-        self.dims, self.micro_batch = plan.dims, plan.micro_batch
-        self.grad_accum_steps, self.global_batch = plan.grad_accum_steps, plan.global_batch
-        prepare_process(plan, cfg)  # threads, allocator settings, memory: before any allocation
-        # Under torchrun each process joins the job and takes its own device; alone, a world of one.
-        self.dist = env.init_distributed(
-            cfg.training.device, cfg.parallel.backend, cfg.parallel.timeout_s
-        )
-        self.device = self.dist.device
-        # The config's "auto"s, decided by this device's facts (CUDA gets torchtitan's defaults).
-        fsdp = self.dims.strategy in ("fsdp", "hsdp")
-        self.cfg = cfg = resolve_for_device(cfg, self.device, fsdp)
-        p = cfg.parallel
-        self.mesh = self.dims.build_mesh(self.device.type)
-        self.dtype = hardware.resolve_dtype(cfg.training.dtype, self.device)
-        hardware.seed_everything(cfg.training.seed, cfg.training.deterministic)
-        # FSDP/TP/PP ranks each see only their shard's overflow: "auto" never picks fp16 there.
-        sharded = fsdp or self.dims.tp > 1 or self.dims.pp > 1
-        self.precision = Precision(
-            cfg.training.mixed_precision, self.device, scaler_ok=not sharded, param_dtype=self.dtype
-        )
-        # Each data-parallel rank reads its own slice of every global batch.
-        self.data = data_for(
-            cfg.data,
-            cfg.training,
-            tokenizer_for(cfg, start_from),
-            micro_batch=self.micro_batch,
-            rank=self.dims.dp_rank(self.dist.rank),
-            world_size=self.dims.batch_ranks,
-            sequence_part=self.dims.sequence_part(self.dist.rank, p.cp_layout),  # CP: its part
-        )
-        self.tokenizer = self.data.tokenizer
-        # The plan's shape once more, now that the tokenizer exists: the small presets take its
-        # vocabulary exactly (preflight knew only the size asked for, data.vocab_size).
-        self.model_args = model_args_for(cfg, self.data.vocab_size, start_from)
-        self.flops_per_token, self.num_params = count(self.model_args, cfg.training.seq_len)
-        # The techniques modify the model in place (swap Linears, wrap or compile blocks): state-dict
-        # names stay the plain model's; DDP/FSDP come last. One part, or one per pipeline stage (self.pipe).
-        self.model_parts, self.pipe = parallelize(
-            self.model_args,
-            self.dims,
-            self.mesh,
-            self.device,
-            self.dtype,
-            p,
-            Techniques.of(cfg),
-            example_shape=(self.micro_batch, cfg.training.seq_len // self.dims.cp),
-            autocast_dtype=self.precision.dtype,
-        )
-        self.model = self.model_parts[0]
-        self.loss_context = loss_context_for(p, self.dims)  # TP's sharded softmax, or nothing
-        self.optimizer = build_optimizer(
-            self.model_parts, cfg.optimizer, fused=use_fused_adamw(self.device.type)
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.scheduler, cfg.training.steps)
-        )
-        # MFU against the peak of the dtype the matmuls actually run in.
-        fp8 = getattr(unwrap(self.model), "fp8_info", None)
-        self.compute_dtype = matmul_dtype(
-            self.dtype, self.precision.dtype, p.param_dtype if fsdp else None, fp8
-        )
-        self.datasheet_peak = datasheet(self.device, self.compute_dtype) if datasheet else None
-        self.peak = peak_for(
-            self.device, self.compute_dtype, cfg.metrics.peak, self.dist, datasheet
-        )
+    """A run, built in the order its parts need each other (each step one method below):
+
+    1. preflight  - every check the config can fail, before a process group, data or model exists
+    2. process    - this process's threads and allocator, the job joined, its device
+    3. config     - the config's "auto"s decided by this device's facts (`self.cfg`)
+    4. data       - the tokenizer and this rank's slice of every batch
+    5. model      - built and parallelized: parallelize's chain of apply_* (distributed/)
+    6. optimizer  - AdamW, its schedule, and mixed precision's step
+    7. MFU        - the peak the run's matmuls are measured against, from the tools handed in
+
+    Tools handed in (`titanlite train` hands in all three): `peaks`, the peak finder MFU divides
+    by (tools.probe.matmul_peak.MatmulPeaks; none, no MFU); `datasheet(device, dtype)`, vendor
+    peaks (tools.probe.datasheet); `start_from`, a published model (tools.formats.hf_start)."""
+
+    def __init__(self, cfg: Config | None = None, datasheet=None, start_from=None, peaks=None):
+        asked = cfg or Config()  # as given; self.cfg is it with this device's "auto"s decided
+        self.start_from, self.peaks = start_from, peaks
+        self.plan = self._preflight(asked)
+        self._join(asked)
+        self.cfg = resolve_for_device(asked, self.device, self.dims.sharded)
+        self._build_data()
+        self._build_model()
+        self._build_optimizer()
+        self._find_peak(datasheet)
         self.step = 0
         self.checkpointer = None  # fit() opens one when [checkpoint] asks
         self._step_start = time.perf_counter()  # fit() resets it as each step begins
+
+    def _preflight(self, asked: Config):
+        # the batch (micro-batch, accumulation, global), the rank grid, the model's shape
+        world = (env.torchrun_env() or env.ONE_PROCESS).world_size
+        plan = preflight(asked, world, tokenizer_size(asked, self.start_from), self.start_from)
+        self.dims, self.micro_batch = plan.dims, plan.micro_batch
+        self.grad_accum_steps, self.global_batch = plan.grad_accum_steps, plan.global_batch
+        self.model_args = plan.model_args  # worked out once, for the tokenizer's vocabulary
+        return plan
+
+    def _join(self, asked: Config) -> None:
+        prepare_process(self.plan, asked)  # threads, allocator, memory: before any allocation
+        # Under torchrun each process joins the job and takes its own device; alone, a world of one.
+        p = asked.parallel
+        self.dist = env.init_distributed(asked.training.device, p.backend, p.timeout_s)
+        self.device = self.dist.device
+
+    def _build_data(self) -> None:
+        # Each data-parallel rank reads its own slice of every global batch (CP: of every sequence).
+        tokenizer = tokenizer_for(self.cfg, self.start_from)
+        self.data = data_for(self.cfg, tokenizer, self.micro_batch, self.dims, self.dist.rank)
+        self.tokenizer = self.data.tokenizer
+
+    def _build_model(self) -> None:
+        # The techniques modify the model in place (swap Linears, wrap or compile blocks): state-dict
+        # names stay the plain model's; DDP/FSDP come last. One part, or one per pipeline stage.
+        cfg, dims = self.cfg, self.dims
+        self.dtype = hardware.resolve_dtype(cfg.training.dtype, self.device)
+        hardware.seed_everything(cfg.training.seed, cfg.training.deterministic)
+        # FSDP/TP/PP ranks each see only their shard's overflow: "auto" never picks fp16 there.
+        one_copy = not (dims.sharded or dims.tp > 1 or dims.pp > 1)
+        self.precision = Precision(
+            cfg.training.mixed_precision, self.device, scaler_ok=one_copy, param_dtype=self.dtype
+        )
+        self.flops_per_token, self.num_params = count(self.model_args, cfg.training.seq_len)
+        self.mesh = dims.build_mesh(self.device.type)
+        built = parallelize(
+            self.model_args,
+            dims,
+            self.mesh,
+            self.device,
+            self.dtype,
+            cfg.parallel,
+            Techniques.of(cfg),
+            example_shape=(self.micro_batch, cfg.training.seq_len // dims.cp),
+            autocast_dtype=self.precision.dtype,
+        )
+        self.model_parts, self.pipe = built.parts, built.pipeline
+        self.model = self.model_parts[0]
+        self.loss_context = loss_context_for(cfg.parallel, dims)  # TP's sharded softmax, or nothing
+
+    def _build_optimizer(self) -> None:
+        cfg = self.cfg
+        fused = use_fused_adamw(self.device.type)
+        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, fused=fused)
+        self.scheduler = build_schedule(self.optimizer, cfg.scheduler, cfg.training.steps)
+
+    def _find_peak(self, datasheet) -> None:
+        # MFU against the peak of the dtype the matmuls actually run in
+        fp8 = getattr(unwrap(self.model), "fp8_info", None)
+        gathered = self.cfg.parallel.param_dtype if self.dims.sharded else None
+        self.compute_dtype = matmul_dtype(self.dtype, self.precision.dtype, gathered, fp8)
+        self.datasheet_peak = datasheet(self.device, self.compute_dtype) if datasheet else None
+        self.peak = self.peaks and self.peaks.find(
+            self.device, self.compute_dtype, self.cfg.metrics.peak, self.datasheet_peak, self.dist
+        )
 
     def loss_on(self, x: torch.Tensor, y: torch.Tensor, num_tokens=None) -> torch.Tensor:
         """Summed cross-entropy over one batch's real target tokens / `num_tokens` (default: their count)."""
@@ -174,16 +186,7 @@ class Trainer:
                 # A pipeline clips by the norm of all stages' gradients, summed over its ranks.
                 clip=self.pipe.clip_grad_norm_ if self.pipe is not None else None,
             )
-            if self.cfg.float8.fsdp_all_gather:  # FP8 weights are gathered: their scales, once
-                from .efficiency.fp8 import precompute_fp8_scales  # torchao: FP8 runs only
-
-                for part in self.model_parts:
-                    precompute_fp8_scales(part)
-            with warnings.catch_warnings():
-                # A step the fp16 scaler skipped still advances the schedule (torchtitan does the
-                # same); torch would warn that the scheduler stepped before the optimizer.
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-                self.scheduler.step()
+            self.precision.advance(self.scheduler)  # a step the fp16 scaler skipped too
             self.optimizer.zero_grad(set_to_none=True)
         out = {"loss": None, "grad_norm": None, "skipped": skipped}
         out.update(ready_s=ready_s, staging_wait_s=staging_wait_s)
@@ -239,17 +242,13 @@ class Trainer:
 
     def fit(self, callbacks=(), watchers=()) -> History:
         """Until `training.steps`. `callbacks`: functions called with every record (e.g. a LivePlot);
-        `watchers`: more watchers, each made by `make(run)` (e.g. tools.profiling.StepProfiler)."""
+        `watchers`: more watchers, each made by `make(run)` (e.g. tools.measure.profiling.StepProfiler)."""
         cfg = self.cfg
         run_dir = Path(cfg.metrics.log_dir) / env.broadcast_from_rank0(run_name_for(cfg))
         # Everything that can refuse this start has run (config, data and layout in __init__,
         # another run in the folder and the checkpoint here) before anything in the run folder changes.
         record = run_record(self, env.gather_from_ranks(built(self)))
-        mine = self.dist.is_main and claim_run_dir(
-            run_dir, record, cfg.checkpoint, cfg.metrics.overwrite
-        )
-        if refusal := env.broadcast_from_rank0(mine):  # every rank refuses, or none
-            raise TitanliteError(refusal)
+        claim_run_dir(run_dir, record, cfg, self.dist.is_main)  # or every rank refuses
         opened = open_checkpoint(cfg.checkpoint, run_dir, self)
         self.checkpointer, self.step = opened.checkpointer, opened.step
         history = History(run_dir=run_dir, resumed_from=opened.source)
@@ -264,6 +263,7 @@ class Trainer:
             evaluate=self.evaluate,
             checkpointer=self.checkpointer,
             train_state=self.train_state,
+            peaks=self.peaks,
         )
         if self.dist.is_main:
             with writing(run_dir / "run.json", "the run's record"):

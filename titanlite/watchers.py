@@ -36,7 +36,7 @@ class Run:
     tokens_per_step: int  # the global batch's tokens
     flops_per_token: float
     compute_dtype: torch.dtype  # what the matmuls run in: the MFU peak's dtype
-    peak: peaks.Peak  # the MFU denominator at the start
+    peak: peaks.Peak | None  # the MFU denominator at the start; None: no peak finder handed in
     datasheet: peaks.Peak | None  # the vendor's figure, if a tool looked it up
     is_main: bool  # rank 0, the one that prints
     distributed: bool  # more than one rank
@@ -136,7 +136,7 @@ class Checkpoints(Watcher):
                     self.run.cfg.fault, end.step, self.run.rank, phase="save"
                 ),
             )
-            # What training stood still for, for watchers that account for it (tools.goodput).
+            # What training stood still for, for watchers that account for it (tools.measure.goodput).
             end.extra["checkpoint_blocked_s"] = saved.blocked_s
             self.log.emit(
                 {
@@ -184,11 +184,12 @@ def build_watchers(
     evaluate,
     checkpointer=None,
     train_state=None,
+    peaks=None,
 ) -> list[Watcher]:
     """The watchers a run's config asks for, after those `extra` makes from the run (tools handed in
     by the caller, such as the profiler, whose step must end with train_step, before evaluations
     and saves). Call it only once the run is accepted: creating them writes into the run directory."""
-    log = TrainLog(run, history, callbacks, lr, precision)  # first: it creates the run directory
+    log = TrainLog(run, history, callbacks, lr, precision, peaks)  # first: it creates the run dir
     chain: list[Watcher] = [
         *(make(run) for make in extra),
         *([Faults(run)] if run.cfg.fault.kind != "none" else []),

@@ -129,19 +129,12 @@ def build_data(
     )
 
 
-def data_for(
-    data,
-    training,
-    tokenizer: str | None,
-    *,
-    micro_batch: int,
-    rank: int,
-    world_size: int,
-    sequence_part=None,
-):
+def data_for(cfg, tokenizer: str | None, micro_batch: int, dims, rank: int):
     """`build_data` as a run's [data] and [training] sections ask, with the micro-batch preflight
-    resolved and this rank's place among the data-parallel ranks. `sequence_part(t)`: what this
-    rank keeps of each batch's sequences (context parallelism), applied to both splits."""
+    resolved and this rank's place among the data-parallel ranks (`dims`, a ParallelDims): it
+    reads its own slice of every global batch, and under context parallelism keeps only its part
+    of every sequence (`dims.sequence_part`), in both splits."""
+    data, training = cfg.data, cfg.training
     bundle = build_data(
         data.dataset,
         path=data.path,
@@ -153,9 +146,10 @@ def data_for(
         val_fraction=data.val_fraction,
         data_dir=data.data_dir,
         max_chars=data.max_chars,
-        rank=rank,
-        world_size=world_size,
+        rank=dims.dp_rank(rank),
+        world_size=dims.batch_ranks,
     )
+    sequence_part = dims.sequence_part(rank, cfg.parallel.cp_layout)
     bundle.train.part = bundle.val.part = sequence_part
     return bundle
 

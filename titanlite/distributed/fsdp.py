@@ -33,7 +33,8 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
     pp: int = 1,
-    expert_mesh="same",
+    expert_parallel: bool = False,
+    expert_mesh=None,
 ) -> nn.Module:
     """Shard each transformer block, then the root (embeddings, final norm, output), in place.
     param_dtype: FSDP gathers and computes in it (bf16 halves all-gather bytes; the shards and the
@@ -42,20 +43,23 @@ def apply_fsdp(
     gathered weights after forward (least memory, one more all-gather), "never" keeps them for
     backward (ZeRO-2-like), "default" all but the last block's (none under PP: `reshard_flags`).
     cpu_offload: shards, gradients and the optimizer step live in CPU memory; pp: the PP degree.
-    expert_mesh: where an MoE block's experts are sharded ("same": with the block; under expert
-    parallelism ep has split them, and FSDP shards them over the ranks holding the same ones, or
-    None: no rank does, they stay out of FSDP)."""
+    expert_parallel: an MoE block's experts are split by ep already, and FSDP shards them apart from
+    their block, over `expert_mesh` (the ranks holding the same experts; None: no other rank does,
+    so they stay out of FSDP). Without it, experts are sharded with their block like any weight."""
     flags = reshard_flags(reshard_after_forward, len(model.layers), pp)  # checks the choice first
     common = {
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
     }
+    # Under expert parallelism the experts are sharded apart from their block (else with it)
     experts = [
-        b.feed_forward.experts for b in model.layers.values() if hasattr(b.feed_forward, "experts")
+        b.feed_forward.experts
+        for b in model.layers.values()
+        if expert_parallel and hasattr(b.feed_forward, "experts")
     ]
-    # None: no rank holds the same experts, so FSDP leaves them out
+    # No other rank holds the same experts: FSDP leaves them out
     ignored = {p for group in experts for p in group.parameters()} if expert_mesh is None else set()
-    if expert_mesh not in ("same", None):
+    if expert_mesh is not None:
         for group in experts:  # dim 0 is ep's already: FSDP shards dim 1
             fully_shard(group, mesh=expert_mesh, shard_placement_fn=lambda p: Shard(1), **common)
     for block, reshard in zip(list(model.layers.values()), flags):

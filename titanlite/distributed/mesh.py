@@ -82,6 +82,11 @@ class ParallelDims:
             return "ddp" if self.dp_replicate > 1 else "none"
         return "hsdp" if self.dp_replicate > 1 else "fsdp"
 
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP shards the weights (fsdp or hsdp)."""
+        return self.strategy in ("fsdp", "hsdp")
+
     def describe(self) -> str:
         return (
             " × ".join(f"{n}={d}" for n, d in zip(DIM_NAMES, self.shape) if d > 1) or "one process"

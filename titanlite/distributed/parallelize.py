@@ -1,7 +1,8 @@
 """Putting the model on many processes: torchtitan's ordered chain of small `apply_*` steps.
 
-    parts, pipe = parallelize(model_args, dims, mesh, device, dtype, cfg.parallel,
-                              Techniques.of(cfg), example_shape=(micro_batch, seq_len))
+    built = parallelize(model_args, dims, mesh, device, dtype, cfg.parallel, Techniques.of(cfg),
+                        example_shape=(micro_batch, seq_len))
+    built.parts, built.pipeline          # this rank's model parts; the pipeline (None: no PP)
 
 1. build    - pure FSDP: on the meta device, sharded before the weights exist; TP/PP: the whole model.
 2. PP split - first: everything below applies per stage.
@@ -47,6 +48,14 @@ class Techniques:
         return cls(cfg.float8, cfg.activation_checkpoint, cfg.compile)
 
 
+@dataclass
+class Parallelized:
+    """What `parallelize` built on this rank."""
+
+    parts: list[nn.Module]  # the model (one part), or the pipeline stages this rank holds
+    pipeline: object | None  # distributed/pipeline.Pipeline over those stages; None without PP
+
+
 def parallelize(
     args: ModelArgs,
     dims: ParallelDims,
@@ -58,97 +67,116 @@ def parallelize(
     *,
     example_shape: tuple[int, int],
     autocast_dtype: torch.dtype | None = None,
-) -> tuple[list[nn.Module], object]:
-    """This rank's model parts (one, or one per pipeline stage it holds) and the pipeline.
+) -> Parallelized:
+    """This rank's model parts and pipeline, built by the eight steps above in their order.
     `example_shape`: (micro-batch, sequence length), and `autocast_dtype`: the run's mixed
     precision, which the trial compile runs under."""
-    p = parallel
-    fsdp = dims.strategy in ("fsdp", "hsdp")
-    param_dtype = getattr(torch, p.param_dtype)
-    fsdp_kwargs = dict(
-        # None: the weights already are in the dtype FSDP would gather them in
-        param_dtype=param_dtype if param_dtype != dtype else None,
-        reduce_dtype=getattr(torch, p.reduce_dtype),
-        cpu_offload=p.cpu_offload,
-        pp=dims.pp,
-        reshard_after_forward=p.reshard_after_forward,
-    )
-    # HSDP shards within a replica group and all-reduces across groups: a 2-D mesh. CP ranks hold
-    # the same weights: FSDP shards them over dp_shard × cp.
-    dp_mesh = dims.fsdp_mesh(mesh) if fsdp else None
-    if fsdp:
-        from .fsdp import apply_fsdp, shard_and_init  # torch.distributed.fsdp: sharded runs only
-    # Pure FSDP builds the model on the meta device: sharded before its weights exist (below).
+    fsdp = dims.sharded
+    # Pure FSDP builds the model on the meta device: sharded before its weights exist (step 8).
     on_meta = fsdp and dims.tp == dims.pp == dims.ep == 1
-    if on_meta:
-        with torch.device("meta"):
-            model = Transformer(args).to(dtype)
-    else:
-        # Initialised on the CPU: the same seed gives the same weights on every device and layout.
-        model = build_model(args, "cpu").to(device=device, dtype=dtype)
-    stages, parts = [], [model]
-    if dims.pp > 1:
-        from .pipeline import Pipeline, pipeline_split  # torch.distributed.pipelining: pp > 1 only
+    # The dtype FSDP gathers weights in (None: they already are in it, or no FSDP)
+    gathered = getattr(torch, parallel.param_dtype) if fsdp else None
+    gathered = gathered if gathered != dtype else None
 
-        stages, parts = pipeline_split(
-            model,
-            mesh["pp"],
-            schedule=p.pp_schedule,
-            stages_per_rank=p.pp_stages_per_rank,
-            device=device,
-        )
-    for i, part in enumerate(parts):
+    def steps_3_to_8(part: nn.Module) -> nn.Module:  # on the whole model, or on each stage
         if dims.tp > 1:
             from .tensor_parallel import apply_tp  # torch.distributed.tensor.parallel: tp > 1 only
 
             apply_tp(
                 part,
                 mesh["tp"],
-                sequence_parallel=sequence_parallel_enabled(p, dims),
-                loss_parallel=loss_parallel_enabled(p, dims),
+                sequence_parallel=sequence_parallel_enabled(parallel, dims),
+                loss_parallel=loss_parallel_enabled(parallel, dims),
             )
         if dims.ep > 1:
             from .expert_parallel import apply_ep  # ep > 1 only
 
             apply_ep(part, mesh["ep"])
         # On the meta device the FP8 and compile checks' trial runs must not move the RNG before
-        # rank 0 draws the weights.
+        # rank 0 draws the weights. FSDP gathers the weights in its param_dtype: the trial
+        # compile runs them in it, as training will.
         with torch.random.fork_rng(devices=[], enabled=on_meta):
             part = apply_efficiency(
-                part,
-                device,
-                techniques,
-                example_shape,
-                autocast_dtype,
-                # FSDP gathers the weights in its param_dtype: the trial compile runs them in it,
-                # as training will
-                param_dtype=fsdp_kwargs["param_dtype"] if fsdp else None,
+                part, device, techniques, example_shape, autocast_dtype, gathered
             )
         if dims.cp > 1:  # after the trial compile, which runs a block alone
             from .context_parallel import apply_cp  # cp > 1 only
 
-            apply_cp(part, mesh["cp"], p.cp_layout, p.cp_method)
-        if on_meta:  # the weights: drawn once, by rank 0 (on the CPU), then sharded out
-            part = shard_and_init(
-                part, lambda: build_model(args, "cpu").to(dtype), dp_mesh, device, **fsdp_kwargs
-            )
-        elif fsdp:
-            part = apply_fsdp(
-                part,
-                dp_mesh,
-                # ep has split the experts: FSDP shards them over the ranks holding the same ones
-                expert_mesh=dims.fsdp_mesh(mesh, experts=True) if dims.ep > 1 else "same",
-                **fsdp_kwargs,
-            )
-        elif dims.strategy == "ddp":
-            part = apply_ddp(part, mesh["dp_replicate"], bucket_cap_mb=p.bucket_cap_mb)
-        parts[i] = part
-        if stages:
-            stages[i].submod = part  # the stage runs the parallelized module
+            apply_cp(part, mesh["cp"], parallel.cp_layout, parallel.cp_method)
+        return apply_data_parallel(part, args, dims, mesh, parallel, device, dtype, gathered)
+
+    model = build(args, device, dtype, on_meta)
+    stages, parts = apply_pp(model, dims, mesh, parallel, device)
+    parts = [steps_3_to_8(part) for part in parts]
+    if not stages:
+        return Parallelized(parts, None)
+    from .pipeline import Pipeline  # torch.distributed.pipelining: pp > 1 only
+
+    for stage, part in zip(stages, parts):
+        stage.submod = part  # the stage runs the parallelized module
     # The schedule is built over the stages' final (parallelized) modules
-    return parts, (
-        Pipeline(stages, mesh["pp"], p, micro_batch=example_shape[0]) if stages else None
+    return Parallelized(parts, Pipeline(stages, mesh["pp"], parallel, micro_batch=example_shape[0]))
+
+
+def build(args: ModelArgs, device: torch.device, dtype: torch.dtype, on_meta: bool) -> nn.Module:
+    """1. The whole model: on the meta device (no memory; FSDP's rank 0 draws the weights later),
+    or initialised on the CPU (the same seed gives the same weights on every device and layout)."""
+    if on_meta:
+        with torch.device("meta"):
+            return Transformer(args).to(dtype)
+    return build_model(args, "cpu").to(device=device, dtype=dtype)
+
+
+def apply_pp(model: nn.Module, dims: ParallelDims, mesh, parallel: ParallelSection, device):
+    """2. (stages, parts): this rank's pipeline stages and their modules; without PP, no stage and
+    the one model."""
+    if dims.pp == 1:
+        return [], [model]
+    from .pipeline import pipeline_split  # torch.distributed.pipelining: pp > 1 only
+
+    return pipeline_split(
+        model,
+        mesh["pp"],
+        schedule=parallel.pp_schedule,
+        stages_per_rank=parallel.pp_stages_per_rank,
+        device=device,
     )
+
+
+def apply_data_parallel(
+    part: nn.Module,
+    args: ModelArgs,
+    dims: ParallelDims,
+    mesh,
+    parallel: ParallelSection,
+    device: torch.device,
+    dtype: torch.dtype,
+    gathered: torch.dtype | None,
+) -> nn.Module:
+    """8. FSDP (sharded over dp_shard × ep × cp; HSDP: and replicated across dp_replicate), or
+    DDP, or nothing: last, so they wrap or shard whatever the part finally is."""
+    if dims.strategy == "ddp":
+        return apply_ddp(part, mesh["dp_replicate"], bucket_cap_mb=parallel.bucket_cap_mb)
+    if dims.strategy not in ("fsdp", "hsdp"):
+        return part
+    from .fsdp import apply_fsdp, shard_and_init  # torch.distributed.fsdp: sharded runs only
+
+    fsdp_kwargs = dict(
+        param_dtype=gathered,
+        reduce_dtype=getattr(torch, parallel.reduce_dtype),
+        cpu_offload=parallel.cpu_offload,
+        pp=dims.pp,
+        reshard_after_forward=parallel.reshard_after_forward,
+    )
+    # CP ranks hold the same weights: FSDP shards them over dp_shard × cp.
+    dp_mesh = dims.fsdp_mesh(mesh)
+    if dims.tp == dims.pp == dims.ep == 1:  # on the meta device: rank 0 draws, then shards out
+        return shard_and_init(
+            part, lambda: build_model(args, "cpu").to(dtype), dp_mesh, device, **fsdp_kwargs
+        )
+    if dims.ep > 1:  # ep has split the experts: FSDP shards them over the ranks holding the same
+        fsdp_kwargs.update(expert_parallel=True, expert_mesh=dims.fsdp_mesh(mesh, experts=True))
+    return apply_fsdp(part, dp_mesh, **fsdp_kwargs)
 
 
 def sequence_parallel_enabled(parallel: ParallelSection, dims: ParallelDims) -> bool:
@@ -178,7 +206,7 @@ def apply_efficiency(
     autocast_dtype: torch.dtype | None = None,
     param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """FP8, then AC, then compile (the order: above). The trial compile runs a real block on a
+    """4-6. FP8, then AC, then compile (the order: above). The trial compile runs a real block on a
     batch of `example_shape` under `autocast_dtype` with its weights in `param_dtype` (FSDP's,
     where it gathers them in another dtype), so a failure falls back here, not at step 1."""
     f, ac, c = techniques.float8, techniques.activation_checkpoint, techniques.compile

@@ -8,6 +8,7 @@ tensor, e4m3 forward, e5m2 gradients, the fastest (cuBLAS) kernel; rowwise: e4m3
 row (an outlier row no longer squeezes the others): more accurate, CUTLASS. Below SM 8.9 torchao emulates FP8."""
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -97,6 +98,8 @@ def apply_fp8(
         "converted": [n for n, m in model.named_modules() if is_float8_linear(m)],
         "skipped": skipped,
     }
+    if fsdp_all_gather:  # build_optimizer calls it after every step: the new weights' scales
+        model.after_optimizer_step = functools.partial(precompute_fp8_scales, model)
     return model
 
 

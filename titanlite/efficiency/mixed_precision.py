@@ -104,6 +104,14 @@ class Precision:
         # the norm (and an fp16 skip) stay on the device: read them when logging (that waits)
         return norm.detach(), skipped
 
+    def advance(self, scheduler) -> None:
+        """`scheduler.step()`. A step the fp16 scaler skipped still advances the schedule
+        (torchtitan does the same); torch then warns, once, that the schedule moved before the
+        optimizer did, which here is no mistake."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            scheduler.step()
+
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_ (max_norm inf: the norm only), over parameters that may be sharded

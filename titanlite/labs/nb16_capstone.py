@@ -248,6 +248,7 @@ def train_here(cfg, overrides: dict, callbacks=()):
     import torch
 
     from ..tools.jobs.launcher import LaunchResult
+    from ..tools.probe.matmul_peak import MatmulPeaks
     from ..train import Trainer
 
     cfg = _row_config(cfg, overrides)
@@ -255,7 +256,7 @@ def train_here(cfg, overrides: dict, callbacks=()):
     gc.collect()  # the row before's tensors go now, not inside this row's memory peak
     start = time.perf_counter()
     with as_a_fresh_process():
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, peaks=MatmulPeaks())  # MFU against the measured peak, as the CLI
         try:
             history = trainer.fit(callbacks=list(callbacks))
         finally:
@@ -278,6 +279,7 @@ def train_rows(cfg, rows: list[tuple[str, dict]]) -> list[dict]:
     import time
 
     from ..tools.jobs.run_function import report
+    from ..tools.probe.matmul_peak import MatmulPeaks
     from ..train import Trainer
 
     out = []
@@ -286,7 +288,7 @@ def train_rows(cfg, rows: list[tuple[str, dict]]) -> list[dict]:
         start = time.perf_counter()
         try:  # no trainer.close(): it would leave the job's process group, which the next row uses
             with as_a_fresh_process():
-                history = Trainer(row_cfg).fit(
+                history = Trainer(row_cfg, peaks=MatmulPeaks()).fit(
                     callbacks=[lambda r, name=name: report({**r, "row": name})]
                 )
         except (

@@ -33,14 +33,23 @@ from .._compat.torch_internals import dcp_storage_info
 from ..errors import TitanliteError
 
 COMMIT_FILE = "titanlite.json"
+STEP_DIR, PARTIAL = "step-{:08d}", ".partial"  # the folder names above: committed, being written
 
 
-def step_dir(folder: Path, step: int) -> Path:
-    return Path(folder) / f"step-{step:08d}"
+def step_dir(folder: Path, step: int, partial: bool = False) -> Path:
+    return Path(folder) / (STEP_DIR.format(step) + (PARTIAL if partial else ""))
 
 
-def committed(folder: str | Path) -> list[Path]:
-    """Committed checkpoints in `folder` (none if it does not exist), oldest first."""
+def step_of(path: Path) -> int:
+    """The step a `step_dir` folder holds, committed or partial: 42 for step-00000042(.partial)."""
+    return int(path.name.removesuffix(PARTIAL).removeprefix("step-"))
+
+
+def committed(folder: str | Path, partial: bool = False) -> list[Path]:
+    """Committed checkpoints in `folder` (none if it does not exist), oldest first; `partial`:
+    the saves begun there and never committed instead (a crash, or one still being written)."""
+    if partial:
+        return sorted(Path(folder).glob("step-????????" + PARTIAL))
     return sorted(p for p in Path(folder).glob("step-????????") if (p / COMMIT_FILE).is_file())
 
 

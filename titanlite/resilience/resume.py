@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._ui import say
+from ..distributed import env
 from ..errors import TitanliteError
+from ..paths import run_dir_refusal
 
 
 def run_name_for(cfg) -> str:
@@ -21,6 +23,16 @@ def run_name_for(cfg) -> str:
             "directory: set --metrics.run_name NAME (or --checkpoint.folder DIR)"
         )
     return f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def claim_run_dir(run_dir: Path, record: dict, cfg, is_main: bool) -> None:
+    """Rank 0 claims `run_dir` for this run (paths.run_dir_refusal: why it may not, if it may
+    not); every rank refuses, or none. Collective: every rank calls it."""
+    refusal = (
+        run_dir_refusal(run_dir, record, cfg.checkpoint, cfg.metrics.overwrite) if is_main else None
+    )
+    if refusal := env.broadcast_from_rank0(refusal):
+        raise TitanliteError(refusal)
 
 
 @dataclass
@@ -37,7 +49,7 @@ class Opened:
 def open_checkpoint(checkpoint, run_dir: Path, trainer) -> Opened:
     """Where `trainer` starts, as [checkpoint] says: the newest committed checkpoint loaded, else
     `checkpoint.load` (into `trainer.train_state()`, a TrainState), else - a fresh start - the
-    published model `trainer.start_from`'s weights into its model parts (tools.hf_start). One it
+    published model `trainer.start_from`'s weights into its model parts (tools.formats.hf_start). One it
     cannot take is refused before `run_dir` changes. Collective: every rank calls it."""
     is_main = trainer.dist.is_main
     opened, ckpt = Opened(), None

@@ -46,15 +46,21 @@ def _train(args, overrides: list[str]) -> None:
     from ..measure.profiling import StepProfiler
     from ..measure.stragglers import Stragglers
     from ..probe.datasheet import datasheet_peak
+    from ..probe.matmul_peak import MatmulPeaks
 
     cfg = load_config(args.config, overrides)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one copy of each note
         for line in without_effect(cfg):
             print(f"titanlite: note: {line}")
     fetch_for(cfg)  # a remote corpus (tinyshakespeare, hf:...) is fetched once, before training
-    # The tools a run gets from the command line: vendor peaks for MFU against the datasheet, and
-    # the published model --checkpoint.initial_load_path names.
-    trainer = Trainer(cfg, datasheet=datasheet_peak, start_from=HuggingFaceStart.from_config(cfg))
+    # The tools a run gets from the command line: the measured matmul peak MFU divides by, vendor
+    # peaks for MFU against the datasheet, and the published model --checkpoint.initial_load_path names.
+    trainer = Trainer(
+        cfg,
+        datasheet=datasheet_peak,
+        start_from=HuggingFaceStart.from_config(cfg),
+        peaks=MatmulPeaks(),
+    )
     try:
         say = print if trainer.dist.is_main else (lambda *a, **k: None)
         world = trainer.dist.world_size
@@ -125,8 +131,8 @@ def _train(args, overrides: list[str]) -> None:
 def _peaks(args, _overrides) -> None:
     import torch
 
-    from ... import hardware, peaks
-    from ..probe import datasheet
+    from ... import hardware
+    from ..probe import datasheet, matmul_peak
 
     device = hardware.detect_device(args.device)
     print(f"device: {hardware.device_name(device)}")
@@ -136,7 +142,7 @@ def _peaks(args, _overrides) -> None:
         except TitanliteError as e:
             print(f"  {name:9s} unsupported here: {e}")
             continue
-        peak = peaks.matmul_peak(device, dtype, refresh=args.refresh)
+        peak = matmul_peak.matmul_peak(device, dtype, refresh=args.refresh)
         sheet = datasheet.datasheet_peak(device, dtype)
         extra = f"   ({sheet.label})" if sheet else ""
         print(f"  {name:9s} {peak.flops / 1e12:10.4f} TFLOP/s  {peak.label}{extra}")

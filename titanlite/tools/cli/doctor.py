@@ -112,8 +112,8 @@ def _device(device, facts, smoke, out) -> list[Check]:
 
 
 def _matmul_peaks(device, facts, smoke, out) -> list[Check]:
-    from ... import hardware, peaks
-    from ..probe import datasheet
+    from ... import hardware
+    from ..probe import datasheet, matmul_peak
 
     checks, dtypes = [], {}
     for name in MATMUL_DTYPES:
@@ -124,10 +124,12 @@ def _matmul_peaks(device, facts, smoke, out) -> list[Check]:
     # Interleaved rounds, so a busy moment hits every dtype alike; the best of each is offered to
     # the cache the trainer and notebook 00 read (kept only if it beats the cached one by more than
     # its spread), so the doctor, a run's MFU and notebook 00 quote one peak per device and dtype.
-    measured = peaks.measure_peaks(device, list(dtypes.values()), budget_s=0.6 if smoke else 3.0)
+    measured = matmul_peak.measure_peaks(
+        device, list(dtypes.values()), budget_s=0.6 if smoke else 3.0
+    )
     for name, dtype in dtypes.items():
         now, spread = measured[dtype]
-        in_force = peaks.record_peak(device, dtype, now, spread)
+        in_force = matmul_peak.record_peak(device, dtype, now, spread)
         sheet = datasheet.datasheet_peak(device, dtype)
         vs = (
             f"; datasheet {_flops(sheet.flops)}, measured is {in_force.flops / sheet.flops:.0%} of it"

@@ -34,6 +34,7 @@ READING_ORDER = [
             "config_fields.py",
             "preflight.py",
             "models/llama.py",
+            "models/layers.py",
             "models/rope.py",
             "data/corpus.py",
             "data/tokenizer.py",
@@ -75,6 +76,7 @@ READING_ORDER = [
         "distributed checkpoints, balanced I/O, resume, the final weights",
         [
             "resilience/checkpoint.py",
+            "resilience/async_saves.py",
             "resilience/checkpoint_files.py",
             "resilience/staging.py",
             "resilience/balanced_io.py",

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import TitanliteError
-from ...paths import check_output_dir, claim_run_dir
+from ...paths import check_output_dir, run_dir_refusal
 
 JOB_ENV = "TITANLITE_JOB_ID"  # set in every process of a job: how we find them to clean up
 STOP_GRACE_S = 5.0  # how long stopped processes get to exit before they are killed
@@ -101,7 +101,7 @@ def launch(
     cfg.metrics.run_name, cfg.metrics.progress = name, False  # the live plot is the progress
     run_dir = check_output_dir(Path(cfg.metrics.log_dir) / name, "run folder (metrics.log_dir)")
     # Another run in that folder: refused (or deleted, with metrics.overwrite) before this job writes there.
-    if refusal := claim_run_dir(
+    if refusal := run_dir_refusal(
         run_dir, {"config": dataclasses.asdict(cfg)}, cfg.checkpoint, cfg.metrics.overwrite
     ):
         raise TitanliteError(refusal)

@@ -114,10 +114,10 @@ def planned_bytes_per_rank(sd: dict, world_size: int, planner_class) -> list[int
 def staging_reuse(state: dict, folder: str | Path, saves: int = 3) -> list[int]:
     """Async saves of `state` (weights changed between them): how many staging storages each save
     allocated that no earlier save had (the first allocates them all; a reused stager, none after)."""
-    from ...resilience import checkpoint
+    from ...resilience import async_saves
     from ...resilience.checkpoint import Checkpointer
 
-    seen, new, held, make = set(), [], [], checkpoint.make_stager
+    seen, new, held, make = set(), [], [], async_saves.make_stager
 
     def recording(options, shared_memory):
         stager = make(options, shared_memory)
@@ -135,7 +135,7 @@ def staging_reuse(state: dict, folder: str | Path, saves: int = 3) -> list[int]:
         stager.stage = stage_and_note
         return stager
 
-    checkpoint.make_stager = recording
+    async_saves.make_stager = recording
     try:
         ckpt = Checkpointer(folder, mode="async", keep_latest_k=1)
         for step in range(1, saves + 1):
@@ -145,7 +145,7 @@ def staging_reuse(state: dict, folder: str | Path, saves: int = 3) -> list[int]:
             ckpt.wait()
         ckpt.close()
     finally:
-        checkpoint.make_stager = make
+        async_saves.make_stager = make
     return new
 
 

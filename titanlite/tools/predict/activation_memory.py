@@ -110,7 +110,7 @@ def activation_memory_estimate(
     matmul); the embedding saves only the token ids (the input). The logits themselves, and the
     loss's log-probabilities (4·n·vocab bytes in fp32), are the caller's and not counted.
 
-    The attention terms depend on the SDPA kernel (`tools.sdpa_kernels.sdpa_kernel_for` says which
+    The attention terms depend on the SDPA kernel (`labs.nb04_sdpa_kernels.sdpa_kernel_for` says which
     one runs): "flash" as above, and "cudnn" (its softmax statistics are the same fp32 log-sum-exp); "efficient" (CUDA's cutlass kernel) pads its log-sum-exp to a
     multiple of 32 queries; "math" keeps the b·batch·A·T² softmax probabilities instead of a
     log-sum-exp (the T×T term is back) and its k, v repeated to all A heads. expand_kv: k and v

@@ -15,8 +15,9 @@ import re
 
 import torch
 
-from ... import hardware, peaks
+from ... import hardware
 from ...peaks import Peak
+from . import matmul_peak
 
 # Dense TFLOP/s per format. Regexes are tried in order on torch.cuda.get_device_name(), so the
 # more specific name comes first (H100 NVL before H100, L40S before L40, A10G before A10), and
@@ -151,7 +152,7 @@ def datasheet_peak(device, dtype) -> Peak | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    return lookup_datasheet(hardware.device_name(device), dtype, tf32=peaks._tf32_enabled())
+    return lookup_datasheet(hardware.device_name(device), dtype, tf32=matmul_peak._tf32_enabled())
 
 
 def datasheet_mfu(achieved_flops_per_s: float, device, dtype) -> float | None:
@@ -170,11 +171,11 @@ def fp8_dtypes_for(gpu_name: str) -> tuple[torch.dtype, torch.dtype]:
 
 
 def measure_matmul_peak(device, dtype, budget_s: float = 2.0) -> Peak:
-    """`peaks.measure_matmul_peak`, FP8 (e4m3) included: timed through torch._scaled_mm, the kernel
+    """`matmul_peak.measure_matmul_peak`, FP8 (e4m3) included: timed through torch._scaled_mm, the kernel
     FP8 Linear layers use (row-major A, column-major B, fp32 scales, bf16 out). The core does not
     measure FP8: MFU of a real FP8 run divides by the bf16 peak (device_policy.matmul_dtype)."""
     if dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-        return peaks.measure_matmul_peak(device, dtype, budget_s)
+        return matmul_peak.measure_matmul_peak(device, dtype, budget_s)
     device = torch.device(device)  # MI300-class GPUs compute in the fnuz variant
     fp8 = fp8_dtypes_for(hardware.device_name(device))[0] if device.type == "cuda" else dtype
 
@@ -184,4 +185,4 @@ def measure_matmul_peak(device, dtype, budget_s: float = 2.0) -> Peak:
         one = torch.ones((), device=device)
         return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
-    return peaks.measure_matmul_peak(device, dtype, budget_s, matmul=scaled_mm)
+    return matmul_peak.measure_matmul_peak(device, dtype, budget_s, matmul=scaled_mm)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import TitanliteError, closest
-from ...peaks import Peak, mfu, time_fn
+from ...peaks import Peak, mfu
+from .matmul_peak import time_fn
 
 
 @dataclass(frozen=True)
