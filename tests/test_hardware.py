@@ -355,6 +355,8 @@ def test_a_run_beating_its_peak_re_measures_it_once(counted_measure, monkeypatch
         # torch.cuda.get_device_name() strings of the newer rows
         ("NVIDIA B200", torch.bfloat16, False, 2250, "B200"),
         ("NVIDIA B200", torch.float8_e4m3fn, False, 4500, "B200"),
+        ("NVIDIA B200", torch.float32, False, 75, "B200"),  # HGX B200: 600 TFLOPS / 8 GPUs
+        ("NVIDIA B200", torch.float32, True, 1125, "B200"),  # 18 PFLOPS sparse / 8 / 2
         ("NVIDIA H800", torch.bfloat16, False, 989.5, "H800 SXM"),
         ("NVIDIA H800 PCIe", torch.bfloat16, False, 756, "H800 PCIe"),
         ("NVIDIA H20", torch.bfloat16, False, 148, "H20"),
