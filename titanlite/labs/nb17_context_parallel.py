@@ -136,8 +136,9 @@ def attention_seconds_per_rank(
     """CPU seconds of each rank's attention blocks (forward and backward, the CPU flash kernel),
     measured here one rank after another: the work alone, without the waiting that running the
     ranks at once on shared cores would mix in. On one thread, timed by that thread's CPU clock:
-    on a busy machine the wall clock also counts the slices the OS gave other processes (it
-    varied 3× between rounds of the same rank at a load of 9 on 2 cores; the CPU clock, 10%).
+    on a busy machine the wall clock also counts the slices the OS gave other processes (at a
+    load of 9 on 2 cores a rank's median round took up to 3.4× its fastest by the wall clock,
+    1.1× by the CPU clock).
     A warm-up round first; then `repeats` rounds, each timing every rank in turn. Returns
     rounds[i][rank]."""
     q, k, v, dout = random_qkv(batch, heads, heads, seq_len // cp, head_dim, seed)
