@@ -214,6 +214,26 @@ class FaultSection:
 
 
 @dataclass
+class FaultToleranceSection:
+    # torchft (notebook 22): this job is one replica group of several that average each step's
+    # gradients and go on without a group that died; its lighthouse is at $TORCHFT_LIGHTHOUSE
+    enable: bool = False
+    replica_id: int = ranged(0, "[0, inf)")  # which replica group this job is: 0..group_size-1
+    group_size: int = ranged(1, "[1, 1024]")  # replica groups in all; each reads its own data slice
+    min_replica_size: int = ranged(
+        1, "[1, 1024]"
+    )  # a step commits only with this many groups in it
+    # none: the groups meet every step; diloco or local_sgd: every sync_steps (semi-synchronous)
+    semi_sync_method: str = one_of("none", "diloco", "local_sgd")
+    sync_steps: int = ranged(5, "[1, inf)")  # H: inner steps between two meetings
+    # the process group across the groups; auto: nccl on CUDA, gloo otherwise
+    process_group: str = one_of("auto", "gloo", "nccl")
+    process_group_timeout_ms: int = ranged(
+        10_000, "[1, inf)"
+    )  # a peer silent this long fails the step
+
+
+@dataclass
 class CheckpointSection:
     enable: bool = False
     folder: str | None = None  # None: <run dir>/checkpoints
@@ -267,6 +287,7 @@ class Config:
     eval: EvalSection = field(default_factory=EvalSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     fault: FaultSection = field(default_factory=FaultSection)
+    fault_tolerance: FaultToleranceSection = field(default_factory=FaultToleranceSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
 

@@ -61,9 +61,12 @@ class Trainer:
         self._build_model()
         self._build_optimizer()
         self._find_peak(datasheet)
-        self.step = 0
-        self.checkpointer = None  # fit() opens one when [checkpoint] asks
+        self.step, self.checkpointer, self.replicas = 0, None, None  # fit() opens a checkpointer
         self._step_start = time.perf_counter()  # fit() resets it as each step begins
+        if self.cfg.fault_tolerance.enable:  # one replica group of several (torchft, notebook 22)
+            from .resilience.fault_tolerance import apply_ft
+
+            self.replicas = apply_ft(self)
 
     def _preflight(self, asked: Config):
         # the batch (micro-batch, accumulation, global), the rank grid, the model's shape
@@ -134,8 +137,7 @@ class Trainer:
     def loss_on(self, x: torch.Tensor, y: torch.Tensor, num_tokens=None) -> torch.Tensor:
         """Summed cross-entropy over one batch's real target tokens / `num_tokens` (default: their count)."""
         with self.precision.autocast():
-            loss = loss_sum(self.model(x), y)
-            # TP: a replicated DTensor
+            loss = loss_sum(self.model(x), y)  # under TP, a replicated DTensor
             loss = loss.to_local() if hasattr(loss, "to_local") else loss
             return loss / (num_tokens if num_tokens is not None else max(1, count_targets(y)))
 
@@ -169,13 +171,14 @@ class Trainer:
         """One optimizer step over `grad_accum_steps` micro-batches, each micro-batch's summed
         token loss divided by the whole global batch's token count (accumulation.py).
         `read=False` leaves loss and grad_norm unread (None): reading waits for the device."""
-        # How long this rank took to get here, its first collective of the step: a straggler
-        # shows up here (afterwards everyone waits for everyone).
+        # Until this rank's first collective of the step: where a straggler shows (then all wait).
         ready_s = time.perf_counter() - self._step_start
         num_tokens = global_tokens_per_rank(
             micro_batches, self.dims, self.device, self.dist.distributed
         )
         total = self.forward_backward(micro_batches, num_tokens)
+        if self.replicas:  # fault tolerance: averaged over the replica groups in this step's quorum
+            self.replicas.average_gradients(self.model_parts)
         # An async save's copy of the weights must be done before the weights change.
         staging_wait_s = self.checkpointer.wait_for_staging() if self.checkpointer else 0.0
         with record_function("optimizer"):  # clip, step, schedule, zero_grad
@@ -207,9 +210,8 @@ class Trainer:
 
     def next_micro_batches(self) -> MicroBatches:
         """The next step's micro-batches on the device (data/transfer.py: how each is copied)."""
-        return micro_batches_to(
-            [self.data.train.next_batch() for _ in range(self.grad_accum_steps)], self.device
-        )
+        batches = [self.data.train.next_batch() for _ in range(self.grad_accum_steps)]
+        return micro_batches_to(batches, self.device)
 
     def evaluate(self) -> float:
         """Mean validation loss per target token over every data-parallel rank's batches."""
@@ -256,7 +258,7 @@ class Trainer:
             Run.of(self, run_dir, restore_s=opened.seconds),
             history,
             callbacks=callbacks,
-            extra=watchers,
+            extra=[*watchers, *([self.replicas.watcher] if self.replicas else [])],
             lr=lambda: self.scheduler.get_last_lr()[0],
             precision=self.precision,
             sample=self.sample,
@@ -272,11 +274,9 @@ class Trainer:
             notify(chain, "on_train_start")
             while self.step < cfg.training.steps:
                 self._step_start = time.perf_counter()
-                notify(chain, "on_step_start", self.step + 1)
-                # the last step is always logged
-                logged = (self.step + 1) % cfg.metrics.log_every == 0 or (
-                    self.step + 1 == cfg.training.steps
-                )
+                notify(chain, "on_step_start", self.step + 1)  # [fault_tolerance]: may heal
+                step = self.step + 1  # after a heal, the peer's; the last step is always logged
+                logged = step % cfg.metrics.log_every == 0 or step == cfg.training.steps
                 out = self.train_step(self.next_micro_batches(), read=logged)
                 self.step += 1
                 seconds = time.perf_counter() - self._step_start

@@ -147,7 +147,7 @@ def data_for(cfg, tokenizer: str | None, micro_batch: int, dims, rank: int):
         data_dir=data.data_dir,
         max_chars=data.max_chars,
         rank=dims.dp_rank(rank),
-        world_size=dims.batch_ranks,
+        world_size=dims.data_slices,
     )
     sequence_part = dims.sequence_part(rank, cfg.parallel.cp_layout)
     bundle.train.part = bundle.val.part = sequence_part

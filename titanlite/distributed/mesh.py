@@ -26,6 +26,10 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    # Fault tolerance (resilience/fault_tolerance.py): this job is replica group `replica_group` of
+    # `replica_groups`, a data-parallel axis outside the mesh that torchft joins step by step.
+    replica_groups: int = 1
+    replica_group: int = 0
 
     @classmethod
     def resolve(
@@ -99,11 +103,17 @@ class ParallelDims:
     def coordinates(self, rank: int) -> dict[str, int]:
         return dict(zip(DIM_NAMES, (self.layout() == rank).nonzero()[0].tolist()))
 
+    @property
+    def data_slices(self) -> int:
+        """How many slices each step's data is cut into: `batch_ranks` in every replica group."""
+        return self.batch_ranks * self.replica_groups
+
     def dp_rank(self, rank: int) -> int:
-        """Which of the `batch_ranks` slices of each global batch this rank reads (ranks differing
+        """Which of the `data_slices` slices of each step's data this rank reads (ranks differing
         only in cp, tp or pp share one: cp ranks then each keep their part of its sequences)."""
         c = self.coordinates(rank)
-        return (c["dp_replicate"] * self.dp_shard + c["dp_shard"]) * self.ep + c["ep"]
+        in_group = (c["dp_replicate"] * self.dp_shard + c["dp_shard"]) * self.ep + c["ep"]
+        return self.replica_group * self.batch_ranks + in_group
 
     def sequence_part(self, rank: int, layout: str):
         """What a rank keeps of each sequence it reads: under context parallelism its chunks

@@ -120,7 +120,7 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     by_mesh = {}
     for p in params:
         by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
-    if len(by_mesh) == 1:
+    if len(by_mesh) <= 1:  # none: a step fault tolerance did not commit dropped every gradient
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     parts = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
     # the parts' own 2-norm, as torch's get_total_norm combines per-tensor norms

@@ -13,6 +13,14 @@ from ..paths import run_dir_refusal
 
 
 def run_name_for(cfg) -> str:
+    """The run folder's name: metrics.run_name, else the preset and the time; with fault
+    tolerance, each replica group's own ("<name>-replica<id>"), as the groups share their settings."""
+    if (ft := cfg.fault_tolerance).enable:
+        return f"{_name(cfg)}-replica{ft.replica_id}"
+    return _name(cfg)
+
+
+def _name(cfg) -> str:
     if cfg.metrics.run_name:
         return cfg.metrics.run_name
     ck, restarts = cfg.checkpoint, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")

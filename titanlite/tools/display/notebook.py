@@ -28,8 +28,14 @@ import warnings
 from ...errors import TitanliteError
 
 # Logger name -> the level it gets: only messages at this level or above still show.
-NOISY_LOGGERS = {"torchao": logging.ERROR, "torch.utils._pytree": logging.ERROR}
-ENVIRONMENT = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+NOISY_LOGGERS = {
+    "torchao": logging.ERROR,
+    "torch.utils._pytree": logging.ERROR,
+    # torchft's notes on every quorum (NCCL's flight recorder, absent on a CPU); its errors stay
+    "torchft": logging.ERROR,
+}
+# torchft's Rust side (lighthouse, managers) logs each quorum tick at INFO, read at its import
+ENVIRONMENT = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "RUST_LOG": "warn"}
 
 
 def quiet_third_party() -> None:
