@@ -5,6 +5,9 @@ import pytest
 
 # Keep tests away from the user's caches and make them quiet and repeatable.
 os.environ.setdefault("MPLBACKEND", "Agg")
+# torchft's Rust side logs every quorum at INFO to stderr, as set when it is first imported; the CLI
+# and notebooks quiet it (quiet_third_party), and a test may import it before either does.
+os.environ.setdefault("RUST_LOG", "warn")
 
 
 @pytest.fixture(scope="session")

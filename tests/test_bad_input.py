@@ -147,6 +147,19 @@ CONFIG_VALUES = [
     ("moe-every-beyond", ["--model.n_experts", "4", "--model.moe_every", "9"], "moe_every"),
     ("seq-len-beyond-model", ["--training.seq_len", "4096"], "maximum"),
     ("heads-not-dividing", ["--model.n_heads", "5"], ""),
+    # Fault tolerance (torchft): what a replica group cannot be, refused before the lighthouse.
+    (
+        "ft-replica-id-outside",
+        ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
+        + ["--fault_tolerance.replica_id", "2"],
+        "fault_tolerance.replica_id=2 is outside the 2 replica group(s)",
+    ),
+    ("ft-diloco-h-zero", ["--fault_tolerance.sync_steps", "0"], "fault_tolerance.sync_steps"),
+    (
+        "ft-layout-moe-aux-free",  # a router bias each group would move by its own tokens
+        ["--fault_tolerance.enable", "--model.n_experts", "4"],
+        "cannot replicate a mixture of experts balanced aux_free",
+    ),
 ]
 
 
@@ -489,6 +502,30 @@ def test_python_api_refuses_in_one_line(case, world, data_dir, capfd):
     assert "\n" not in str(e.value)
     assert not [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
     assert snapshot(world) == before
+
+
+@pytest.mark.parametrize("lighthouse", ["unset", "unreachable"])
+def test_fault_tolerance_without_a_reachable_lighthouse(
+    lighthouse, world, data_dir, capfd, monkeypatch
+):
+    """torchft's lighthouse (TORCHFT_LIGHTHOUSE) not set, or nothing answering there: one line
+    naming the address after a bounded wait (TORCHFT_CONNECT_TIMEOUT_SEC), exit 2, nothing written."""
+    pytest.importorskip("torchft")
+    import socket
+
+    with socket.socket() as s:  # a port that was free: closed again, nothing listens there
+        s.bind(("127.0.0.1", 0))
+        address = f"http://127.0.0.1:{s.getsockname()[1]}"
+    if lighthouse == "unset":
+        monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    else:
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", address)
+    monkeypatch.setenv("TORCHFT_CONNECT_TIMEOUT_SEC", "1")
+    base = _base(world, data_dir, **{"fault_tolerance.enable": "true"})
+    before = snapshot(world)
+    code, err = run_cli(["train", *base], capfd)
+    check(code, err, "TORCHFT_LIGHTHOUSE is not set" if lighthouse == "unset" else address)
+    assert code == 2 and snapshot(world) == before
 
 
 # ----- the notebook launcher: pre-flight checks refuse before any process starts --------------

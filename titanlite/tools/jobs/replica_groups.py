@@ -104,6 +104,7 @@ class _Group:
     failed: list = dataclasses.field(default_factory=list)
     done: bool = False
     error: TitanliteError | None = None
+    restart_at: float | None = None  # forked: when the dead group starts again
 
 
 def launch_replica_groups(
@@ -117,13 +118,15 @@ def launch_replica_groups(
     callbacks=(),
     timeout_s: float | None = None,
     max_restarts: int = 0,
+    restart_delay_s: float = 0.0,
     torchrun: bool = False,
 ) -> list[LaunchResult]:
     """Train `cfg` as `groups` replica groups of `nproc` processes each, meeting at `lighthouse`
     (a Lighthouse or its address); `per_group[g]`: overrides for group g only (a fault, say).
     A group whose worker dies is started again up to `max_restarts` times: by torchrun's agent
     with `torchrun=True` (a fresh interpreter, 7-15 s of imports on 2 cores), else forked warm
-    again by this loop, which is the agent then (about a second). Returns each group's
+    again by this loop, which is the agent then (about a second), after `restart_delay_s` (a
+    replacement machine's boot, which a restart on the spot does not have). Returns each group's
     LaunchResult; its records carry "replica_group"."""
     from ...config import Config, load_config
     from ...preflight import preflight, tokenizer_size
@@ -167,7 +170,7 @@ def launch_replica_groups(
             for job in jobs:
                 _deliver(_labelled(job), job.result, callbacks)
                 if not job.done:
-                    _poll(job, server, max_restarts)
+                    _poll(job, server, max_restarts, restart_delay_s)
             if timeout_s is not None and time.perf_counter() - start > timeout_s:
                 raise _timed_out(timeout_s, jobs[0].tail, groups * nproc, jobs[0].result.run_dir)
             time.sleep(0.05)
@@ -234,9 +237,14 @@ def _start(job: _Group, server, max_restarts: int) -> None:
         )
 
 
-def _poll(job: _Group, server, max_restarts: int) -> None:
-    """Has the group ended? A forked group whose rank failed is stopped, then restarted while it
-    has restarts left (torchrun's agent does both for its own group)."""
+def _poll(job: _Group, server, max_restarts: int, delay_s: float) -> None:
+    """Has the group ended? A forked group whose rank failed is stopped, then restarted `delay_s`
+    later while it has restarts left (torchrun's agent does both for its own group, at once)."""
+    if job.restart_at is not None:
+        if time.perf_counter() >= job.restart_at:
+            job.restart_at = None
+            _start(job, server, max_restarts)
+        return
     if server is None:
         if job.proc.poll() is None:
             return
@@ -256,7 +264,7 @@ def _poll(job: _Group, server, max_restarts: int) -> None:
     _stop_forked(server, job.ranks, job.result.job_id)
     if failed and job.attempt < max_restarts:
         job.attempt += 1
-        _start(job, server, max_restarts)
+        job.restart_at = time.perf_counter() + delay_s
         return
     job.done = True
     if failed:
