@@ -22,6 +22,7 @@ from .config_fields import (
     read_toml,
     set_value,
 )
+from .resilience.fault_tolerance_config import FaultToleranceSection
 
 
 @dataclass
@@ -211,26 +212,6 @@ class FaultSection:
     step_gap: int = ranged(0, "[0, inf)")
     # step: as the step begins | save: while a checkpoint is being saved
     during: str = one_of("step", "save")
-
-
-@dataclass
-class FaultToleranceSection:
-    # torchft (notebook 22): this job is one replica group of several that average each step's
-    # gradients and go on without a group that died; its lighthouse is at $TORCHFT_LIGHTHOUSE
-    enable: bool = False
-    replica_id: int = ranged(0, "[0, inf)")  # which replica group this job is: 0..group_size-1
-    group_size: int = ranged(1, "[1, 1024]")  # replica groups in all; each reads its own data slice
-    min_replica_size: int = ranged(
-        1, "[1, 1024]"
-    )  # a step commits only with this many groups in it
-    # none: the groups meet every step; diloco or local_sgd: every sync_steps (semi-synchronous)
-    semi_sync_method: str = one_of("none", "diloco", "local_sgd")
-    sync_steps: int = ranged(5, "[1, inf)")  # H: inner steps between two meetings
-    # the process group across the groups; auto: nccl on CUDA, gloo otherwise
-    process_group: str = one_of("auto", "gloo", "nccl")
-    process_group_timeout_ms: int = ranged(
-        10_000, "[1, inf)"
-    )  # a peer silent this long fails the step
 
 
 @dataclass

@@ -20,6 +20,7 @@ from .distributed.parallelize import sequence_parallel_enabled
 from .efficiency.accumulation import resolve_batch
 from .errors import TitanliteError
 from .models.llama import ModelArgs, count
+from .resilience.fault_tolerance_config import check_fault_tolerance
 from .resilience.faults import check_fault
 
 
@@ -40,14 +41,15 @@ def preflight(cfg: Config, world_size: int, vocab_size: int, start_from=None) ->
     dims = ParallelDims.resolve(
         p.dp_replicate, p.dp_shard, world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep
     )
-    if (ft := cfg.fault_tolerance).enable:  # one replica group of several: a data slice of its own
-        dims = replace(dims, replica_groups=ft.group_size, replica_group=ft.replica_id)
     check_fault(cfg.fault, t.steps, world_size)
     micro, accum, global_batch = resolve_batch(
         t.batch_size, t.grad_accum_steps, t.global_batch_size, dp_degree=dims.batch_ranks
     )
     args = model_args_for(cfg, vocab_size, start_from)
     check_parallel_config(cfg, dims, args)
+    if (ft := cfg.fault_tolerance).enable:  # one replica group of several, a data slice its own
+        check_fault_tolerance(ft, t.mixed_precision, args.moe)
+        dims = replace(dims, replica_groups=ft.group_size, replica_group=ft.replica_id)
     return Plan(dims, micro, accum, global_batch, args)
 
 
@@ -136,7 +138,7 @@ def moe_args_of(m):
 def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
     """Combinations of layout and techniques that cannot work, refused before any model exists."""
     fsdp = dims.sharded
-    p, t, ft = cfg.parallel, cfg.training, cfg.fault_tolerance
+    p, t = cfg.parallel, cfg.training
     n_experts = args.moe.n_experts if args.moe else 0
     pieces = 2 * dims.cp if p.cp_layout == "zigzag" else dims.cp  # zigzag: 2 chunks a rank
     refuse_first(
@@ -171,30 +173,6 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
             (dims.pp > 1 or dims.tp > 1) and t.mixed_precision == "fp16",
             "fp16 + GradScaler is not supported with tensor or pipeline parallelism "
             "(each rank would check only its own shard for overflow): use "
-            "--training.mixed_precision bf16",
-        ),
-        # Fault tolerance: replica groups that stay copies of each other (resilience/fault_tolerance.py)
-        (
-            ft.enable and ft.replica_id >= ft.group_size,
-            f"fault_tolerance.replica_id={ft.replica_id} is outside the {ft.group_size} replica "
-            f"group(s) of fault_tolerance.group_size: choose 0..{ft.group_size - 1}, or raise "
-            "--fault_tolerance.group_size",
-        ),
-        (
-            ft.enable and ft.min_replica_size > ft.group_size,
-            f"fault_tolerance.min_replica_size={ft.min_replica_size} needs more replica groups "
-            f"than the {ft.group_size} there are (group_size), so no step could commit: lower it",
-        ),
-        (
-            ft.enable and n_experts and args.moe.balance == "aux_free",
-            "fault tolerance cannot replicate a mixture of experts balanced aux_free: each replica "
-            "group would move its router bias (a buffer, not a gradient) by its own tokens, so "
-            "the groups' weights drift apart; use --model.moe_balance aux_loss",
-        ),
-        (
-            ft.enable and t.mixed_precision == "fp16",
-            "fault tolerance with fp16's GradScaler is not supported here: a group that rejoins "
-            "would start from a fresh loss scale, not the others' - use "
             "--training.mixed_precision bf16",
         ),
     )

@@ -127,16 +127,15 @@ class ReplicaGroup:
         start = time.perf_counter()
         deadline = time.monotonic() + self.trainer.cfg.parallel.timeout_s
         self.manager.start_quorum()
-        while self.first_quorum and self.quorum_size() < self.ft.group_size:
+        while self.first_quorum and self.manager.num_participants() < self.ft.group_size:
             if time.monotonic() > deadline:
                 break  # go on with the groups there are; the late ones heal when they come
             time.sleep(0.05)
             self.manager.start_quorum()
         self.first_quorum = False
-        self.record.update(quorum=self.quorum_size(), quorum_s=time.perf_counter() - start)
-
-    def quorum_size(self) -> int:
-        return self.manager.num_participants()
+        self.record.update(
+            quorum=self.manager.num_participants(), quorum_s=time.perf_counter() - start
+        )
 
     def average_gradients(self, parts) -> None:
         """Per-step fault tolerance, after the group's backward: each rank's local gradients

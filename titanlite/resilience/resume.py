@@ -15,14 +15,10 @@ from ..paths import run_dir_refusal
 def run_name_for(cfg) -> str:
     """The run folder's name: metrics.run_name, else the preset and the time; with fault
     tolerance, each replica group's own ("<name>-replica<id>"), as the groups share their settings."""
-    if (ft := cfg.fault_tolerance).enable:
-        return f"{_name(cfg)}-replica{ft.replica_id}"
-    return _name(cfg)
-
-
-def _name(cfg) -> str:
+    ft = cfg.fault_tolerance
+    group = f"-replica{ft.replica_id}" if ft.enable else ""
     if cfg.metrics.run_name:
-        return cfg.metrics.run_name
+        return cfg.metrics.run_name + group
     ck, restarts = cfg.checkpoint, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     # A restarted attempt must find the first one's checkpoints: a name with the time would differ.
     if ck.enable and ck.resume and not ck.folder and int(restarts) > 0:
@@ -30,7 +26,7 @@ def _name(cfg) -> str:
             "auto-resume under torchrun --max-restarts needs a fixed run "
             "directory: set --metrics.run_name NAME (or --checkpoint.folder DIR)"
         )
-    return f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}{group}"
 
 
 def claim_run_dir(run_dir: Path, record: dict, cfg, is_main: bool) -> None:

@@ -159,6 +159,26 @@ DEPENDS_ON = (
         lambda c: c.parallel.cp > 1,
         "--parallel.cp 2 or more",
     ),
+    (
+        tuple(
+            f"fault_tolerance.{key}"
+            for key in (
+                "replica_id",
+                "group_size",
+                "min_replica_size",
+                "semi_sync_method",
+                "process_group",
+                "process_group_timeout_ms",
+            )
+        ),
+        lambda c: c.fault_tolerance.enable,
+        "--fault_tolerance.enable true",
+    ),
+    (
+        ("fault_tolerance.sync_steps",),
+        lambda c: c.fault_tolerance.enable and c.fault_tolerance.semi_sync_method != "none",
+        "--fault_tolerance.enable true --fault_tolerance.semi_sync_method diloco or local_sgd",
+    ),
 )
 
 

@@ -97,6 +97,11 @@ READING_ORDER = [
         ["models/moe.py", "distributed/expert_parallel.py"],
     ),
     (
+        "22",
+        "per-step fault tolerance (torchft): replica groups, the quorum, healing from a peer, DiLoCo",
+        ["resilience/fault_tolerance.py", "resilience/fault_tolerance_config.py"],
+    ),
+    (
         "all",
         "one-line errors, output paths, torch internals in one place, package files",
         [
