@@ -14,13 +14,13 @@ setup: $(VENV)/.installed
 QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 
 # torch is pinned first so pip does not pick an arbitrary (possibly multi-GB) build;
-# the rest comes from pyproject.toml, with the test tools of the `dev` extra and notebook 19's
-# jax (the `tpu` extra).
+# the rest comes from pyproject.toml, with the test tools of the `dev` extra, notebook 19's
+# jax (the `tpu` extra) and notebook 22's torchft (the `ft` extra).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
-	$(QUIET_EDITABLE) $(BIN)/python -m pip install -q -e ".[dev,tpu]"
+	$(QUIET_EDITABLE) $(BIN)/python -m pip install -q -e ".[dev,tpu,ft]"
 	touch $@
 
 # Jupyter refuses to run as root unless told; containers and lab machines often are root.
@@ -47,7 +47,7 @@ train: setup  ## the quick training run, headless
 # nbgrader (the `course` extra) for the tests only: tests/test_nbgrader.py generates and autogrades
 # a lab with it. `make lab` stays without it: its menus and server warnings are for instructors.
 $(VENV)/.course: $(VENV)/.installed
-	$(QUIET_EDITABLE) $(BIN)/python -m pip install -q -e ".[dev,tpu,course]"
+	$(QUIET_EDITABLE) $(BIN)/python -m pip install -q -e ".[dev,tpu,ft,course]"
 	touch $@
 
 test: setup $(VENV)/.course  ## the whole test suite (notebooks in smoke scale, the browser check included)

@@ -123,6 +123,29 @@ def test_replay_run_gives_the_hand_computed_wall_time():
         gm.replay_run(100.0, 10.0, 1.0, 5.0, [35.0, 12.0])
 
 
+def test_replay_ft_run_gives_the_hand_computed_wall_time_and_goodput():
+    # 10 steps of 1 s by 2 groups; one dies: its step commits nowhere (2 group-steps), the other
+    # waits 2 s, then steps alone for 5 - 2 = 3 steps before the dead one is back (3 more lost)
+    r = gm.replay_ft_run(10, 1.0, 2, detect_s=2.0, rejoin_s=5.0)
+    assert (r.wall_s, r.steps_alone, r.lost_group_steps) == (12.0, 3, 5)
+    assert r.goodput == (20 - 5) / (2 * 12.0)
+    assert gm.replay_ft_run(10, 1.0, 2, 2.0, 5.0, failures=0).goodput == 1.0
+
+
+def test_ft_first_order_model_is_the_replay_spread_over_the_failures():
+    """With M the wall time between failures, the replay's goodput is 1 - (t+D)/M - (R-D)/(G·M)
+    exactly when (R - D) is a whole number of steps: the first-order model has no other term."""
+    for groups, t, d, r, n in ((2, 0.5, 2.0, 12.0, 3), (8, 2.0, 5.0, 65.0, 10)):
+        replay = gm.replay_ft_run(10_000, t, groups, d, r, failures=n)
+        mtbf = replay.wall_s / n
+        assert gm.ft_expected_goodput(mtbf, t, d, r, groups) == pytest.approx(replay.goodput)
+    # more groups, less of the job waits for a rejoin; restart-everyone's cost does not shrink
+    g = [gm.ft_expected_goodput(3600.0, 1.0, 5.0, 600.0, k) for k in (2, 8, 64)]
+    assert g[0] < g[1] < g[2] < 1 - 6.0 / 3600 + 1e-12
+    with pytest.raises(TitanliteError, match="rejoin_s"):
+        gm.ft_expected_goodput(3600.0, 1.0, 5.0, 2.0, 2)
+
+
 def test_cluster_mtbf_scales_as_one_over_n():
     one = gm.cluster_mtbf_s(1, 0.01)
     assert one == pytest.approx(100 * HOUR)
@@ -142,6 +165,8 @@ def test_cluster_mtbf_scales_as_one_over_n():
         lambda: gm.simulate(1000, 100, 5, 10, 8, -0.1),
         lambda: gm.simulate(1000, 100, 5, 10, 8, 0.1, spares=-1),
         lambda: gm.replay_run(100, 0, 1, 5),
+        lambda: gm.replay_ft_run(10, 1.0, 0, 1.0, 2.0),
+        lambda: gm.ft_expected_goodput(3600, 1.0, -1.0, 2.0, 2),
     ],
 )
 def test_bad_inputs_raise_one_clear_line(call):

@@ -10,6 +10,8 @@ often and δ eats the run; too rarely and the lost work does. The best τ is nea
   async checkpoints, hot spares), vectorised over trials with numpy;
 - `replay_run`: the exact wall time of a run whose failures hit at known points, to compare
   with runs where we injected failures ourselves.
+- `ft_expected_goodput`, `replay_ft_run`: the same two questions for per-step fault tolerance
+  (torchft's replica groups, notebook 22), where a failure stops one group and nobody restarts.
 All times are seconds; failure rates are failures per hour per instance (or per GPU).
 """
 
@@ -287,6 +289,65 @@ def replay_run(
     t, k = run_until(work_s)
     wall, ckpts = wall + t, ckpts + k
     return ReplayResult(wall, work_s / wall, lost, ckpts)
+
+
+# ----- per-step fault tolerance (torchft: replica groups, notebook 22) ------------------------
+
+
+def ft_expected_goodput(mtbf_s, step_s: float, detect_s: float, rejoin_s: float, groups: int):
+    """First-order goodput of per-step fault tolerance, the counterpart of `expected_goodput`
+    (notebook 13's restart-everyone model) for failures at rate 1/M of the job (`mtbf_s`, which
+    may be an array): the job is G replica groups, and a failure kills one of them.
+
+    Nobody restarts and no checkpoint is read, so no work since one is lost. A failure costs
+    every group the step in flight (its exchange fails; no group commits it) and the wait until
+    the lighthouse stops counting the dead group (`detect_s`: its heartbeat timeout); then the
+    G − 1 others step on, and only the dead group's share of the work is missing until it is
+    back (`rejoin_s`, from the failure to its heal). Lost resource-seconds per failure:
+    G·(t + D) + (R − D), over G·M of them between failures:
+
+        goodput = 1 − (t + D)/M − (R − D)/(G·M)        (clipped at 0)
+
+    Failures during a rejoin and checkpoints (still taken for a failure of the whole job) are
+    left out, as in `expected_goodput`'s first order."""
+    _require(mtbf_s=mtbf_s, step_s=step_s)
+    _require(True, detect_s=detect_s, rejoin_s=rejoin_s)
+    _require_whole(1, groups=groups)
+    if rejoin_s < detect_s:
+        raise TitanliteError(
+            f"rejoin_s={rejoin_s} is shorter than detect_s={detect_s}: a group is back only "
+            f"after it was declared gone; measure rejoin_s from the failure to the heal"
+        )
+    m = np.asarray(mtbf_s, dtype=float)
+    g = np.clip(1 - (step_s + detect_s) / m - (rejoin_s - detect_s) / (groups * m), 0.0, 1.0)
+    return float(g) if g.ndim == 0 else g
+
+
+@dataclass
+class FTReplayResult:
+    wall_s: float
+    goodput: float  # committed group-steps × step_s / (groups × wall_s)
+    steps_alone: int  # steps the others committed while the dead group was away
+    lost_group_steps: int  # group-steps not committed: the failed step's, and the absent group's
+
+
+def replay_ft_run(
+    steps: int, step_s: float, groups: int, detect_s: float, rejoin_s: float, failures: int = 1
+) -> FTReplayResult:
+    """The exact wall time and goodput of a run of `steps` lockstep steps of `step_s` by `groups`
+    replica groups, in which `failures` times one group dies as a step begins (each apart from
+    the others): that step commits nowhere, the others wait `detect_s`, then step alone until
+    the dead group is back `rejoin_s` after its failure (it heals and steps with them again).
+    Goodput counts the group-steps that committed against all groups' wall time."""
+    _require(step_s=step_s)
+    _require(True, detect_s=detect_s, rejoin_s=rejoin_s)
+    _require_whole(1, steps=steps, groups=groups)
+    _require_whole(0, failures=failures)
+    alone = max(0, int(np.ceil((rejoin_s - detect_s) / step_s)))  # steps the others take alone
+    wall = steps * step_s + failures * detect_s
+    lost = failures * (groups + alone)
+    committed = steps * groups - lost
+    return FTReplayResult(wall, committed * step_s / (groups * wall), alone, lost)
 
 
 # ----- pictures -------------------------------------------------------------------------------
