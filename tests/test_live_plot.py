@@ -161,6 +161,25 @@ def test_validation_records_appear_dashed_on_the_loss_panel(tmp_path):
     assert set(lines_by_label(plot._axes[1])) == {"train", "EMA, α=0.2"}  # raw + its smoothing
 
 
+def test_an_event_marks_its_step_on_every_panel_once(tmp_path):
+    """A kill and a heal (notebook 22): a dotted line at each event's step on every panel, its
+    words beside it; no legend entry, and a redraw adds no second line."""
+    plot = LivePlot(mode="off", metrics=("loss", "quorum"))
+    for step in range(1, 11):
+        plot(train(step, quorum=2 if step < 4 or step > 7 else 1, run="group 0"))
+        if not 4 <= step < 8:
+            plot(train(step, quorum=2, run="group 1"))
+        if step in (4, 8):
+            plot({"kind": "event", "step": step, "event": "killed" if step == 4 else "healed"})
+    plot.savefig(tmp_path / "events.png")
+    plot.savefig(tmp_path / "again.png")
+    for ax in plot._axes:
+        marks = [line for line in ax.get_lines() if line.get_label() == "_event"]
+        assert [line.get_xdata()[0] for line in marks] == [4, 8]
+        assert [t.get_text().strip() for t in ax.texts] == ["killed", "healed"]
+    assert plot.legend_labels() == ["group 0", "group 1"]
+
+
 def test_mfu_in_percent_labelled_with_its_peak(tmp_path):
     plot = LivePlot(mode="off", metrics=("mfu",))
     plot(train(0, mfu=0.25, peak_label="fp32 matmul peak"))

@@ -241,7 +241,9 @@ class LivePlot:
     "run" and "rank" keys split records into separate lines; "peak_label" names MFU's peak.
     A "line" key names a line that is not a run (one expert's load in the run now training):
     it gets its own line in place of the run's, while the status line and the progress keep
-    following the run, so they never name whichever line happened to arrive last.
+    following the run, so they never name whichever line happened to arrive last. An event
+    record ({"kind": "event", "step": 12, "event": "group 1 killed"}) marks that step on every
+    panel with a dotted vertical line and its words.
 
     Widget mode displays the plot in the current cell as soon as it is constructed, so build
     it in the cell that trains (or set `show=False` and `display(plot)` yourself)."""
@@ -294,6 +296,8 @@ class LivePlot:
         self._legend, self._legend_key, self._legend_rows, self._notes = None, None, 0, []
         self._layout()
         self._lines: dict[tuple, object] = {}
+        self._events: list[tuple[float, str]] = []  # (x, words) of each event record, in order
+        self._events_drawn = 0
         self._box = self._image = self._status = self._bar = None
         if self.mode == "widget":
             self._build_widget(show)
@@ -347,6 +351,10 @@ class LivePlot:
         step = _num(record.get(self.x))
         if step is None or math.isnan(step):
             return  # a record without x cannot be placed; say nothing, keep training
+        if record.get("kind") == "event":
+            self._events.append((step, str(record.get("event", ""))))
+            self._dirty = True
+            return
         rank, line = record.get("rank"), record.get("line")
         series = self._series.setdefault(
             (run if line is None else line, rank),
@@ -445,6 +453,21 @@ class LivePlot:
                             label=f"EMA, α={EMA_ALPHA}",
                         )[0]
                     self._lines[key].set_data(xs, ema(ys))
+        for x, words in self._events[self._events_drawn :]:  # drawn once each, on every panel
+            for ax in self._axes:
+                ax.axvline(x, color="0.3", linestyle=":", linewidth=1.1, label="_event")
+                ax.text(
+                    x,
+                    0.98,
+                    f" {words}",
+                    transform=ax.get_xaxis_transform(),
+                    fontsize=FONT - 1,
+                    color="0.25",
+                    rotation=90,
+                    va="top",
+                    ha="right",
+                )
+        self._events_drawn = len(self._events)
         relayout = False
         for metric, ax in zip(self.metrics, self._axes):
             ax.set_ylabel(AXES.get(metric, (metric, 1.0))[0], fontsize=FONT + 1)
