@@ -17,6 +17,9 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # Run whole in tests/test_browser.py (Run All in a fresh kernel, in JupyterLab), which fails on any
 # error or unrun cell: executed here as well, CI would pay for them twice. Here only without a browser.
 RUN_ALL_IN_THE_BROWSER = {"15_hyperparameter_search", "16_capstone"}
+# A notebook whose extra has no wheel on some platforms (torchft: Linux x86-64 only, where `make
+# test` installs it, so on Linux it runs): elsewhere it stops in its first cells, in one line.
+NEEDS = {"22_training_that_does_not_stop": "torchft"}
 
 
 def test_there_are_notebooks():
@@ -45,6 +48,10 @@ def test_notebook_runs_in_smoke_scale(path, tmp_path, monkeypatch):
 
     if path.stem in RUN_ALL_IN_THE_BROWSER and not browser_missing():
         pytest.skip("run top to bottom by tests/test_browser.py, in JupyterLab")
+    if path.stem in NEEDS:
+        pytest.importorskip(
+            NEEDS[path.stem], reason="no wheel on this platform (Linux x86-64 only)"
+        )
 
     # Run a copy, so outputs and runs/ never land in the repository.
     work = tmp_path / "notebooks"
