@@ -46,7 +46,7 @@ QUORUM_MISTAKES = {
 }
 
 
-@exercise("22_quorum_gradient", "the gradient of a step some replica group missed")
+@exercise("22_quorum_gradient", "the gradient of a step that a replica group missed")
 def quorum_gradient_check(c, fn):
     rounded = {name: _rounded(m) for name, m in QUORUM_MISTAKES.items()}
     cases = c.separating(_draw_quorums, _rounded(quorum_gradient), rounded)
@@ -66,7 +66,7 @@ def quorum_gradient_check(c, fn):
 
 def _draw_traffic(rng):
     """(n_params, bytes_per_param, groups, sync_steps): every step (H = 1) and DiLoCo's H, two
-    groups and many, and a case whose bytes are no whole number (3 groups, H = 7)."""
+    groups and many, and a small model whose bytes are no whole number (3 groups, H = 7)."""
 
     def n():
         return rng.randint(10**5, 10**10)
@@ -74,7 +74,8 @@ def _draw_traffic(rng):
     return [
         (n(), rng.choice([2, 4]), rng.randint(2, 64), 1),
         (n(), rng.choice([2, 4]), 2, rng.randint(2, 500)),
-        (n(), 4, 3, 7),
+        # 16·n/21 bytes, no whole number (n is no multiple of 21), small enough to see the fraction
+        (21 * rng.randint(1, 40) + rng.randint(1, 20), 4, 3, 7),
         (n(), rng.choice([2, 4]), rng.randint(3, 64), rng.randint(2, 500)),
     ]
 
@@ -91,7 +92,7 @@ TRAFFIC_MISTAKES = {
 }
 
 
-@exercise("22_bytes_per_step", "the bytes a replica group sends per step, every step or every H")
+@exercise("22_bytes_per_step", "what a replica group sends per step, every step or every $H$")
 def bytes_per_step_check(c, fn):
     cases = c.separating(_draw_traffic, bytes_sent_per_step, TRAFFIC_MISTAKES)
     for n, b, g, h in cases:
