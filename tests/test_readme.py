@@ -34,6 +34,7 @@ CLAIMS = {
     "ExerciseError:": "test_the_exercise_messages_shown_are_what_the_checks_print",
     "nbgrader generate_assignment": "test_nbgrader.py (the same commands, end to end)",
     "for i in 0 1 2 3": "test_every_shell_block_is_valid_shell",
+    "--fault_tolerance.enable true": "test_the_fault_tolerance_block_uses_options_that_exist",
 }
 
 
@@ -155,6 +156,37 @@ def test_the_download_block_uses_options_the_hf_cli_has():
     assert train[:4] == [".venv/bin/python", "-m", "titanlite", "train"]
     config, overrides = train[train.index("--config") + 1], train[6:]
     load_config(ROOT / config, overrides)  # every key exists and every value is valid
+
+
+def test_the_fault_tolerance_block_uses_options_that_exist():
+    """The lighthouse and two replica groups: running them is tests/test_fault_tolerance.py's job
+    (through the launcher); here, that the lighthouse takes the options shown, torchrun parses
+    each group's command, and each group's settings pass titanlite's preflight (group 0 and 1)."""
+    pytest.importorskip("torchft")
+    from torch.distributed.run import get_args_parser
+    from torchft._torchft import LighthouseServer
+
+    from titanlite.config import load_config
+    from titanlite.preflight import preflight
+
+    (block,) = [t for _, t in BLOCKS if "--fault_tolerance.enable true" in t]
+    commands = _commands(block)
+    lighthouse = commands[0]
+    assert lighthouse[0] == ".venv/bin/torchft_lighthouse"
+    signature = LighthouseServer.__text_signature__  # the binary's options are the server's
+    for option in (a for a in lighthouse if a.startswith("--")):
+        assert option[2:] in signature, (option, signature)
+    assert commands[1][0] == "export" and "TORCHFT_LIGHTHOUSE=http://localhost:29510" in commands[1]
+    group = next(c for c in commands if c[0] == ".venv/bin/torchrun")
+    for g in (0, 1):
+        argv = [a.replace("$g", str(g)) for a in group[1:] if a != "&"]
+        args = get_args_parser().parse_args(argv)
+        assert args.max_restarts == 2 and args.module and args.training_script == "titanlite"
+        train = args.training_script_args
+        config, overrides = train[train.index("--config") + 1], train[3:]
+        cfg = load_config(ROOT / config, overrides)
+        assert (cfg.fault_tolerance.replica_id, cfg.fault_tolerance.group_size) == (g, 2)
+        preflight(cfg, 1, cfg.data.vocab_size)
 
 
 def test_the_exercise_messages_shown_are_what_the_checks_print(tmp_path, monkeypatch):
