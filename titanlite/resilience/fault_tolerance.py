@@ -9,8 +9,9 @@ behind the others - a worker torchrun restarted - first copies a live peer's wei
 schedule and data position into itself: it heals from the peer, not from a checkpoint. After the
 backward the gradients are averaged over the groups in the quorum (`average_gradients`: one
 all-reduce through torchft's process group), and the step is kept only if every exchange in it
-succeeded (`should_commit`); otherwise its gradients are dropped and the optimizer skips it. A
-group that died is simply missing from the next quorum: the others step on without it.
+succeeded (`should_commit`); otherwise its gradients are dropped and the optimizer skips it (it
+still counts as a step, as in torchtitan's loop; its record says it did not commit). A group that
+died is simply missing from the next quorum: the others step on without it.
 
 Neither torchft's DistributedDataParallel nor its FSDP all-reduce hook is used. Its DDP replaces the
 group's own (one process per group) and searches the graph for unused parameters every step; FSDP's
@@ -22,6 +23,7 @@ With `semi_sync_method` diloco or local_sgd the groups meet only every `sync_ste
 torchft's DiLoCo (an outer Nesterov step on the pseudo-gradient) or LocalSGD (weights averaged)."""
 
 import os
+import socket
 import time
 from datetime import timedelta
 
@@ -140,7 +142,8 @@ class ReplicaGroup:
     def average_gradients(self, parts) -> None:
         """Per-step fault tolerance, after the group's backward: each rank's local gradients
         averaged over the groups in the quorum, in one flat all-reduce per dtype; then the commit
-        vote. A step not committed (a group died during it) keeps no gradient: AdamW skips it."""
+        vote. A step not committed (a group died during it) keeps no gradient, and the optimizer
+        skips the parameters without one (torch's optimizers all do)."""
         if not self.per_step:
             return  # DiLoCo / LocalSGD exchange weights every H steps, from the optimizer's hooks
         grads = [local(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
@@ -241,15 +244,15 @@ def semi_sync(ft, manager, trainer):
 
 def group_store(world_size: int):
     """(store, host, port) of the TCPStore torchft's Manager meets its group's ranks in: the job's
-    own at MASTER_ADDR:MASTER_PORT when it has several processes, else one hosted here (a process
-    alone joins no process group; `store` keeps it alive). Other groups reach it at `host`."""
-    host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    own at MASTER_ADDR:MASTER_PORT when it has several processes, else one hosted here on every
+    interface (a process alone joins no process group; `store` keeps it alive). The other groups
+    reach it at `host`, by this machine's name as torchft's own servers are reached."""
     if world_size > 1:
-        return None, host, int(os.environ["MASTER_PORT"])
+        return None, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     from torch.distributed import TCPStore
 
-    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    return store, host, store.port
+    store = TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
+    return store, socket.gethostname(), store.port
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
