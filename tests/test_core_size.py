@@ -44,7 +44,10 @@ PACKAGE = Path(titanlite.__file__).parent
 # Trainer's build steps as methods, the checkpointer's async saves and purge apart) and the two
 # import circles of the core cut (models/layers.py, metrics naming the watchers' types in words):
 # 2,794 -> 2,690 loaded, 4,250 -> 4,194 reachable, notebook 01's part 1,572 -> 1,585.
-LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 2_690, 4_194, 1_585  # statements
+# Reachable 4,194 -> 4,195 (issue 47): an expert-parallel checkpoint loads into another layout, whose
+# optimizer has more or fewer parameter groups: TrainState gives each group the schedule's saved lr
+# (one statement; the Mixtral start and its slices are a tool's, hf_moe.py).
+LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 2_690, 4_195, 1_585  # statements
 MODULE_BUDGET = 300  # lines, as `ruff format` leaves them
 
 # A technique's module opens with the technique: its first public function or class is this.
