@@ -422,6 +422,7 @@ def test_nproc_per_node_exits_with_the_jobs_status(data_dir, tmp_path, capfd, ar
     assert err.count("Traceback (most recent call last)") == (code == 1), err
 
 
+@pytest.mark.filterwarnings("ignore:4 processes on")  # on 2 cores they take turns: fine here
 def test_every_fsdp_layout_folds_its_mesh_without_a_warning(tmp_path):
     """fsdp_mesh on 4 ranks, warnings as errors: cp folded into FSDP alone (the flattened mesh kept)
     and beside dp_replicate (HSDP: a 2-D mesh of the same groups, _concatenate), the ranks as

@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         args.func(args, rest)
-    except TitanliteError as e:  # bad input (2); a full disk (WriteFailed) or a failed job (1)
+    except TitanliteError as e:  # one line; bad input exits 2, unless the error carries its status
+        # (WriteFailed: 1 for a disk that filled up; JobFailed: the ranks' job, as one process)
         return _report(str(e), getattr(e, "exit_code", 2))
     except KeyboardInterrupt:
         return _report("interrupted", 130)
