@@ -385,6 +385,8 @@ def _run_forked(
     (RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*), logs in the same places
     (logs/<id>/attempt_0/<rank>/), the same teardown when one rank fails (the others are stopped),
     the same error reports. No agent: this loop is the agent."""
+    from .forkserver import ForkServerError
+
     logs = run_dir / "logs" / job_id[:12] / "attempt_0"
     store = _job_store(port)
     port = store.port
@@ -416,7 +418,7 @@ def _run_forked(
             _deliver(tail.read(), result, callbacks)
             if echoes is not None:
                 echoes.show()
-            exits = _exits(server, ranks.values())  # in the order the ranks ended
+            exits = server.exits()  # in the order the ranks ended
             rank_of = {pid: rank for rank, pid in ranks.items()}
             for pid, code in exits.items():
                 rank = rank_of.get(pid)
@@ -441,6 +443,8 @@ def _run_forked(
         _stop_forked(server, ranks, job_id)
         print(f"interrupted: stopped all {nproc} ranks of {run_dir.name}", file=sys.stderr)
         raise
+    except ForkServerError as e:  # the server died mid-job, and its ranks with it: one line
+        raise JobFailed(f"{e} (the job's ranks ended with it; logs in {logs})") from None
     finally:
         _stop_forked(server, ranks, job_id)  # a no-op when every rank has ended
         del store  # its server stops: no rank is left to read it
