@@ -163,7 +163,7 @@ def test_the_fault_tolerance_block_uses_options_that_exist():
     (through the launcher); here, that the lighthouse takes the options shown, torchrun parses
     each group's command, and each group's settings pass titanlite's preflight (group 0 and 1)."""
     pytest.importorskip("torchft")
-    from torch.distributed.run import get_args_parser
+    from torch.distributed import run as torchrun  # its parser only: no process starts
     from torchft._torchft import LighthouseServer
 
     from titanlite.config import load_config
@@ -180,7 +180,7 @@ def test_the_fault_tolerance_block_uses_options_that_exist():
     group = next(c for c in commands if c[0] == ".venv/bin/torchrun")
     for g in (0, 1):
         argv = [a.replace("$g", str(g)) for a in group[1:] if a != "&"]
-        args = get_args_parser().parse_args(argv)
+        args = torchrun.get_args_parser().parse_args(argv)
         assert args.max_restarts == 2 and args.module and args.training_script == "titanlite"
         train = args.training_script_args
         config, overrides = train[train.index("--config") + 1], train[3:]
