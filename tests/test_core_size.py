@@ -47,14 +47,14 @@ PACKAGE = Path(titanlite.__file__).parent
 # Reachable 4,194 -> 4,195 (issue 47): an expert-parallel checkpoint loads into another layout, whose
 # optimizer has more or fewer parameter groups: TrainState gives each group the schedule's saved lr
 # (one statement; the Mixtral start and its slices are a tool's, hf_moe.py).
-# Per-step fault tolerance (issue 50, torchft): resilience/fault_tolerance.py (147), reached only
+# Per-step fault tolerance (issue 50, torchft): resilience/fault_tolerance.py (151), reached only
 # from a run with [fault_tolerance] enable; its keys and checks (resilience/fault_tolerance_config.py,
 # 20, loaded with the config); the replica groups as a data axis in the rank grid (mesh.py +7), the
 # trainer's two seams - the quorum's watcher as a step begins, the gradients averaged after the
 # backward (train.py +6), one check and the groups' data slice in preflight (+4), each group's run
-# folder (resume.py +3): 2,690 -> 2,732 loaded, 4,195 -> 4,384 reachable, notebook 01's part
+# folder (resume.py +3): 2,690 -> 2,732 loaded, 4,195 -> 4,388 reachable, notebook 01's part
 # 1,585 -> 1,597 (the config's field and import, preflight's and the trainer's lines).
-LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 2_732, 4_384, 1_597  # statements
+LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 2_732, 4_388, 1_597  # statements
 MODULE_BUDGET = 300  # lines, as `ruff format` leaves them
 
 # A technique's module opens with the technique: its first public function or class is this.

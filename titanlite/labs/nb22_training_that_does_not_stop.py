@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import TitanliteError
 from ..tools.predict import goodput_model
 
 
@@ -44,7 +45,7 @@ class DrillPlot:
         if record.get("kind") != "train":
             return
         g, attempt = record.get("replica_group", 0), record.get("attempt", 0)
-        run = f"group {g}" + (f", restarted ({attempt})" if attempt else "")
+        run = f"group {g}" + (f", restarted ×{attempt}" if attempt else "")
         self.plot({**record, "run": run})
         if record.get("committed") is False and "failure" not in self.marked:
             self.marked.add("failure")
@@ -69,6 +70,12 @@ def drill_facts(results: list, victim: int) -> dict:
     alone = [r["step"] for r in kept if r["quorum"] < groups and r["step"] > failed["step"]]
     first_run = train_records(results[victim], attempt=0)
     back = train_records(results[victim], attempt=1)
+    if not back or back[0].get("healed_from_step") is None:
+        raise TitanliteError(
+            f"group {victim} did not rejoin before the others finished their {kept[-1]['step']} "
+            f"steps (its restart took longer than their run on this machine, now): run the drill "
+            f"again with more steps"
+        )
     healed = back[0]
     # The kill came as its step began, just after that step's quorum: within milliseconds of the
     # end of its last step. The heal ends the restarted worker's first quorum.

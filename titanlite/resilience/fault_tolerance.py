@@ -153,8 +153,9 @@ class ReplicaGroup:
             self.manager.allreduce(flat).wait()  # the sum over the quorum ÷ its size
             for g, part in zip(same, flat.split([g.numel() for g in same])):
                 g.copy_(part.view_as(g))
-        self.record["committed"] = self.manager.should_commit()
-        if not self.record["committed"]:
+        committed = self.manager.should_commit()
+        self.record["committed"] = self.record.get("committed", True) and committed  # all, since
+        if not committed:
             for p in (p for part in parts for p in part.parameters()):
                 p.grad = None
 
@@ -207,7 +208,11 @@ class ReplicaWatch(Watcher):
             self.replicas.start_quorum()
 
     def on_step_end(self, end) -> None:
+        """Into each train record (every step on a CPU, every log_every on a GPU): since the
+        last one, whether every step committed, a heal if one happened, the bytes all-reduced."""
         r, manager = self.replicas, self.replicas.manager
+        if not end.logged:
+            return
         end.extra.update(
             {
                 "replica_group": r.ft.replica_id,
