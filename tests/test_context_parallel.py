@@ -49,21 +49,28 @@ def test_zigzag_gives_each_rank_a_head_and_a_tail_chunk_and_equal_work():
 
 
 @pytest.mark.parametrize(
-    "device, dtype, capability, kernel",
+    "device, dtype, capability, head_dim, rocm, kernel",
     [
-        ("cpu", torch.float32, None, "cpu_flash"),
-        ("cpu", torch.bfloat16, None, "cpu_flash"),
-        ("cuda", torch.bfloat16, (9, 0), "cuda_flash"),
-        ("cuda", torch.float16, (8, 0), "cuda_flash"),
-        ("cuda", torch.bfloat16, (7, 5), "math"),  # Turing: no flash attention in torch
-        ("cuda", torch.float32, (9, 0), "math"),  # flash takes half precision only
-        ("mps", torch.bfloat16, None, "math"),
+        ("cpu", torch.float32, None, 64, False, "cpu_flash"),
+        ("cpu", torch.bfloat16, None, 64, False, "cpu_flash"),
+        ("cuda", torch.bfloat16, (9, 0), 128, False, "cuda_flash"),
+        ("cuda", torch.float16, (8, 0), 64, False, "cuda_flash"),
+        ("cuda", torch.bfloat16, (8, 9), 256, False, "cuda_flash"),  # > 224 trains on sm89
+        ("cuda", torch.bfloat16, (8, 6), 200, False, "cuda_efficient"),  # (192, 224] does not
+        ("cuda", torch.bfloat16, (12, 0), 208, False, "cuda_efficient"),  # nor on sm120
+        ("cuda", torch.float16, (7, 5), 64, False, "cuda_efficient"),  # Turing: no flash
+        ("cuda", torch.bfloat16, (7, 5), 64, False, "cuda_efficient"),  # (autocast picks fp16)
+        ("cuda", torch.float32, (9, 0), 64, False, "cuda_efficient"),  # flash: half precision
+        ("cuda", torch.float32, (9, 0), 36, False, "cuda_efficient"),  # fp32 rows: 4-aligned
+        ("cuda", torch.bfloat16, (9, 0), 36, False, "math"),  # bf16 rows of 36: 8-aligned no
+        ("cuda", torch.bfloat16, (9, 4), 64, True, "math"),  # ROCm (MI300X reports 9.4)
+        ("mps", torch.bfloat16, None, 64, False, "math"),
     ],
 )
-def test_each_device_gets_a_block_kernel_that_returns_the_log_sum_exp(
-    device, dtype, capability, kernel
+def test_each_device_gets_the_block_kernel_sdpa_would_train_it_through(
+    device, dtype, capability, head_dim, rocm, kernel
 ):
-    assert block_kernel(device, dtype, capability) == kernel
+    assert block_kernel(device, dtype, capability, head_dim, rocm) == kernel
 
 
 class _Ctx(SimpleNamespace):  # what autograd hands a Function, for calling it by hand

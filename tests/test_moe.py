@@ -114,18 +114,24 @@ def test_flops_count_the_experts_a_token_uses_not_all_of_them():
 
 
 @pytest.mark.parametrize(
-    "device, dtype, capability, kernel",
+    "device, dtype, capability, rocm, widths, kernel",
     [
-        ("cuda", torch.bfloat16, (9, 0), "grouped_mm"),
-        ("cuda", torch.bfloat16, (10, 0), "grouped_mm"),
-        ("cuda", torch.bfloat16, (8, 0), "loop"),
-        ("cuda", torch.float32, (9, 0), "loop"),
-        ("cpu", torch.bfloat16, None, "loop"),
-        ("mps", torch.bfloat16, None, "loop"),
+        ("cuda", torch.bfloat16, (9, 0), False, (64, 96), "grouped_mm"),  # H100
+        ("cuda", torch.bfloat16, (10, 0), False, (64, 96), "grouped_mm"),  # B200
+        ("cuda", torch.bfloat16, (10, 3), False, (64, 96), "grouped_mm"),  # B300
+        ("cuda", torch.bfloat16, (12, 0), False, (64, 96), "loop"),  # RTX 50: torch's fallback
+        ("cuda", torch.bfloat16, (8, 0), False, (64, 96), "loop"),  # A100: torch's fallback
+        ("cuda", torch.bfloat16, (9, 4), True, (64, 96), "loop"),  # MI300X under ROCm
+        ("cuda", torch.bfloat16, (9, 0), False, (64, 100), "loop"),  # rows not 16-byte aligned
+        ("cuda", torch.float32, (9, 0), False, (64, 96), "loop"),  # the fast path is bf16
+        ("cpu", torch.bfloat16, None, False, (64, 96), "loop"),
+        ("mps", torch.bfloat16, None, False, (64, 96), "loop"),
     ],
 )
-def test_grouped_gemm_where_torch_offers_it_a_loop_elsewhere(device, dtype, capability, kernel):
-    assert expert_kernel(device, dtype, capability) == kernel
+def test_grouped_gemm_where_torch_runs_its_kernel_a_loop_elsewhere(
+    device, dtype, capability, rocm, widths, kernel
+):
+    assert expert_kernel(device, dtype, capability, rocm, widths) == kernel
 
 
 def test_the_grouped_gemm_path_takes_the_experts_weights_as_they_are_stacked():
@@ -186,7 +192,7 @@ def test_under_autocast_the_kernel_is_chosen_and_fed_in_the_autocast_dtype(monke
     from titanlite.models import moe
 
     seen, fed = [], []
-    monkeypatch.setattr(moe, "expert_kernel", lambda dev, dtype, cap=None: seen.append(dtype))
+    monkeypatch.setattr(moe, "expert_kernel", lambda dev, dtype, *facts: seen.append(dtype))
     grouped = moe.grouped_swiglu
     monkeypatch.setattr(moe, "grouped_swiglu", lambda x, *w: fed.append(x.dtype) or grouped(x, *w))
     model = build_model(ModelArgs.preset("debug", moe=MoEArgs(n_experts=4)))

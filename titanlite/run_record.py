@@ -46,7 +46,31 @@ def built(trainer) -> dict:
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "tf32_cudnn": torch.backends.cudnn.allow_tf32,
         "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "context_parallel": _context_parallel(model),
+        "experts": _experts(trainer),
     }
+
+
+def _context_parallel(model) -> dict | None:
+    """The kernel every block of context-parallel attention runs (decided once, by apply_cp)."""
+    cp = getattr(model, "context_parallel", None)
+    return cp and {"kernel": cp.kernel, "layout": cp.layout, "method": cp.method}
+
+
+def _experts(trainer) -> dict | None:
+    """The experts' kernel on this device in the dtype the matmuls run in, and how many times a
+    layer's forward waits for the device with it (models/moe.py)."""
+    args = trainer.model_args
+    if args.moe is None:
+        return None
+    from .models.moe import expert_kernel, host_waits  # a mixture only
+
+    device = trainer.device
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    widths = (args.dim, args.moe.hidden_dim or args.hidden_dim)
+    rocm = torch.version.hip is not None
+    kernel = expert_kernel(device.type, trainer.compute_dtype, capability, rocm, widths)
+    return {"kernel": kernel, "host_waits_per_layer": host_waits(kernel, trainer.dims.ep)}
 
 
 def run_record(trainer, per_rank: list[dict] | None = None) -> dict:
