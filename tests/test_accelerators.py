@@ -228,3 +228,121 @@ def test_without_jax_the_notebook_names_the_one_command_that_adds_it(monkeypatch
         lab.host_devices(8)
     assert "pip install -e '.[tpu]'" in str(e.value) and "\n" not in str(e.value)
     assert np.isfinite(lab.ring_all_reduce_time(1e6, 8, 1e-6, 1e9))
+
+
+def test_the_table_counts_every_link_both_ways_as_the_vendors_pages_print_it():
+    """Google's pages give per-chip bidirectional ICI (v5e 400, v5p 1,200, v6e 800, TPU7x 1,200
+    GB/s), as NVIDIA's 900 GB/s for H100; Ironwood's bf16 and Trainium2's NeuronLink are
+    published; Google lists v5p's and v6e's fp8 at their bf16 rate; HGX B200's figures are 8
+    GPUs' and sparse."""
+    chips = {c["name"]: c for c in lab.accelerators()}
+    links = {name: c["link_gbps"] for name, c in chips.items()}
+    assert links["NVIDIA H100 SXM"] == 900 and links["NVIDIA B200"] == 1800
+    assert links["Google TPU v5e"] == 400 and links["Google TPU v5p"] == 1200
+    assert links["Google TPU v6e (Trillium)"] == 800 and links["Google TPU7x (Ironwood)"] == 1200
+    assert links["AWS Trainium2"] == 1280
+    ironwood = chips["Google TPU7x (Ironwood)"]
+    assert (ironwood["bf16_tflops"], ironwood["fp8_tflops"], ironwood["memory_gbps"]) == (
+        2307,
+        4614,
+        7380,
+    )
+    for name in ("Google TPU v5p", "Google TPU v6e (Trillium)"):
+        assert chips[name]["fp8_tflops"] == chips[name]["bf16_tflops"], name
+    assert chips["Google TPU v5e"]["fp8_tflops"] is None  # int8 only
+    b200 = chips["NVIDIA B200"]
+    assert (b200["bf16_tflops"], b200["memory_gbps"]) == (36_000 / 8 / 2, 62_000 / 8)
+    assert all(c["note"] for c in chips.values() if c["name"].startswith(("Google", "AWS")))
+
+
+def test_links_are_predicted_only_where_they_join_that_many_ranks():
+    nvlink, nvl72, pcie, infiniband, tpu = lab.LINKS
+    size = 16e9
+    assert nvlink.all_reduce_time(size, 8) is not None and nvlink.all_reduce_time(size, 64) is None
+    assert nvl72.all_reduce_time(size, 64) is not None and nvl72.all_reduce_time(size, 512) is None
+    assert pcie.all_reduce_time(size, 8) is not None and pcie.all_reduce_time(size, 16) is None
+    assert infiniband.all_reduce_time(size, 512) is not None
+    # The switched links are the plain ring, at one direction of the table's both-ways figure.
+    assert nvlink.bandwidth == 900e9 / 2 and nvl72.bandwidth == 1800e9 / 2
+    assert nvlink.all_reduce_time(size, 8) == lab.ring_all_reduce_time(size, 8, 1e-6, 450e9)
+    # The torus: only the slices it names; one axis is the ring, at both of that axis's links
+    # one way (~90 GB/s each on v5p); three axes cost more bytes-time than one, never less.
+    assert tpu.all_reduce_time(size, 16) is None
+    one_axis = tpu.all_reduce_time(size, 8)
+    assert one_axis == pytest.approx(lab.ring_all_reduce_time(size, 8, tpu.alpha_s, 180e9))
+    assert one_axis < tpu.all_reduce_time(size, 64) < tpu.all_reduce_time(size, 512)
+
+
+def test_a_torus_all_reduce_goes_axis_by_axis_on_shrinking_data():
+    alpha, bandwidth, size = 1e-6, 1e11, 1e9
+    two_axes = lab.torus_all_reduce_time(size, (4, 8), alpha, bandwidth)
+    expected = 2 * ((3 + 7) * alpha + 3 / 4 * size / bandwidth + 7 / 8 * (size / 4) / bandwidth)
+    assert two_axes == pytest.approx(expected)
+    # fewer latency steps than one ring over all 32 chips, a little more bytes-time
+    ring = lab.ring_all_reduce_time(size, 32, alpha, bandwidth)
+    assert 2 * 10 * alpha < 2 * 31 * alpha and two_axes < ring
+
+
+def test_the_alpha_beta_check_can_tell_a_two_regime_curve_from_one_regime():
+    n, alpha, bandwidth = 4, 50e-6, 2e9
+    sizes = [4096 * 4**k for k in range(8)]
+    model = [
+        {"ranks": n, "bytes": s, "seconds": lab.ring_all_reduce_time(s, n, alpha, bandwidth)}
+        for s in sizes
+    ]
+    for r in model:
+        r["busbw"] = lab.bus_bandwidth(r["bytes"], r["seconds"], n)
+    check = lab.alpha_beta_check(model, lab.fit_alpha_beta(model))
+    assert check["log_rms"] < 1e-6 and check["worst_miss"] < 1e-6
+    assert check["knee_bytes"] == pytest.approx(n * alpha * bandwidth)
+    assert check["log_rms"] < min(check["log_rms_latency_only"], check["log_rms_bandwidth_only"])
+    assert check["busbw_peak_bytes"] == sizes[-1] and check["busbw_drop"] == 0
+    # Latency only (every message the same time): the knee runs off past every size, and the
+    # two-term model does no better than a constant - the notebook's asserts would fail.
+    flat = [{**r, "seconds": 1e-3, "busbw": lab.bus_bandwidth(r["bytes"], 1e-3, n)} for r in model]
+    check = lab.alpha_beta_check(flat, lab.fit_alpha_beta(flat))
+    assert not check["knee_bytes"] < sizes[-1]
+    assert not check["log_rms"] < check["log_rms_latency_only"]
+    # A bus bandwidth that falls once messages leave the cache is reported, not smoothed over.
+    cached = [dict(r) for r in model]
+    cached[-1]["seconds"] *= 2
+    cached[-1]["busbw"] /= 2
+    check = lab.alpha_beta_check(cached, lab.fit_alpha_beta(cached))
+    assert check["busbw_peak_bytes"] == sizes[-2] and check["busbw_drop"] > 0.3
+
+
+def test_roofs_are_never_drawn_alike_and_durations_read_in_their_unit():
+    names = [c["name"] for c in lab.accelerators()]
+    styles = lab.roof_styles(names)
+    assert len(set(styles.values())) == len(names)
+    assert styles["NVIDIA A100 SXM 80GB"] != styles["Intel Gaudi 3"]
+    assert [lab.duration(t) for t in (178.72641, 0.01764, 1.2e-5, 0.9999996)] == [
+        "179 s",
+        "17.6 ms",
+        "12.0 µs",
+        "1.00 s",
+    ]
+
+
+def test_a_fused_kernel_is_described_whole():
+    hlo = """
+%fused_computation.3 (param_0.1: f32[4,8], param_1.2: f32[4,8]) -> f32[4,8] {
+  %param_0.1 = f32[4,8]{1,0} parameter(0)
+  %param_1.2 = f32[4,8]{1,0} parameter(1)
+  %constant.1 = f32[] constant(2)
+  %broadcast.1 = f32[4,8]{1,0} broadcast(f32[] %constant.1), dimensions={}
+  %multiply.1 = f32[4,8]{1,0} multiply(f32[4,8]{1,0} %param_0.1, f32[4,8]{1,0} %broadcast.1)
+  ROOT %add.1 = f32[4,8]{1,0} add(f32[4,8]{1,0} %multiply.1, f32[4,8]{1,0} %param_1.2)
+}
+
+ENTRY %main.9 (x: f32[4,8], y: f32[4,8]) -> f32[4,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %y = f32[4,8]{1,0} parameter(1)
+  ROOT %mul_add_fusion = f32[4,8]{1,0} fusion(f32[4,8]{1,0} %x, f32[4,8]{1,0} %y), kind=kLoop, calls=%fused_computation.3, metadata={op_name="jit(f)/mul" source_file="x.py"}
+}
+"""
+    said = lab.describe_fusion(hlo)
+    assert (
+        said == "mul_add_fusion: f32[4,8], kLoop, reads 2 array(s), fuses broadcast, multiply, add"
+    )
+    assert lab.describe_fusion("ENTRY %m () -> f32[] {\n}") == "no fusion in this program"

@@ -48,6 +48,21 @@ def test_zigzag_gives_each_rank_a_head_and_a_tail_chunk_and_equal_work():
     assert naive == sorted(naive) and naive[-1] == 7 * naive[0]  # rank r: r + 1/2 blocks
 
 
+def test_a_causal_zigzag_ring_step_is_half_a_block_and_each_ranks_work_is_timed_on_one_thread():
+    whole = 4 * 512 * 512 * 4 * 32  # q·kᵀ and p·v of one rank's 512 queries on 512 keys, forward
+    for rank in range(4):  # every step of every rank: 2 of the 4 chunk pairs (its own: causally)
+        assert lab.ring_step_flops(2048, 4, rank, "zigzag", 4, 32) == [whole / 2] * 4
+    zig = lab.attention_flops_per_rank(2048, 4, "zigzag", heads=4, head_dim=32)
+    assert sum(lab.ring_step_flops(2048, 4, 2, "zigzag", 4, 32)) == zig[2]
+    # contiguous: the first rank computes only at its own (causal) step; the last every step
+    assert lab.ring_step_flops(2048, 4, 0, "contiguous", 4, 32) == [whole / 2, 0, 0, 0]
+    assert lab.ring_step_flops(2048, 4, 3, "contiguous", 4, 32) == [whole / 2] + [whole] * 3
+    threads = torch.get_num_threads()
+    rounds = lab.attention_seconds_per_rank(256, 2, "zigzag", repeats=3)
+    assert len(rounds) == 3 and all(len(r) == 2 and min(r) > 0 for r in rounds)
+    assert torch.get_num_threads() == threads  # timed on one thread, then given back
+
+
 @pytest.mark.parametrize(
     "device, dtype, capability, head_dim, rocm, kernel",
     [

@@ -78,7 +78,10 @@ def test_doctor_runs_here_in_smoke_scale_passes_and_writes_a_report(tmp_path, ca
     report = json.loads((out / "report.json").read_text())
     assert report["passed"] and report["failed"] == [] and report["smoke"]
     statuses = {c["name"]: c["status"] for c in report["checks"]}
-    assert set(statuses.values()) <= {"pass", "skipped"}
+    # warn: only a run whose MFU came out above 100% (its peak measured on a busy moment)
+    warned = [c for c in report["checks"] if c["status"] == "warn"]
+    assert all(c["data"]["mfu"] > 1 and "MFU over 100% is no pass" in c["detail"] for c in warned)
+    assert set(statuses.values()) <= {"pass", "warn", "skipped"}
     for name in (
         "device",
         "matmul float32",
@@ -91,7 +94,7 @@ def test_doctor_runs_here_in_smoke_scale_passes_and_writes_a_report(tmp_path, ca
         "async checkpoint save",
         "kill-and-resume drill",
     ):
-        assert statuses.get(name) == "pass", (name, statuses)
+        assert statuses.get(name) in ("pass", "warn"), (name, statuses)
     assert (
         report["checks"][[c["name"] for c in report["checks"]].index("train fp32")]["data"][
             "tokens_per_sec"
@@ -104,7 +107,10 @@ def test_doctor_runs_here_in_smoke_scale_passes_and_writes_a_report(tmp_path, ca
     matmul = report["checks"][[c["name"] for c in report["checks"]].index("matmul float32")]
     assert 0 <= matmul["data"]["spread"] < 1
     assert matmul["data"]["measured_flops"] > 0 and matmul["data"]["measured_now_flops"] > 0
-    assert matmul_peak.matmul_peak("cpu", torch.float32).flops == matmul["data"]["measured_flops"]
+    if matmul["data"]["cached"]:  # not when the machine was too busy for a peak to be kept
+        assert (
+            matmul_peak.matmul_peak("cpu", torch.float32).flops == matmul["data"]["measured_flops"]
+        )
     md = (out / "report.md").read_text()
     assert md.startswith("# titanlite doctor") and md.count("| pass |") == list(
         statuses.values()
@@ -114,7 +120,7 @@ def test_doctor_runs_here_in_smoke_scale_passes_and_writes_a_report(tmp_path, ca
     # drill would find a finished run and train nothing), and it passes again.
     assert main(["doctor", "--smoke", "--out", str(out)]) == 0
     again = json.loads((out / "report.json").read_text())
-    assert again["passed"] and {c["name"]: c["status"] for c in again["checks"]} == statuses
+    assert again["passed"] and set({c["name"] for c in again["checks"]}) == set(statuses)
 
 
 def test_the_fp8_row_says_its_speed_from_the_numbers():
@@ -311,3 +317,24 @@ def test_an_intel_gpu_is_recognised_and_said_to_train_on_the_cpu(monkeypatch):
     assert "use the CPU" in line and "untested" in line and "\n" not in line
     monkeypatch.setattr(fake, "is_available", lambda: False)
     assert vendors.xpu_line() is None
+
+
+def test_an_mfu_above_100_percent_is_a_warning_never_a_pass():
+    """Seen on a busy machine: train fp32 at MFU 99.7% and compile at 116.8% reported "pass",
+    beside a raw RuntimeWarning. Above 100% the peak is wrong, not the run: warn, said in the
+    check's own line; a finite run below it passes, a non-finite loss fails."""
+    from titanlite.tools.cli.doctor import _describe_run, _finite
+
+    run = {
+        "loss": 2.5,
+        "step": 8,
+        "tokens_per_sec": 1000.0,
+        "tokens_per_sec_range": [950.0, 1050.0],
+        "timed_records": 6,
+        "warmup_steps": 2,
+        "memory": {"peak_rss": 2**30},
+    }
+    assert _finite({**run, "mfu": 0.997}) == "pass"
+    assert _finite({**run, "mfu": 1.168}) == "warn"
+    assert "MFU over 100% is no pass" in _describe_run({**run, "mfu": 1.168})
+    assert _finite({**run, "mfu": 0.5, "loss": float("nan")}) == "fail"

@@ -278,6 +278,37 @@ def test_a_peak_is_replaced_only_by_one_that_beats_it_beyond_its_spread(tmp_path
     assert [e["flops"] for e in stored.values()] == [80e9]
 
 
+def test_a_noisy_measurement_never_becomes_the_peak_and_a_beaten_one_is_replaced(
+    tmp_path, monkeypatch
+):
+    """Seen in the doctor: a peak measured at 100% spread (a busy moment) was cached and kept,
+    although later runs beat it and a quiet re-measurement gave 1.8x: every MFU after it read
+    ~100%. A measurement noisier than MAX_SPREAD is used, labelled, and never cached; once a run
+    has beaten the cached peak, any higher measurement replaces it, within its spread or not."""
+    monkeypatch.setenv("TITANLITE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(matmul_peak, "_RECHECKED", set())
+    noisy = matmul_peak.record_peak("cpu", torch.float32, Peak(177.6e9, "measured", "busy"), 1.0)
+    assert noisy.flops == 177.6e9 and "too noisy to keep" in noisy.label
+    assert not (tmp_path / "matmul_peaks.json").exists()
+    planted = matmul_peak.record_peak("cpu", torch.float32, Peak(200e9, "measured", "ok"), 0.20)
+    assert planted.flops == 200e9
+    again = matmul_peak.record_peak("cpu", torch.float32, Peak(300e9, "measured", "x"), 0.9)
+    assert again.flops == 200e9  # too noisy to replace it either
+    within = Peak(230e9, "measured", "quiet")  # inside the cached one's 20% spread
+    assert matmul_peak.record_peak("cpu", torch.float32, within, 0.02).flops == 200e9
+    assert matmul_peak.record_peak("cpu", torch.float32, within, 0.02, beaten=True).flops == 230e9
+    said = []
+    monkeypatch.setattr(
+        matmul_peak,
+        "measure_peaks",
+        lambda device, dtypes: {dtypes[0]: (Peak(322e9, "measured", "now"), 0.05)},
+    )
+    cached = matmul_peak.matmul_peak("cpu", torch.float32)
+    fresh = matmul_peak.recheck_peak(260e9, cached, "cpu", torch.float32, say=said.append)
+    assert fresh.flops == 322e9 and matmul_peak.matmul_peak("cpu", torch.float32).flops == 322e9
+    assert "in force now" in said[0]
+
+
 def test_a_run_beating_its_peak_re_measures_it_once(counted_measure, monkeypatch):
     monkeypatch.setattr(matmul_peak, "_RECHECKED", set())
     cached = matmul_peak.matmul_peak("cpu", torch.float32)
@@ -324,6 +355,8 @@ def test_a_run_beating_its_peak_re_measures_it_once(counted_measure, monkeypatch
         # torch.cuda.get_device_name() strings of the newer rows
         ("NVIDIA B200", torch.bfloat16, False, 2250, "B200"),
         ("NVIDIA B200", torch.float8_e4m3fn, False, 4500, "B200"),
+        ("NVIDIA B200", torch.float32, False, 75, "B200"),  # HGX B200: 600 TFLOPS / 8 GPUs
+        ("NVIDIA B200", torch.float32, True, 1125, "B200"),  # 18 PFLOPS sparse / 8 / 2
         ("NVIDIA H800", torch.bfloat16, False, 989.5, "H800 SXM"),
         ("NVIDIA H800 PCIe", torch.bfloat16, False, 756, "H800 PCIe"),
         ("NVIDIA H20", torch.bfloat16, False, 148, "H20"),

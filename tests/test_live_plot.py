@@ -368,6 +368,27 @@ def test_progress_counts_steps_elapsed_and_remaining():
     assert "/" not in LivePlot(mode="off")._status_text()  # no total given: no fraction
 
 
+def test_lines_that_are_not_runs_leave_the_status_to_the_run_in_progress():
+    """Notebook 18 draws each expert's token choices in the run now training: a line per expert
+    ("line"), one panel per run. The status names the run and its progress, never the line that
+    happened to arrive last ("expert 7 · step 40/40"), and the experts do not restart its clock."""
+    plot = LivePlot(mode="off", metrics=("none", "aux_free"), steps=40)
+    for run in ("none", "aux_free"):
+        for step in range(1, 41):
+            for expert in range(8):
+                record = {"step": step, run: 10.0 * expert, "elapsed_s": 0.5 * step}
+                plot({**record, "run": run, "line": f"expert {expert}"})
+    text = plot._status_text()
+    assert text.startswith("aux_free · step 40/40 (100%) · 20 s elapsed · done"), text
+    assert "expert" not in text
+    plot.png()
+    assert plot.legend_labels() == [f"expert {e}" for e in range(8)]  # a colour per expert
+    for ax, run in zip(plot._axes, ("none", "aux_free")):
+        lines = lines_by_label(ax)
+        assert sorted(lines) == sorted(f"expert {e}" for e in range(8)), run
+        assert list(lines["expert 3"].get_ydata()) == [30.0] * 40
+
+
 def test_the_status_is_two_short_lines_beside_the_progress_bar():
     """Where the run is, then what it measures: one line of both wrapped on a 1366-px screen
     (the bar takes 240 px of a ~1,000-px output area, leaving room for about 85 characters)."""

@@ -322,3 +322,36 @@ def test_a_mixture_exports_to_mixtral_that_transformers_loads_with_our_logits(tm
     model.layers["0"].feed_forward.router.expert_bias[0] = 0.1  # aux_free balancing happened
     with pytest.raises(TitanliteError, match="aux_free balancing bias"):
         to_hf_model(model)
+
+
+# ----- notebook 18's lab: a hot expert's cost, and the interval its timing is judged by --------
+
+
+def test_the_median_interval_holds_the_median_as_often_as_it_says():
+    import math
+
+    from titanlite.labs.nb18_mixture_of_experts import median_interval
+
+    assert median_interval([5, 1, 4, 2, 3, 7, 6]) == (1, 4, 7, 1 - 2 / 2**7)
+    low, middle, high, coverage = median_interval(range(15))
+    assert (low, middle, high) == (3, 7, 11) and 0.95 <= coverage < 0.97
+    with pytest.raises(TitanliteError, match="cannot bound a median"):
+        median_interval([1, 2, 3, 4, 5])
+    g = torch.Generator().manual_seed(0)
+    trials = 2000
+    held = 0
+    for _ in range(trials):  # exponential draws, a skewed distribution: its median is ln 2
+        low, _, high, _ = median_interval(torch.empty(7).exponential_(generator=g).tolist())
+        held += low <= math.log(2) <= high
+    assert held / trials >= 0.97  # it claims 98.4%
+
+
+def test_a_hot_experts_rank_is_counted_and_timed_round_by_round():
+    from titanlite.labs.nb18_mixture_of_experts import hot_expert_cost
+
+    threads = torch.get_num_threads()
+    cost = hot_expert_cost(tokens=256, repeats=3)  # 4 ranks of 2 experts, top-2 of 8
+    assert cost["balanced"]["choices"] == 2 * 64  # 256·2/8 each
+    assert cost["hot"]["choices"] == 256 + 256 // 7  # all 256 tokens, and a share of the rest
+    assert all(len(c["seconds"]) == 3 and min(c["seconds"]) > 0 for c in cost.values())
+    assert torch.get_num_threads() == threads

@@ -37,9 +37,14 @@ ALLOWED = {
     "test_cli.py": (4, "`titanlite` and `torchrun -m titanlite` as a shell runs them"),
     "test_comm_and_scratch_ddp.py": (1, "the file's own worker entry (it runs on the fast path)"),
     "test_core_size.py": (1, "`import titanlite.train` in a fresh interpreter, to list what loads"),
-    "test_course.py": (4, "`make student` and the course CLI, as an instructor runs them"),
+    "test_course.py": (
+        5,
+        "`make student` and the course CLI, as an instructor runs them; a moved module's import "
+        "in a fresh interpreter, as a kept workbook notebook runs it",
+    ),
     "test_hostile_machine.py": (2, "mount and umount a small tmpfs (no Python)"),
     "test_imports.py": (3, "fresh interpreters: what importing titanlite changes"),
+    "test_layering.py": (1, "an old module name imported in a fresh interpreter: its one line"),
     "test_launcher.py": (4, "a kernel to interrupt or kill; torchrun's restart; a fresh import"),
     "test_multinode.py": (4, "two torchrun agents meeting over a rendezvous, as two machines"),
     "test_nbgrader.py": (1, "nbgrader's own command line"),

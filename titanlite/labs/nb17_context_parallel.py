@@ -99,44 +99,67 @@ def cp_comm_formula(batch, kv_heads, seq_len, head_dim, cp, method="ring", dtype
 # ----- the work of each rank: counted from the blocks, and timed -------------------------------
 
 
+def pair_flops(
+    q_rank: int, kv_rank: int, cp: int, seq_len: int, layout: str, heads: int, head_dim: int
+):
+    """Forward attention FLOPs of one rank's queries against another rank's K/V (q·kᵀ and p·v,
+    2 FLOPs a multiply-add), counting only the query-key pairs causal attention computes: a
+    diagonal chunk half, as the package's `blocks` hands them to the kernel."""
+    total = 0
+    for rows, cols, causal in blocks(q_rank, kv_rank, cp, seq_len // cp, layout):
+        pairs = (rows.stop - rows.start) * (cols.stop - cols.start)
+        total += 2 * 2 * (pairs / 2 if causal else pairs) * head_dim * heads
+    return total
+
+
 def attention_flops_per_rank(seq_len: int, cp: int, layout: str, heads: int, head_dim: int):
-    """Forward attention FLOPs of each rank's queries (q·kᵀ and p·v, 2 FLOPs a multiply-add),
-    counting only the query-key pairs causal attention computes: a diagonal block half."""
-    out = []
-    for rank in range(cp):
-        local = seq_len // cp
-        total = 0
-        for source in range(cp):
-            for rows, cols, causal in blocks(rank, source, cp, local, layout):
-                pairs = (rows.stop - rows.start) * (cols.stop - cols.start)
-                pairs = pairs / 2 if causal else pairs
-                total += 2 * 2 * pairs * head_dim * heads
-        out.append(total)
-    return out
+    """Each rank's forward attention FLOPs over the whole ring (all the K/V it visits)."""
+    return [
+        sum(pair_flops(rank, source, cp, seq_len, layout, heads, head_dim) for source in range(cp))
+        for rank in range(cp)
+    ]
+
+
+def ring_step_flops(seq_len: int, cp: int, rank: int, layout: str, heads: int, head_dim: int):
+    """The forward FLOPs rank `rank` computes at each step of the ring, in the order it visits
+    the K/V blocks (its own first, then the previous rank's, ...: ContextParallel.visits): the
+    compute that each step's transfer of the next block can hide behind."""
+    return [
+        pair_flops(rank, (rank - step) % cp, cp, seq_len, layout, heads, head_dim)
+        for step in range(cp)
+    ]
 
 
 def attention_seconds_per_rank(
-    seq_len=2048, cp=4, layout="zigzag", batch=1, heads=4, head_dim=32, repeats=5, seed=0
+    seq_len=2048, cp=4, layout="zigzag", batch=1, heads=4, head_dim=32, repeats=15, seed=0
 ):
-    """The median seconds of each rank's attention blocks (forward and backward, the CPU flash
-    kernel), measured here one rank after another: the work alone, without the waiting that
-    running the ranks at once on shared cores would mix in. A warm-up round first; then
-    `repeats` rounds, each timing every rank in turn (a busy moment hits them alike)."""
+    """CPU seconds of each rank's attention blocks (forward and backward, the CPU flash kernel),
+    measured here one rank after another: the work alone, without the waiting that running the
+    ranks at once on shared cores would mix in. On one thread, timed by that thread's CPU clock:
+    on a busy machine the wall clock also counts the slices the OS gave other processes (at a
+    load of 9 on 2 cores a rank's median round took up to 3.4× its fastest by the wall clock,
+    1.1× by the CPU clock).
+    A warm-up round first; then `repeats` rounds, each timing every rank in turn. Returns
+    rounds[i][rank]."""
     q, k, v, dout = random_qkv(batch, heads, heads, seq_len // cp, head_dim, seed)
 
     def work(rank):
-        start = time.perf_counter()
+        start = time.thread_time()
         for source in range(cp):
             for rows, cols, causal in blocks(rank, source, cp, seq_len // cp, layout):
                 q_, k_, v_ = q[:, :, rows], k[:, :, cols], v[:, :, cols]
                 out, lse = block_forward("cpu_flash", q_, k_, v_, causal)
                 block_backward("cpu_flash", dout[:, :, rows], q_, k_, v_, out, lse, causal)
-        return time.perf_counter() - start
+        return time.thread_time() - start
 
-    for rank in range(cp):
-        work(rank)
-    runs = [[work(rank) for rank in range(cp)] for _ in range(repeats)]
-    return [sorted(r[rank] for r in runs)[repeats // 2] for rank in range(cp)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the thread's CPU clock then holds all of the work
+    try:
+        for rank in range(cp):
+            work(rank)
+        return [[work(rank) for rank in range(cp)] for _ in range(repeats)]
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ----- activation memory: what autograd keeps, per rank ----------------------------------------

@@ -9,6 +9,7 @@ The technique itself lives in models/moe.py and distributed/expert_parallel.py; 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.expert_parallel import apply_ep
+from ..errors import TitanliteError
 from ..models.moe import MoE, MoEArgs, sort_by_expert
 from ..tools.measure.comm import CommCounter
 
@@ -43,39 +45,68 @@ def imbalance(loads: torch.Tensor) -> float:
 # ----- what a hot expert costs -------------------------------------------------------------------
 
 
-def experts_seconds(counts: list[int], dim=64, hidden=256, repeats=7, seed=0) -> list[float]:
-    """Seconds of one rank's experts forward and backward on `counts[e]` tokens for expert e (the
-    loop the CPU runs), `repeats` times: one rank's share of an MoE layer."""
+def experts_step(counts: list[int], dim=64, hidden=256, seed=0):
+    """One rank's experts, forward and backward, on `counts[e]` tokens for expert e (the loop the
+    CPU runs): one rank's share of an MoE layer. Returns a function that runs it once and returns
+    the CPU seconds of the calling thread, which count the work and not the slices a busy machine
+    gives other processes."""
     g = torch.Generator().manual_seed(seed)
     moe = MoE(dim, MoEArgs(n_experts=len(counts)), hidden)
     moe.init_weights(0.02, 0.02)
     x = torch.randn(sum(counts), dim, generator=g, requires_grad=True)
     counts_t = torch.tensor(counts)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+    def run() -> float:
+        start = time.thread_time()
         moe.experts(x, counts_t).sum().backward()
-        times.append(time.perf_counter() - start)
-    return times
+        return time.thread_time() - start
+
+    return run
 
 
 def hot_expert_cost(tokens=4096, n_experts=8, k=2, ep=4, dim=64, hidden=256, repeats=7):
     """One rank of `ep` holds E/ep experts. Balanced routing sends it tokens·k/ep choices; with one
     expert taking every token once (a hot expert, the others sharing the rest) the rank holding it
-    gets more. Counted (choices per rank) and timed (median, and the spread of the repeats)."""
+    gets more. Counted (choices per rank) and timed on one thread: an untimed round first (the
+    first call allocates), then `repeats` rounds, each timing the balanced and the hot rank once,
+    in turn, so that a busy moment hits both: {case: {"choices", "seconds": [one per round]}}."""
     local = n_experts // ep
     balanced = [tokens * k // n_experts] * local
     # The hot expert takes one choice of every token; the other k-1 choices spread evenly.
     hot = [tokens] + [tokens * (k - 1) // (n_experts - 1)] * (local - 1)
-    out = {}
-    for name, counts in (("balanced", balanced), ("hot", hot)):
-        t = experts_seconds(counts, dim, hidden, repeats)
-        out[name] = {
-            "choices": sum(counts),
-            "median_s": statistics.median(t),
-            "spread_s": max(t) - min(t),
-        }
-    return out
+    cases = {"balanced": balanced, "hot": hot}
+    steps = {name: experts_step(counts, dim, hidden) for name, counts in cases.items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the thread's CPU clock then holds all of the work
+    try:
+        for step in steps.values():
+            step()
+        rounds = [{name: step() for name, step in steps.items()} for _ in range(repeats)]
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        name: {"choices": sum(counts), "seconds": [r[name] for r in rounds]}
+        for name, counts in cases.items()
+    }
+
+
+def median_interval(values, confidence=0.95) -> tuple[float, float, float, float]:
+    """(low, median, high, coverage): the median of `values`, and the narrowest interval between
+    order statistics that holds the true median with probability `coverage` >= `confidence`, for
+    any distribution (each value falls below the median with probability 1/2, so the count below
+    it is binomial(n, 1/2)). Seven values give their whole range at 98%; fifteen, the 4th to the
+    12th at 96%."""
+    v, n = sorted(values), len(values)
+
+    def coverage(j):  # of [v[j], v[n-1-j]]: the median is not among the j lowest nor highest
+        return 1 - 2 * sum(math.comb(n, i) for i in range(j + 1)) / 2**n
+
+    if coverage(0) < confidence:
+        raise TitanliteError(
+            f"{n} values cannot bound a median at {confidence:.0%} confidence: time more rounds"
+        )
+    j = max(j for j in range((n + 1) // 2) if coverage(j) >= confidence)
+    return v[j], statistics.median(v), v[n - 1 - j], coverage(j)
 
 
 # ----- an expert-parallel layer, launched: equal to the whole layer, its bytes counted -----------

@@ -18,6 +18,7 @@ import os
 import re
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -180,6 +181,33 @@ def _op_count(hlo: str, entry_only: bool = False) -> int:
         hlo = hlo[hlo.index("ENTRY") :]
         hlo = hlo[: hlo.index("\n}\n") if "\n}\n" in hlo else len(hlo)]
     return len(re.findall(r"^\s*(?:ROOT )?%?[\w.\-]+ = ", hlo, flags=re.M))
+
+
+def describe_fusion(hlo: str) -> str:
+    """One fused kernel of an optimised HLO module, said whole in one line: its name, its output
+    shape (layout dropped), XLA's kind of fusion, how many arrays it reads, and the operations
+    fused into it (from the computation it calls). The first fusion of two or more operations."""
+    fusions = re.findall(
+        r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) fusion\((.*?)\), kind=(\w+), calls=%?([\w.\-]+)",
+        hlo,
+        flags=re.M,
+    )
+    if not fusions:
+        return "no fusion in this program"
+    described = []
+    for name, shape, operands, kind, called in fusions:
+        body = re.search(rf"^%?{re.escape(called)} \(.*?\{{\n(.*?)^\}}", hlo, flags=re.M | re.S)
+        ops = re.findall(r"= .+? ([a-z][\w\-]*)\(", body.group(1)) if body else []
+        # parameters, constants and bitcasts move or name data; the rest is the kernel's work
+        ops = [op for op in ops if op not in ("parameter", "constant", "bitcast")]
+        ops = list(dict.fromkeys(ops))
+        # operands: split at the commas outside shapes' [..] and layouts' {..}
+        inputs = len(re.findall(r"[^,\[\]{}]+(?:[\[{][^\]}]*[\]}][^,\[\]{}]*)*", operands))
+        shape = re.sub(r"\{[^}]*\}", "", shape)
+        described.append(
+            (len(ops), f"{name}: {shape}, {kind}, reads {inputs} array(s), fuses {', '.join(ops)}")
+        )
+    return next((text for count, text in described if count >= 2), described[0][1])
 
 
 # ----- SPMD: layouts as annotations -------------------------------------------------------------
@@ -382,35 +410,123 @@ def torch_collectives(model_args, layout: str, n: int, tokens) -> dict:
 _NV_H100 = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
 _NV_H200 = "https://www.nvidia.com/en-us/data-center/h200/"
 _NV_A100 = "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
-_NV_B200 = (
-    "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU: 1/8 of the 8-GPU figures)"
-)
+_NV_HGX = "https://www.nvidia.com/en-us/data-center/hgx/"
+_NV_NVL72 = "https://www.nvidia.com/en-us/data-center/gb200-nvl72/"
 _AMD_300 = "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"
 _AMD_325 = "https://www.amd.com/en/products/accelerators/instinct/mi300/mi325x.html"
 _TPU = "https://cloud.google.com/tpu/docs/{}"
-_IRONWOOD = "https://blog.google/products/google-cloud/ironwood-tpu-age-of-inference/"
 _TRN2 = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trainium2.html"
 _GAUDI3 = "https://www.intel.com/content/www/us/en/content-details/817486/intel-gaudi-3-ai-accelerator-white-paper.html"
-_APPLE = "https://www.apple.com/macbook-pro/specs/ (M4 Max: memory and its bandwidth; no TFLOP/s published)"
+_APPLE = "https://www.apple.com/macbook-pro/specs/"
+_SCALING_BOOK = "https://jax-ml.github.io/scaling-book/tpus/"
 
-# Dense (no 2:4 sparsity) peaks in TFLOP/s, memory in GB, memory bandwidth and interconnect in
-# GB/s per chip (interconnect: the vendor's per-chip figure, both directions together). None:
-# not published. TPUs before Ironwood have int8, not fp8; Apple publishes no TFLOP/s.
+# Per chip: dense (no 2:4 sparsity) peaks in TFLOP/s, memory in GB (Google prints GiB for v5p and
+# Ironwood: their figure as printed), memory bandwidth and interconnect in GB/s. The interconnect
+# is the vendor's per-chip figure for all its links, **both directions together** (NVIDIA's 900 GB/s
+# for H100 is 450 each way; Google's "bidirectional ICI bandwidth per chip" is the same count).
+# None: not published. Each row's note says what was derived from the page and how.
 ACCELERATORS = [
-    # name, bf16, fp8, memory GB, memory GB/s, interconnect GB/s, interconnect, source
-    ("NVIDIA A100 SXM 80GB", 312, None, 80, 2039, 600, "NVLink 3", _NV_A100),
-    ("NVIDIA H100 SXM", 989.5, 1979, 80, 3350, 900, "NVLink 4", _NV_H100),
-    ("NVIDIA H200 SXM", 989.5, 1979, 141, 4800, 900, "NVLink 4", _NV_H200),
-    ("NVIDIA B200", 2250, 4500, 180, 8000, 1800, "NVLink 5", _NV_B200),
-    ("AMD MI300X", 1307.4, 2614.9, 192, 5300, 896, "Infinity Fabric", _AMD_300),
-    ("AMD MI325X", 1307.4, 2614.9, 256, 6000, 896, "Infinity Fabric", _AMD_325),
-    ("Google TPU v5e", 197, None, 16, 819, 200, "ICI (1,600 Gbps)", _TPU.format("v5e")),
-    ("Google TPU v5p", 459, None, 95, 2765, 600, "ICI (4,800 Gbps)", _TPU.format("v5p")),
-    ("Google TPU v6e (Trillium)", 918, None, 32, 1640, 448, "ICI (3,584 Gbps)", _TPU.format("v6e")),
-    ("Google TPU Ironwood", None, 4614, 192, 7370, 1200, "ICI", _IRONWOOD),
-    ("AWS Trainium2", 667, 1299, 96, 2900, None, "NeuronLink v3", _TRN2),
-    ("Intel Gaudi 3", 1835, 1835, 128, 3700, 1200, "24 × 200 GbE", _GAUDI3),
-    ("Apple M4 Max", None, None, 128, 546, None, "none (one chip)", _APPLE),
+    # name, bf16, fp8, memory GB, memory GB/s, link GB/s, link, source, note
+    ("NVIDIA A100 SXM 80GB", 312, None, 80, 2039, 600, "NVLink 3", _NV_A100, ""),
+    ("NVIDIA H100 SXM", 989.5, 1979, 80, 3350, 900, "NVLink 4", _NV_H100, ""),
+    ("NVIDIA H200 SXM", 989.5, 1979, 141, 4800, 900, "NVLink 4", _NV_H200, ""),
+    (
+        "NVIDIA B200",
+        2250,
+        4500,
+        180,
+        7750,
+        1800,
+        "NVLink 5",
+        _NV_HGX,
+        "HGX B200, 8 GPUs: its figures ÷ 8, the tensor ones printed with sparsity so halved too "
+        "(bf16 36 PFLOPS → 2,250; fp8 72 → 4,500); memory 1.4 TB ÷ 8 ≈ 180 GB (the part is sold "
+        "as B200 180GB); bandwidth 62 TB/s ÷ 8 = 7,750 GB/s; NVLink 1.8 TB/s per GPU",
+    ),
+    ("AMD MI300X", 1307.4, 2614.9, 192, 5300, 896, "Infinity Fabric", _AMD_300, ""),
+    ("AMD MI325X", 1307.4, 2614.9, 256, 6000, 896, "Infinity Fabric", _AMD_325, ""),
+    (
+        "Google TPU v5e",
+        197,
+        None,
+        16,
+        819,
+        400,
+        "ICI, 2-D torus",
+        _TPU.format("v5e"),
+        "int8 393 TOPS, no fp8 listed; ICI 400 GB/s per chip both ways (an older version of the "
+        "page printed 1,600 Gbps, one way)",
+    ),
+    (
+        "Google TPU v5p",
+        459,
+        459,
+        95,
+        2765,
+        1200,
+        "ICI, 3-D torus",
+        _TPU.format("v5p"),
+        "fp8 listed at the bf16 rate (no speed-up over bf16); ICI 1,200 GB/s per chip both ways, "
+        "over its six links",
+    ),
+    (
+        "Google TPU v6e (Trillium)",
+        918,
+        918,
+        32,
+        1638,
+        800,
+        "ICI, 2-D torus",
+        _TPU.format("v6e"),
+        "fp8 918 (listed at the bf16 rate, on Google's TPU7x page); int8 1,836 TOPS; ICI 800 GB/s "
+        "per chip both ways",
+    ),
+    (
+        "Google TPU7x (Ironwood)",
+        2307,
+        4614,
+        192,
+        7380,
+        1200,
+        "ICI, 3-D torus",
+        _TPU.format("tpu7x"),
+        "the TPU7x page's table: bf16 2,307, fp8 4,614, 192 GiB, 7,380 GB/s, ICI 1,200 GB/s per "
+        "chip both ways",
+    ),
+    (
+        "AWS Trainium2",
+        667,
+        1299,
+        96,
+        2900,
+        1280,
+        "NeuronLink-v3",
+        _TRN2,
+        "NeuronLink-v3: 1.28 TB/s per chip (AWS does not say whether that counts one direction "
+        "or both: shown as printed)",
+    ),
+    (
+        "Intel Gaudi 3",
+        1835,
+        1835,
+        128,
+        3700,
+        1200,
+        "24 × 200 GbE",
+        _GAUDI3,
+        "fp8 at the bf16 rate; 24 × 200 Gb/s = 600 GB/s each way",
+    ),
+    (
+        "Apple M4 Max",
+        None,
+        None,
+        128,
+        546,
+        None,
+        "none (one chip)",
+        _APPLE,
+        "memory and its bandwidth only: Apple publishes no TFLOP/s",
+    ),
 ]
 FIELDS = (
     "name",
@@ -421,11 +537,13 @@ FIELDS = (
     "link_gbps",
     "link",
     "source",
+    "note",
 )
 
 
 def accelerators() -> list[dict]:
-    """ACCELERATORS as dicts, with each chip's ridge point (FLOPs per byte) in bf16."""
+    """ACCELERATORS as dicts, with each chip's ridge point (FLOPs per byte) in bf16: derived from
+    two datasheet figures, so a prediction, not a measurement."""
     rows = []
     for row in ACCELERATORS:
         r = dict(zip(FIELDS, row))
@@ -438,6 +556,44 @@ def ridge(tflops: float | None, gbps: float | None) -> float | None:
     """The roofline's ridge point: FLOPs per byte above which the peak, not memory, bounds a
     kernel (peak / bandwidth)."""
     return tflops * 1e12 / (gbps * 1e9) if tflops and gbps else None
+
+
+_VENDOR_COLOURS = {
+    "NVIDIA": "tab:green",
+    "AMD": "tab:red",
+    "Google": "tab:blue",
+    "AWS": "tab:orange",
+    "Intel": "tab:purple",
+    "Apple": "tab:gray",
+}
+_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+
+
+def roof_styles(names: list[str]) -> dict:
+    """{name: (colour, linestyle)}: one colour per vendor (the name's first word), its chips told
+    apart by line style, so no two roofs are drawn alike (matplotlib's default cycle repeats
+    after ten lines)."""
+    seen: dict[str, int] = {}
+    styles = {}
+    for name in names:
+        vendor = name.split()[0]
+        k = seen.get(vendor, 0)
+        seen[vendor] = k + 1
+        styles[name] = (_VENDOR_COLOURS.get(vendor, "tab:brown"), _LINESTYLES[k % len(_LINESTYLES)])
+    return styles
+
+
+def duration(seconds: float) -> str:
+    """A time with three significant figures in the unit that keeps it readable: '17.6 ms',
+    '179 s', '12.0 µs' (not '178726.41 ms')."""
+    if seconds <= 0:
+        return f"{seconds:g} s"
+    seconds = float(f"{seconds:.3g}")  # rounded first: 0.9999996 s is "1.00 s", not "1,000 ms"
+    units = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9))
+    unit, scale = next(((u, s) for u, s in units if seconds >= s), units[-1])
+    value = seconds / scale
+    decimals = max(0, 2 - int(np.floor(np.log10(value))))
+    return f"{value:,.{decimals}f} {unit}"
 
 
 def step_cost(model_args, batch: int, seq_len: int, weight_bytes: int = 2) -> dict:
@@ -522,7 +678,7 @@ def fit_alpha_beta(rows: list[dict]) -> dict:
     predicted = intercept + slope * x
     return {
         "ranks": n,
-        "alpha_s": intercept / (2 * (n - 1)),
+        "alpha_s": float(intercept / (2 * (n - 1))),
         "bandwidth": 1 / slope if slope > 0 else float("inf"),
         "worst_error": float(np.max(np.abs(predicted - t) / t)),
     }
@@ -533,11 +689,119 @@ def ring_all_reduce_time(nbytes: float, n: int, alpha_s: float, bandwidth: float
     return 2 * (n - 1) * alpha_s + bus_factor("all_reduce", n) * nbytes / bandwidth
 
 
-# Interconnects for the prediction: bandwidth per direction per GPU/chip from the datasheets
-# above; α an assumed per-hop latency (no datasheet prints one): order of magnitude only.
+def alpha_beta_check(rows: list[dict], fit: dict) -> dict:
+    """What the fitted α–β model does and does not account for in the measured `rows`:
+
+    - `log_rms`: its typical miss, the root-mean-square of log(predicted / measured), a measure
+      it was *not* fitted in, beside the same for each of its terms alone, each at its best
+      (latency only: one constant time; bandwidth only: time ∝ S): if the model explains the
+      curve's two regimes it must beat both;
+    - `knee_bytes`: the message size n·α·B where its two terms are equal (latency below it,
+      bandwidth above); inside the measured sizes when both regimes were measured;
+    - `median_miss`, `worst_miss`: |predicted − measured| / measured;
+    - `busbw_peak_bytes`, `busbw_drop`: where the measured bus bandwidth is highest, and how much
+      lower it is at the largest message. The model's busbw only rises with S: a drop (messages
+      leaving the CPU's caches) is what it cannot describe."""
+    n = fit["ranks"]
+    size = np.array([r["bytes"] for r in rows], dtype=float)
+    t = np.array([r["seconds"] for r in rows])
+    predicted = np.array(
+        [ring_all_reduce_time(s, n, fit["alpha_s"], fit["bandwidth"]) for s in size]
+    )
+    miss = np.abs(predicted - t) / t
+    busbw = np.array([r["busbw"] for r in rows])
+    return {
+        "log_rms": float(np.sqrt(np.mean(np.log(predicted / t) ** 2))),
+        "log_rms_latency_only": float(np.std(np.log(t))),
+        "log_rms_bandwidth_only": float(np.std(np.log(t) - np.log(size))),
+        "knee_bytes": n * fit["alpha_s"] * fit["bandwidth"],
+        "median_miss": float(np.median(miss)),
+        "worst_miss": float(np.max(miss)),
+        "busbw_peak_bytes": int(size[np.argmax(busbw)]),
+        "busbw_drop": float(1 - busbw[-1] / busbw.max()),
+    }
+
+
+def torus_all_reduce_time(nbytes: float, axes: tuple, alpha_s: float, bandwidth: float) -> float:
+    """The α–β model on a torus, axis by axis: a ring reduce-scatter along each axis in turn (the
+    data left to reduce shrinks by that axis's length each time), then all-gathers back the same
+    way. `bandwidth` is what one chip sends along one axis. One axis is the plain ring."""
+    t, left = 0.0, float(nbytes)
+    for k in axes:
+        t += (k - 1) * alpha_s + (k - 1) / k * left / bandwidth
+        left /= k
+    return 2 * t
+
+
+@dataclass(frozen=True)
+class Link:
+    """An interconnect for the all-reduce prediction. `bandwidth`: bytes/s one rank sends per ring
+    step (one direction); `alpha_s`: an assumed latency per step (no datasheet prints one: an order
+    of magnitude); `max_ranks`: the most ranks the link joins (None: a network, no limit); `torus`:
+    for a torus, the slice shape (axis lengths) used at each n, and only those n are predicted."""
+
+    name: str
+    alpha_s: float
+    bandwidth: float
+    max_ranks: int | None
+    source: str
+    torus: dict | None = None
+
+    def all_reduce_time(self, nbytes: float, n: int) -> float | None:
+        """The α–β model's all-reduce of `nbytes` over `n` ranks, or None where this link does
+        not join n ranks."""
+        if self.torus is not None:
+            axes = self.torus.get(n)
+            if axes is None:
+                return None
+            return torus_all_reduce_time(nbytes, axes, self.alpha_s, self.bandwidth)
+        if self.max_ranks is not None and n > self.max_ranks:
+            return None
+        return ring_all_reduce_time(nbytes, n, self.alpha_s, self.bandwidth)
+
+
+# One direction per GPU/chip, from the table's both-ways figures (halved). A ring all-reduce along
+# one torus axis uses only that axis's two links: each ~90 GB/s one way on v5p (scaling-book,
+# "How to Think About TPUs"), 180 GB/s with the ring run both ways round its wrap-around, which a
+# slice has only on an axis of whole 4×4×4 cubes. Google's 1,200 GB/s counts all six links both
+# ways; the axes one after the other, as modelled, never use more than one axis's pair at a time.
 LINKS = [
-    ("NVLink 4 / NVSwitch (H100)", 1e-6, 450e9, _NV_H100 + " (900 GB/s both ways)"),
-    ("PCIe Gen5 x16", 3e-6, 64e9, "PCI-SIG PCIe 5.0: 32 GT/s × 16 lanes ≈ 64 GB/s each way"),
-    ("InfiniBand NDR / 400G RoCE, one NIC per GPU", 5e-6, 50e9, "NVIDIA ConnectX-7: 400 Gb/s"),
-    ("TPU v5p ICI", 2e-6, 300e9, _TPU.format("v5p") + " (4,800 Gbps per chip both ways)"),
+    Link(
+        "NVLink 4 / NVSwitch, HGX H100",
+        1e-6,
+        450e9,
+        8,
+        _NV_H100 + " (900 GB/s both ways; 8 GPUs in an HGX H100's NVLink domain)",
+    ),
+    Link(
+        "NVLink 5 / NVSwitch, GB200 NVL72",
+        1e-6,
+        900e9,
+        72,
+        _NV_NVL72 + " (72 GPUs in one NVLink domain, 1.8 TB/s per GPU both ways)",
+    ),
+    Link(
+        "PCIe Gen5 x16, inside one host",
+        3e-6,
+        64e9,
+        8,
+        "PCI-SIG PCIe 5.0: 32 GT/s × 16 lanes ≈ 64 GB/s each way; PCIe stays in its host (8 GPUs)",
+    ),
+    Link(
+        "InfiniBand NDR, one 400G NIC per GPU",
+        5e-6,
+        50e9,
+        None,
+        "NVIDIA ConnectX-7: 400 Gb/s each way (InfiniBand NDR, or 400G RoCE)",
+    ),
+    Link(
+        "TPU v5p ICI, torus axis by axis",
+        1e-6,
+        2 * 90e9,
+        None,
+        f"{_SCALING_BOOK} (~90 GB/s one way per link; a ring both ways round an axis's "
+        f"wrap-around: 180 GB/s) and {_TPU.format('v5p')} (1,200 GB/s per chip, all six links "
+        f"both ways). n = 8: one axis of 8; 64: a 4×4×4 cube; 512: 8×8×8",
+        torus={8: (8,), 64: (4, 4, 4), 512: (8, 8, 8)},
+    ),
 ]

@@ -99,6 +99,7 @@ VERDICT_MISTAKES = {  # (first, last, row) -> verdict
     "the gap over the first baseline": lambda a, b, r: _verdict_by(r / a, abs(a - b) / a),
     "the gap over the last baseline": lambda a, b, r: _verdict_by(r / a, abs(a - b) / b),
     "the signed gap": lambda a, b, r: _verdict_by(r / a, (a - b) / ((a + b) / 2)),
+    "the signed gap, last minus first": lambda a, b, r: _verdict_by(r / a, (b - a) / ((a + b) / 2)),
 }
 
 
@@ -109,7 +110,10 @@ def _draw_rows(rng: random.Random):
     cases = []
     for i in range(30):
         first = rng.uniform(50, 50_000)
-        last = first * (1 + rng.choice((-1, 1)) * rng.uniform(0.02, 0.2))
+        # Each of the three verdicts with the machine drifting up and drifting down, five times
+        # each: a gap taken with its sign is wrong one way or the other, at every seed.
+        direction = 1 if (i // 3) % 2 else -1
+        last = first * (1 + direction * rng.uniform(0.02, 0.2))
         band = drift([{"tokens_per_sec": first}, {"tokens_per_sec": last}])
         # never within 2% of the edge: no rounding decides
         ratio = 1 + rng.uniform(*spans[i % 3]) * band

@@ -122,18 +122,29 @@ SPLIT_MISTAKES = {
     "only the first choice": lambda ch, e, ep: torch.bincount(
         (ch[:, 0] // (e // ep)), minlength=ep
     ).tolist(),
+    "no minlength: ranks past the last one chosen dropped": lambda ch, e, ep: torch.bincount(
+        (ch // (e // ep)).flatten()
+    ).tolist(),
 }
 
 
 def _draw_splits(rng):
     cases = []
-    for _ in range(4):
+    for i in range(4):
         ep = rng.choice([2, 4])
-        e = ep * rng.choice([1, 2, 3])
-        k = rng.randint(2, e)
+        per_rank = rng.choice([1, 2, 3])
+        e = ep * per_rank
+        # The first routing sends nothing to the last ranks (this rank's tokens all chose experts
+        # of the first ones, as a skewed router does): their zeros are part of the answer, and a
+        # count that stops at the highest rank chosen is short of them.
+        receiving = ep if i else rng.randint(1, ep - 1)
+        allowed = receiving * per_rank  # experts 0 … allowed-1 live on the receiving ranks
+        k = rng.randint(min(2, allowed), allowed)
         n = rng.randint(4, 20)
         g = torch.Generator().manual_seed(rng.randrange(2**31))
-        chosen = torch.rand(n, e, generator=g).topk(k, -1).indices  # k distinct experts a token
+        scores = torch.rand(n, e, generator=g)
+        scores[:, allowed:] = -1.0  # never among a token's top k
+        chosen = scores.topk(k, -1).indices  # k distinct experts a token
         cases.append((chosen, e, ep))
     return cases
 

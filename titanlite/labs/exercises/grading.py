@@ -177,9 +177,13 @@ class Check:
                 f"{', compared bit for bit' if exact else ''})"
             )
 
-    def same_value(self, got, want, what: str, *, rel: float = 1e-9) -> None:
+    def same_value(self, got, want, what: str, *, rel: float = 1e-9, at: str = "") -> None:
         """Numbers (floats within `rel`, ints exactly), bools, and dicts, lists and tuples of them
-        item by item, naming the first item that differs; anything else by ==."""
+        item by item, naming the first item that differs; anything else by ==. `at`: where the
+        part compared sits in the whole answer `what` describes ("[2]['lr']"), named after the
+        description and set apart from it ("... of a sequence of 20, item [5] is 7, expected
+        12"), never glued to its last word ("20[5]")."""
+        whole, what = what, f"{what}, item {at}" if at else what
         got = _plain(got)
         if isinstance(want, dict):
             if not isinstance(got, dict):
@@ -196,7 +200,7 @@ class Check:
                     f"{', '.join(map(repr, want))})"
                 )
             for key in want:
-                self.same_value(got[key], want[key], f"{what}[{key!r}]", rel=rel)
+                self.same_value(got[key], want[key], whole, rel=rel, at=f"{at}[{key!r}]")
             return
         if isinstance(want, (list, tuple)):
             if not isinstance(got, (list, tuple)):
@@ -206,10 +210,11 @@ class Check:
                 )
             if len(got) != len(want):
                 self.fail(
-                    f"{what} has {len(got)} items, expected {len(want)}: {_short(got)} vs {_short(want)}"
+                    f"{what} has {len(got)} item{'s' * (len(got) != 1)}, expected {len(want)}: "
+                    f"{_short(got)} vs {_short(want)}"
                 )
             for i, (g, w) in enumerate(zip(got, want)):
-                self.same_value(g, w, f"{what}[{i}]", rel=rel)
+                self.same_value(g, w, whole, rel=rel, at=f"{at}[{i}]")
             return
         if isinstance(want, bool):
             if not isinstance(got, bool):

@@ -3,8 +3,9 @@
     titanlite doctor                 # a few minutes on whatever device is here
     titanlite doctor --smoke         # the same checks, shrunk (TITANLITE_SMOKE=1 does too)
 
-It writes runs/doctor/report.md and report.json. Each check ends pass, fail or skipped, with
-the reason; the exit status is 0 only when nothing failed. Which checks apply is decided by
+It writes runs/doctor/report.md and report.json. Each check ends pass, warn, fail or skipped,
+with the reason; the exit status is 0 only when nothing failed. A run whose MFU comes out above
+100% is a warning, never a pass: its peak was measured too low (a busy machine), not the run. Which checks apply is decided by
 `plan(facts)` from the device's facts alone (type, GPU count, compute capability), so the
 decision for an H100 pair or a Mac is tested on any machine.
 """
@@ -18,6 +19,7 @@ import shutil
 import statistics
 import time
 import traceback
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -40,7 +42,7 @@ class DeviceFacts:
 @dataclass
 class Check:
     name: str
-    status: str  # pass | fail | skipped
+    status: str  # pass | warn (MFU above 100%: the peak, not the run) | fail | skipped
     detail: str  # the measurement, or why it failed / was skipped
     data: dict = field(default_factory=dict)
 
@@ -137,6 +139,8 @@ def _matmul_peaks(device, facts, smoke, out) -> list[Check]:
             else "; no datasheet entry for this device"
         )
         kept = "" if in_force.flops == now.flops else f" (cached; {_flops(now.flops)} now)"
+        if spread > matmul_peak.MAX_SPREAD:  # a busy moment: used, never cached as the peak
+            kept += f" (spread over {matmul_peak.MAX_SPREAD:.0%}: too noisy to keep as the peak)"
         checks.append(
             Check(
                 f"matmul {name}",
@@ -148,6 +152,7 @@ def _matmul_peaks(device, facts, smoke, out) -> list[Check]:
                     "spread": spread,
                     "datasheet_flops": sheet.flops if sheet else None,
                     "label": in_force.label,
+                    "cached": spread <= matmul_peak.MAX_SPREAD or in_force.flops != now.flops,
                 },
             )
         )
@@ -262,22 +267,27 @@ def _train_once(device, smoke, out, name, **extra) -> tuple[dict, object]:
     from ...config import load_config
     from ...train import Trainer
     from ..measure.host_syncs import CudaSyncDebug
+    from ..probe.matmul_peak import MatmulPeaks
 
     cfg = load_config(None, _overrides(device, smoke, out, name, **extra))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    trainer, syncs = Trainer(cfg), []
+    # MFU against the measured peak, as `titanlite train` hands it in
+    trainer, syncs = Trainer(cfg, peaks=MatmulPeaks()), []
     watchers = (
         [lambda run: syncs.append(CudaSyncDebug(run)) or syncs[-1]] if device.type == "cuda" else []
     )
     try:
-        history = trainer.fit(watchers=watchers)
+        with warnings.catch_warnings(record=True) as said:  # MFU > 1: in the check's line
+            warnings.simplefilter("always")
+            history = trainer.fit(watchers=watchers)
     finally:
         trainer.close()
     timing = timing_plan(device.type, smoke)
     last = {**history.train[-1], **throughput(history.train, timing["warmup"], timing["log_every"])}
     if syncs:
         last["sync_checked_steps"] = syncs[0].checked
+    last["warnings"] = sorted({str(w.message).split(":")[0] for w in said})
     if device.type == "cuda":
         last["memory"] = {
             "allocated": torch.cuda.max_memory_allocated(device),
@@ -292,8 +302,8 @@ def _describe_run(r: dict) -> str:
     mem = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in r["memory"].items())
     busy = (
         (
-            " (over 100%: the cached peak was measured while the machine was busy; "
-            "`titanlite peaks --refresh` re-measures it)"
+            " (MFU over 100% is no pass: the peak was measured while the machine was busy, or "
+            "too noisily; `titanlite peaks --refresh` re-measures it when it is quiet)"
         )
         if r["mfu"] > 1
         else ""
@@ -322,7 +332,11 @@ def _spread(r: dict) -> float:
 
 
 def _finite(r: dict) -> str:
-    return "pass" if math.isfinite(r["loss"]) else "fail"
+    """fail for a non-finite loss; warn for an MFU above 100% (a peak measured too low, which no
+    run can honestly beat); else pass."""
+    if not math.isfinite(r["loss"]):
+        return "fail"
+    return "warn" if r.get("mfu") is not None and r["mfu"] > 1 else "pass"
 
 
 def _train(device, facts, smoke, out, mode) -> list[Check]:
@@ -371,11 +385,11 @@ def _fp8(device, facts, smoke, out, real) -> list[Check]:
         },
     )
     info = trainer.model.fp8_info
-    ok = _finite(r) == "pass" and info["emulated"] != real
+    status = _finite(r) if info["emulated"] != real else "fail"
     return [
         Check(
             name,
-            "pass" if ok else "fail",
+            status,
             f"{info['label']}, {len(info['converted'])} Linear "
             f"layers in FP8 ({info['why']}): " + _describe_run(r),
             {**r, "why": info["why"]},
@@ -526,7 +540,9 @@ def _compare_fp8(checks: list[Check]) -> None:
     """The FP8 row's speed, said from the numbers: its median tokens/s over the fp32 run's (the
     FP8 run computes in fp32 around its FP8 Linears), read against the wider of the two runs'
     own tokens/s ranges. A fixed "slower than fp32" was once printed beside a faster run."""
-    rows = {c.name: c for c in checks if c.status == "pass" and "tokens_per_sec" in c.data}
+    rows = {
+        c.name: c for c in checks if c.status in ("pass", "warn") and "tokens_per_sec" in c.data
+    }
     fp8 = next((c for name, c in rows.items() if name.startswith("fp8")), None)
     if fp8 is None or "train fp32" not in rows:
         return

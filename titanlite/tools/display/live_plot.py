@@ -239,6 +239,9 @@ class LivePlot:
     train records ("kind": "train") carry the metrics, validation records ("kind": "val")
     carry "val_<metric>" (e.g. "val_loss"), drawn dashed on that metric's panel. Optional
     "run" and "rank" keys split records into separate lines; "peak_label" names MFU's peak.
+    A "line" key names a line that is not a run (one expert's load in the run now training):
+    it gets its own line in place of the run's, while the status line and the progress keep
+    following the run, so they never name whichever line happened to arrive last.
 
     Widget mode displays the plot in the current cell as soon as it is constructed, so build
     it in the cell that trains (or set `show=False` and `display(plot)` yourself)."""
@@ -344,9 +347,10 @@ class LivePlot:
         step = _num(record.get(self.x))
         if step is None or math.isnan(step):
             return  # a record without x cannot be placed; say nothing, keep training
-        rank = record.get("rank")
+        rank, line = record.get("rank"), record.get("line")
         series = self._series.setdefault(
-            (run, rank), {"color": COLORS[len(self._series) % len(COLORS)], "data": {}}
+            (run if line is None else line, rank),
+            {"color": COLORS[len(self._series) % len(COLORS)], "data": {}},
         )
         is_val = record.get("kind") == "val"
         for metric in self.metrics:

@@ -52,12 +52,10 @@ _DATASHEET = [
         None,
         "",
     ),  # Grace-Blackwell runs B200 silicon at higher power: other peaks
-    (
-        r"B200",
-        "NVIDIA B200",
-        dict(tf32=1100, bf16=2250, fp16=2250, fp8=4500),  # HGX B200 spec, per GPU
-        " (no dense FP32 figure published)",
-    ),
+    # HGX B200 page (nvidia.com/en-us/data-center/hgx), per GPU: its 8-GPU figures ÷ 8, the tensor
+    # ones printed with sparsity so halved too (bf16 36 PFLOPS -> 2,250, fp8 72 -> 4,500, TF32 18
+    # -> 1,125), FP32 600 TFLOPS -> 75. The totals are rounded (TF32 18 may be 8 x 2.2 sparse).
+    (r"B200", "NVIDIA B200", dict(fp32=75, tf32=1125, bf16=2250, fp16=2250, fp8=4500), ""),
     (r"A800", "NVIDIA A800", _AMPERE_A100, ""),  # A800: A100 compute, cut NVLink
     (r"A100", "NVIDIA A100", _AMPERE_A100, ""),
     (r"L40S", "NVIDIA L40S", dict(fp32=91.6, tf32=183, bf16=362.05, fp16=362.05, fp8=733), ""),

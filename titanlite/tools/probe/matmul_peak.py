@@ -143,17 +143,28 @@ def measure_peaks(device, dtypes, rounds: int = 3, budget_s: float = 2.0) -> dic
     return out
 
 
-def record_peak(device, dtype, peak: Peak, spread: float) -> Peak:
+# A measurement whose rounds differ by more than this is the machine's business that moment, not
+# its peak: it is used for the run at hand, never cached (an MFU against it would pass 100%).
+MAX_SPREAD = 0.25
+
+
+def record_peak(device, dtype, peak: Peak, spread: float, beaten: bool = False) -> Peak:
     """Cache a measured peak for this device and dtype, unless the cached one (still valid) is
     within its spread of it or above it: one trustworthy peak per device and dtype, whoever
-    measured it (notebook 00, the trainer, the doctor). Returns the peak in force, labelled with
-    when it was measured, the machine's load then and its spread."""
+    measured it (notebook 00, the trainer, the doctor). `beaten`: a run went faster than the
+    cached peak, so any higher measurement replaces it. A measurement noisier than MAX_SPREAD is
+    never cached. Returns the peak in force, labelled with when it was measured, the machine's
+    load then and its spread."""
     key, facts, now = _cache_key(device, dtype), _facts(device), time.time()
     table = _read_cache()
     entry = table.get(key)
-    if peak_is_stale(entry, now, *facts.values()) or peak.flops > entry["flops"] * (
-        1 + entry.get("spread", 0.0)
-    ):
+    usable = not peak_is_stale(entry, now, *facts.values())
+    if spread > MAX_SPREAD:
+        if usable:
+            return _cached(entry)
+        return replace(peak, label=f"{peak.label} [spread {spread:.0%}: too noisy to keep]")
+    margin = 0.0 if beaten else (entry.get("spread", 0.0) if usable else 0.0)
+    if not usable or peak.flops > entry["flops"] * (1 + margin):
         entry = table[key] = {
             "flops": peak.flops,
             "label": peak.label,
@@ -221,10 +232,14 @@ def recheck_peak(
     if peak.source != "measured" or achieved_flops_per_s <= peak.flops or key in _RECHECKED:
         return peak
     _RECHECKED.add(key)
-    fresh = _with_datasheet(matmul_peak(device, dtype, refresh=True), sheet)
+    ((now, spread),) = measure_peaks(device, [dtype]).values()
+    # the run is the evidence: a higher measurement replaces the cached one, whatever its spread
+    fresh = _with_datasheet(record_peak(device, dtype, now, spread, beaten=True), sheet)
+    kept = "in force now" if fresh.flops > peak.flops else "lower: the run's own rate says more"
     say(
         f"titanlite: this run reached {achieved_flops_per_s / 1e12:.4g} TFLOP/s, above the peak of "
-        f"{peak.flops / 1e12:.4g} ({peak.label}); re-measured it: {fresh.flops / 1e12:.4g} TFLOP/s"
+        f"{peak.flops / 1e12:.4g} ({peak.label}); re-measured it: {now.flops / 1e12:.4g} TFLOP/s "
+        f"(spread {spread:.0%}; {kept})"
     )
     return fresh
 
