@@ -15,7 +15,7 @@ from titanlite.models.moe import MoE, MoEArgs, Router, expert_kernel, grouped_sw
 from titanlite.resilience.checkpoint import Checkpointer
 from titanlite.resilience.checkpoint_files import committed
 from titanlite.tools.formats.export import from_hf, load_model, to_hf, to_hf_model
-from titanlite.tools.jobs.launcher import launch
+from titanlite.tools.jobs.launcher import launch, launch_function
 from titanlite.tools.measure.flops import count_training_flops
 from titanlite.train import Trainer
 
@@ -355,3 +355,21 @@ def test_a_hot_experts_rank_is_counted_and_timed_round_by_round():
     assert cost["hot"]["choices"] == 256 + 256 // 7  # all 256 tokens, and a share of the rest
     assert all(len(c["seconds"]) == 3 and min(c["seconds"]) > 0 for c in cost.values())
     assert torch.get_num_threads() == threads
+
+
+def test_an_expert_parallel_layer_waits_once_and_op_sac_keeps_its_exchanges(data_dir, tmp_path):
+    """EP 2 on two gloo ranks, one step, counted: each MoE layer's forward reads its split sizes
+    on the host once (a GPU's one wait a layer: models/moe.host_waits, what run.json records), and
+    under op-level SAC its all-to-alls are kept, not issued again by the backward's recompute."""
+    o = _overrides(data_dir, tmp_path, **{"parallel.ep": 2, "parallel.dp_shard": 1})
+    o.update({"training.batch_size": 4, "training.grad_accum_steps": 1})
+    target = "titanlite.labs.nb18_mixture_of_experts:ep_step_costs"
+    plain = launch_function(target, nproc=2, overrides=o)
+    sac = launch_function(target, nproc=2, overrides={**o, "activation_checkpoint.mode": "op"})
+    full = launch_function(target, nproc=2, overrides={**o, "activation_checkpoint.mode": "full"})
+    for r in plain:
+        assert len(r["host_reads"]) == r["moe_layers"] >= 1, r["host_reads"]
+        assert all("expert_parallel.py" in site for site in r["host_reads"]), r["host_reads"]
+    calls = [r["all_to_all"] for r in plain]
+    assert [r["all_to_all"] for r in sac] == calls  # kept: none issued twice
+    assert all(f > c for f, c in zip((r["all_to_all"] for r in full), calls))  # full AC re-issues

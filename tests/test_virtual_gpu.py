@@ -211,7 +211,14 @@ def _h100_with_a_new_cudnn(monkeypatch):
 def test_the_sdpa_order_puts_cudnn_first_on_cuda_only_where_torch_would(monkeypatch):
     from torch.nn.attention import SDPBackend
 
-    assert sdpa_priority("cuda", H100) is None  # this CPU build: no cuDNN, torch's own order
+    from titanlite import device_policy
+
+    # Facts set, not read off this machine: the suite runs on CPU and CUDA builds of torch alike.
+    monkeypatch.setattr(device_policy, "_CUDNN", [None])  # a build without cuDNN
+    assert sdpa_priority("cuda", H100) is None  # torch's own order
+    monkeypatch.setattr(device_policy, "_CUDNN", [91500])  # 9.15.0: before the fix torch needs
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert sdpa_priority("cuda", H100) is None
     _h100_with_a_new_cudnn(monkeypatch)
     assert sdpa_priority("cuda", H100) == [
         SDPBackend.CUDNN_ATTENTION,

@@ -30,15 +30,16 @@ def block_kernel(device_type: str, dtype, capability=None, head_dim: int = 64, r
     kernels lay the log-sum-exp out otherwise; MPS)."""
     if device_type == "cpu":
         return "cpu_flash"
-    if device_type != "cuda" or rocm or capability is None:
-        return "math"
+    if device_type != "cuda" or rocm or capability is None or tuple(capability) > (12, 1):
+        return "math"  # SDPA's fused kernels span sm50..sm121 (flash from sm80)
     # SDPA trains flash on SM 8.6-8.9 and 12.0-12.1 except for head_dim in (192, 224]
     consumer = (8, 6) <= tuple(capability) <= (8, 9) or (12, 0) <= tuple(capability) <= (12, 1)
     trains = not (consumer and 192 < head_dim <= 224)
     if flash_takes(device_type, dtype, head_dim, capability) and trains:
         return "cuda_flash"
     alignment = 4 if dtype == torch.float32 else 8  # 16 bytes (check_head_dim_size_mem_efficient)
-    return "cuda_efficient" if head_dim % alignment == 0 else "math"
+    takes = dtype != torch.bfloat16 or tuple(capability) >= (8, 0)  # cutlassF/B: bf16 from sm80
+    return "cuda_efficient" if head_dim % alignment == 0 and takes else "math"
 
 
 def native_gqa(kind: str) -> bool:

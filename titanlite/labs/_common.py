@@ -136,8 +136,9 @@ class Progress:
 
 
 def state_against_floor(overrides: dict) -> dict:
-    """Each rank of a trainer built with `overrides`, after one optimizer step: the bytes of the
-    weights, gradients and AdamW moments it holds, read off its tensors (tools.predict.zero), and
+    """Each rank of a trainer built with `overrides`, one optimizer step and one more backward in:
+    the bytes of the weights, gradients and AdamW moments it holds, read off its tensors
+    (tools.predict.zero), and
     preflight's floor for them (`memory_floor`): what notebooks 17 and 18 check the formula by."""
     from ..config import load_config
     from ..preflight import memory_floor
@@ -147,7 +148,9 @@ def state_against_floor(overrides: dict) -> dict:
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg)
     try:
-        trainer.train_step(trainer.next_micro_batches())
+        trainer.train_step(trainer.next_micro_batches())  # AdamW's moments exist after a step
+        batches = trainer.next_micro_batches()  # and the gradients between backward and step
+        trainer.forward_backward(batches, batches.num_targets)
         # the optimizer's moments once (it holds every part's), each part's weights and gradients
         held = [measure_state_bytes(part) for part in trainer.model_parts]
         moments = measure_state_bytes(trainer.model_parts[0], trainer.optimizer)["optimizer"]
