@@ -236,3 +236,19 @@ def test_the_layout_folds_cp_into_fsdp_and_reads_one_data_slice_per_cp_group():
     assert ParallelDims.resolve(2, 1, 4, cp=2).strategy == "hsdp"
     assert ParallelDims.resolve(1, 1, 2, cp=2).strategy == "fsdp"
     assert cpmod.METHODS == ("ring", "allgather") and cpmod.LAYOUTS == ("zigzag", "contiguous")
+
+
+def test_the_math_block_computes_its_scores_in_fp32_under_fp16_autocast():
+    """The from-scratch block (ROCm, MPS) under a caller's fp16 autocast: q·kᵀ recast to fp16 by
+    autocast before the scale would overflow (a logit of 700 at head_dim 64 is 5,600 unscaled, and
+    products beyond 65,504 are inf). Its scores stay fp32: the same output and log-sum-exp as fp32."""
+    from titanlite.distributed.attention_block import block_forward
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 8, 64, generator=g) * 40  # q·k up to ~10^5: past fp16's range
+    k, v = torch.randn(1, 2, 8, 64, generator=g) * 40, torch.randn(1, 2, 8, 64, generator=g)
+    ref_out, ref_lse = block_forward("math", q, k, v, causal=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out, lse = block_forward("math", q, k, v, causal=True)
+    assert torch.isfinite(lse).all() and torch.isfinite(out).all()
+    assert torch.allclose(lse, ref_lse) and torch.allclose(out.float(), ref_out, atol=1e-5)

@@ -58,19 +58,14 @@ def _context_parallel(model) -> dict | None:
 
 
 def _experts(trainer) -> dict | None:
-    """The experts' kernel on this device in the dtype the matmuls run in, and how many times a
-    layer's forward waits for the device with it (models/moe.py)."""
-    args = trainer.model_args
-    if args.moe is None:
+    """The experts' kernel and host waits a layer (models/moe.py), for a mixture only."""
+    if trainer.model_args.moe is None:
         return None
-    from .models.moe import expert_kernel, host_waits  # a mixture only
+    from .models.moe import experts_record  # a mixture only: a dense run never imports it
 
-    device = trainer.device
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    widths = (args.dim, args.moe.hidden_dim or args.hidden_dim)
-    rocm = torch.version.hip is not None
-    kernel = expert_kernel(device.type, trainer.compute_dtype, capability, rocm, widths)
-    return {"kernel": kernel, "host_waits_per_layer": host_waits(kernel, trainer.dims.ep)}
+    return experts_record(
+        trainer.model_args, trainer.device, trainer.compute_dtype, trainer.dims.ep
+    )
 
 
 def run_record(trainer, per_rank: list[dict] | None = None) -> dict:

@@ -220,8 +220,7 @@ def sort_by_expert(chosen: torch.Tensor, n_experts: int):
     """(the token choices' order grouped by expert - stable, so by token within an expert - and
     how many each expert got)."""
     flat = chosen.flatten()
-    # counted by adding ones (not bincount, whose output's length depends on the values: a
-    # graph break under torch.compile, and no shape for a fake tensor to take)
+    # ones added up (bincount's length depends on the values: a graph break, no fake shape)
     counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device)
     return flat.argsort(stable=True), counts.scatter_add_(0, flat, torch.ones_like(flat))
 
@@ -255,6 +254,15 @@ def expert_kernel(
     aligned = all(w % 8 == 0 for w in widths)
     grouped = device_type == "cuda" and dtype == torch.bfloat16 and fast and aligned
     return "grouped_mm" if grouped else "loop"
+
+
+def experts_record(args, device: torch.device, dtype: torch.dtype, ep: int) -> dict:
+    """What run.json records of a mixture: the experts' kernel on this device in the dtype the
+    matmuls run in, and how many times a layer's forward waits for the device with it."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    widths = (args.dim, args.moe.hidden_dim or args.hidden_dim)
+    kernel = expert_kernel(device.type, dtype, capability, torch.version.hip is not None, widths)
+    return {"kernel": kernel, "host_waits_per_layer": host_waits(kernel, ep)}
 
 
 def host_waits(kernel: str, ep: int) -> int:
