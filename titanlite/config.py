@@ -47,6 +47,8 @@ class ModelSection:
     moe_aux_loss_coef: float = ranged(0.01, "[0, inf)")
     moe_bias_update: float = ranged(1e-3, "[0, inf)")  # aux_free: bias step per optimizer step
     moe_capacity_factor: float | None = ranged(None, "(0, inf)")  # None: dropless
+    # auto: FlexAttention's BlockMask where torch trains it (CUDA) when a mask is asked, else SDPA
+    attention: str = one_of("auto", "sdpa", "flex")
 
 
 @dataclass
@@ -64,6 +66,8 @@ class DataSection:
     val_fraction: float = ranged(0.05, "(0, 1)")
     data_dir: str | None = None  # caches; None: <repo>/data or ~/.cache/titanlite/data
     max_chars: int | None = ranged(None, "[1, inf)")  # cap on the corpus size (for hf: datasets)
+    # tokens attend only within their own document of a packed sequence (block-causal mask)
+    document_mask: bool = False
 
 
 @dataclass

@@ -131,10 +131,10 @@ class Trainer:
             self.device, self.compute_dtype, self.cfg.metrics.peak, self.datasheet_peak, self.dist
         )
 
-    def loss_on(self, x: torch.Tensor, y: torch.Tensor, num_tokens=None) -> torch.Tensor:
-        """Summed cross-entropy over one batch's real target tokens / `num_tokens` (default: their count)."""
+    def loss_on(self, x, y, documents=None, num_tokens=None) -> torch.Tensor:
+        """Summed cross-entropy over real targets / `num_tokens` (default: their count), each within its `documents`."""
         with self.precision.autocast():
-            loss = loss_sum(self.model(x), y)
+            loss = loss_sum(self.model(x, documents), y)
             # TP: a replicated DTensor
             loss = loss.to_local() if hasattr(loss, "to_local") else loss
             return loss / (num_tokens if num_tokens is not None else max(1, count_targets(y)))
@@ -145,7 +145,7 @@ class Trainer:
         pipeline parallelism the schedule cuts each batch again and interleaves the stages'
         forwards and backwards (distributed/pipeline.py); the loss is on every stage."""
         total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
+        for i, (x, y, *documents) in enumerate(micro_batches):
             # DDP all-reduces only after the last micro-batch (no_sync; the others add into .grad);
             # FSDP reduce-scatters each one, to keep gradients sharded (memory is what FSDP is for).
             last = i == len(micro_batches) - 1
@@ -155,11 +155,11 @@ class Trainer:
             ):
                 if self.pipe is not None:
                     with self.precision.autocast(), record_function("forward_backward"):
-                        total += self.pipe.step(x, y, num_tokens=num_tokens)
+                        total += self.pipe.step(x, y, *documents, num_tokens=num_tokens)
                 else:
                     # record_function: labels a profiler trace shows; nearly free when off
                     with record_function("forward"):
-                        loss = self.loss_on(x, y, num_tokens=num_tokens)
+                        loss = self.loss_on(x, y, *documents, num_tokens=num_tokens)
                     with record_function("backward"):
                         self.precision.backward(loss)
                     total += loss.detach()

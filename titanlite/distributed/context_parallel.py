@@ -140,6 +140,20 @@ class ContextParallel:
         dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
         return out.view(self.size, *t.shape)
 
+    def key_positions(self, local_len: int, device=None) -> torch.Tensor:
+        """Every rank's positions, in rank order: where `gather_sequence`'s rows sit in the sequence."""
+        ranks = range(self.size)
+        return torch.cat([positions_of(r, self.size, local_len, self.layout) for r in ranks]).to(
+            device
+        )
+
+    def gather_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's part of `t` [..., T, D], concatenated along T in rank order: a masked
+        attention's keys (models/masked_attention.py). Its backward hands each rank the gradients of
+        its own part, summed over the ranks (a reduce-scatter)."""
+        # Dynamo cannot trace the collectives: compiled blocks call it eagerly.
+        return torch._dynamo.disable(GatherSequence.apply, recursive=True)(t, self)
+
     def visits(self, kv: torch.Tensor):
         """(source rank, its stacked K/V) for every rank of the group, this rank's own first."""
         if self.method == "allgather":
@@ -230,3 +244,20 @@ class ContextAttention(torch.autograd.Function):
                     dkv_wait()
                     dkv = dkv_next
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+class GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence (dim −2), differentiable: the all-gather form of CP's keys."""
+
+    @staticmethod
+    def forward(ctx, t, cp: ContextParallel):
+        ctx.cp = cp
+        return cp.gather(t).movedim(0, -3).flatten(-3, -2)  # [size, ..., T, D] -> [..., size·T, D]
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        parts = grad.unflatten(-2, (cp.size, -1)).movedim(-3, 0).contiguous()
+        mine = parts.new_empty(parts.shape[1:])
+        dist.reduce_scatter_tensor(mine, parts.flatten(0, 1), group=cp.group)
+        return mine, None

@@ -11,7 +11,8 @@
 4. FP8      - swaps nn.Linear for Float8Linear: everything later sees the final modules.
 5. AC       - wraps each block, so the wrapper is what compile and FSDP see.
 6. compile  - per block, before FSDP: the hooks FSDP installs stay outside the graphs.
-7. CP       - hands attention the cp group (after compile's trial, which runs one block alone).
+7. CP, mask - hand attention the cp group (after compile's trial, which runs one block alone), and
+              the kernel that takes a document mask (or flex's causal one).
 8. DDP/FSDP - last: they wrap or shard whatever the model finally is.
 
 Each technique's part of torch (or torchao) is imported only where a run asks for the technique."""
@@ -42,10 +43,18 @@ class Techniques:
     float8: Float8Section
     activation_checkpoint: ActivationCheckpointSection
     compile: CompileSection
+    masked_attention: str | None = None  # the kernel under a mask (sdpa, flex); None: no mask
 
     @classmethod
     def of(cls, cfg) -> "Techniques":
-        return cls(cfg.float8, cfg.activation_checkpoint, cfg.compile)
+        return cls(cfg.float8, cfg.activation_checkpoint, cfg.compile, masked_kernel(cfg))
+
+
+def masked_kernel(cfg) -> str | None:
+    """The kernel that takes a mask where a run asks for one (a document mask, or flex's causal
+    mask), as [model] attention says (sdpa or flex, once resolved for the device); else None."""
+    masked = cfg.data.document_mask or cfg.model.attention == "flex"
+    return cfg.model.attention if masked else None
 
 
 @dataclass
@@ -107,6 +116,10 @@ def parallelize(
             apply_cp(
                 part, mesh["cp"], parallel.cp_layout, parallel.cp_method, device, attention_dtype
             )
+        if techniques.masked_attention:
+            from ..models.masked_attention import apply_masked_attention  # masked runs only
+
+            apply_masked_attention(part, techniques.masked_attention)
         return apply_data_parallel(part, args, dims, mesh, parallel, device, dtype, gathered)
 
     model = build(args, device, dtype, on_meta)

@@ -159,6 +159,11 @@ DEPENDS_ON = (
         lambda c: c.parallel.cp > 1,
         "--parallel.cp 2 or more",
     ),
+    (
+        ("model.attention",),
+        lambda c: c.data.document_mask or c.model.attention == "flex",
+        "--data.document_mask true",
+    ),
 )
 
 
