@@ -56,25 +56,46 @@ def block_layout(documents: torch.Tensor, block: int) -> torch.Tensor:
     return (attended > 0).to(torch.int8) + (attended == block * block).to(torch.int8)
 
 
-def block_sparse_attention(q, k, v, documents, block: int = 64) -> torch.Tensor:
+def block_plan(documents: torch.Tensor, block: int) -> list:
+    """What a block-sparse kernel reads from the mask, worked out once a batch (as FlexAttention's
+    BlockMask is): for each row and query block, the first key block it needs (under a
+    block-causal mask the kept key blocks are one run, from the block where the document of its
+    first query starts to the diagonal) and, where any of them is partial, the pairs to mask."""
+    layout, allowed = block_layout(documents, block), pair_mask(documents)
+    plan = []
+    for b in range(documents.shape[0]):
+        row = []
+        for i in range(documents.shape[1] // block):
+            kept = layout[b, i].nonzero().flatten()
+            first = int(kept[0])
+            assert kept.tolist() == list(range(first, i + 1)), "not a block-causal mask"
+            keys = slice(first * block, (i + 1) * block)
+            partial = bool((layout[b, i, first : i + 1] == 1).any())
+            row.append((first, ~allowed[b, i * block : (i + 1) * block, keys] if partial else None))
+        plan.append(row)
+    return plan
+
+
+def block_sparse_attention(q, k, v, documents, block: int = 64, plan=None) -> torch.Tensor:
     """softmax(q·kᵀ/√d)·v under the block-causal mask, computing only the key blocks each query
-    block needs: the keys of skipped blocks are never read. Plain torch ops, so autograd gives
-    the gradients (through the same blocks). q [B, H, T, D]; k, v [B, H_kv, T, D]."""
+    block needs (`block_plan`; given, or worked out here): the keys of skipped blocks are never
+    read, and only partial blocks are masked (full ones need no mask, as in flex). Plain torch
+    ops, so autograd gives the gradients, through the same blocks. q [B, H, T, D]; k, v
+    [B, H_kv, T, D]; T a multiple of `block`."""
     B, H, T, D = q.shape
     groups = H // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    layout, allowed = block_layout(documents, block), pair_mask(documents)
+    plan = plan if plan is not None else block_plan(documents, block)
+    q = q / D**0.5  # scaled once: T·d multiplies, not T² divides
     rows = []
     for b in range(B):
         parts = []
-        for i in range(T // block):
-            queries = slice(i * block, (i + 1) * block)
-            keep = layout[b, i].nonzero().flatten().tolist()  # the key blocks this one needs
-            cols = torch.cat([torch.arange(j * block, (j + 1) * block) for j in keep])
-            scores = q[b, :, queries] @ k[b, :, cols].transpose(-1, -2) / D**0.5
-            # Needed in the partial blocks only (flex applies its mask_mod only there)
-            scores = scores.masked_fill(~allowed[b, queries][:, cols], float("-inf"))
-            parts.append(scores.softmax(-1) @ v[b, :, cols])
+        for i, (first, masked_out) in enumerate(plan[b]):
+            queries, keys = slice(i * block, (i + 1) * block), slice(first * block, (i + 1) * block)
+            scores = q[b, :, queries] @ k[b, :, keys].transpose(-1, -2)
+            if masked_out is not None:  # in place: the scores are this block's own
+                scores.masked_fill_(masked_out, float("-inf"))
+            parts.append(scores.softmax(-1) @ v[b, :, keys])
         rows.append(torch.cat(parts, dim=1))
     return torch.stack(rows)
 
@@ -130,10 +151,13 @@ def random_qkv(batch, heads, kv_heads, seq_len, head_dim, seed=0):
 
 def attention_kinds(documents: torch.Tensor, block: int, flex_compiled=None) -> dict:
     """The forward passes the notebook times, each a function of (q, k, v): SDPA causal (no
-    document mask: the floor a masked kernel competes with), SDPA with the dense boolean mask,
-    the from-scratch block-sparse one, and FlexAttention with the batch's BlockMask, compiled
-    (`flex_compiled`: torch.compile(flex_attention); None leaves it out)."""
+    document mask: the floor a masked kernel competes with) and with the dense boolean mask; the
+    from-scratch block-sparse attention and FlexAttention (`flex_compiled`: torch.compile'd
+    flex_attention; None leaves it out), each twice: over every causal block (one document) and
+    over the blocks the document mask keeps. The same code both times (flex: one compiled graph,
+    its BlockMask an input), so their ratio is what skipping blocks saves."""
     dense = pair_mask(documents)[:, None]
+    one_document = torch.zeros_like(documents)
     kinds = {
         "SDPA causal": lambda q, k, v: F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=True
@@ -141,13 +165,17 @@ def attention_kinds(documents: torch.Tensor, block: int, flex_compiled=None) -> 
         "SDPA dense mask": lambda q, k, v: F.scaled_dot_product_attention(
             q, k, v, attn_mask=dense, enable_gqa=True
         ),
-        "block-sparse (scratch)": lambda q, k, v: block_sparse_attention(q, k, v, documents, block),
     }
-    if flex_compiled is not None:
-        block_mask = MaskedAttention("flex").mask_for(documents, documents.shape[1], "cpu")
-        kinds["flex (compiled)"] = lambda q, k, v: flex_compiled(
-            q, k, v, block_mask=block_mask, enable_gqa=True
+    for what, docs in (("causal blocks", one_document), ("kept blocks", documents)):
+        plan = block_plan(docs, block)  # once, as a BlockMask is built once a batch
+        kinds[f"scratch, {what}"] = lambda q, k, v, docs=docs, plan=plan: block_sparse_attention(
+            q, k, v, docs, block, plan
         )
+        if flex_compiled is not None:
+            mask = MaskedAttention("flex").mask_for(docs, docs.shape[1], "cpu")
+            kinds[f"flex, {what}"] = lambda q, k, v, mask=mask: flex_compiled(
+                q, k, v, block_mask=mask, enable_gqa=True
+            )
     return kinds
 
 
