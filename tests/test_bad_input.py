@@ -146,6 +146,9 @@ CONFIG_VALUES = [
     ("moe-balance-typo", ["--model.n_experts", "4", "--model.moe_balance", "aux_fre"], "aux_free"),
     ("moe-every-beyond", ["--model.n_experts", "4", "--model.moe_every", "9"], "moe_every"),
     ("seq-len-beyond-model", ["--training.seq_len", "4096"], "maximum"),
+    ("attention-typo", ["--model.attention", "flx"], "did you mean: flex"),
+    # torch 2.13 has no FlexAttention backward on the CPU (a later torch that has one trains)
+    ("flex-without-a-backward-here", ["--model.attention", "flex"], "FlexAttention backward"),
     ("heads-not-dividing", ["--model.n_heads", "5"], ""),
 ]
 
@@ -502,6 +505,7 @@ LAUNCH_CASES = [
     ("replicate-2-shard-2-of-2", 2, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}),
     ("cp-3-of-2", 2, {"parallel.cp": 3}),
     ("cp-not-cutting-the-sequence", 2, {"parallel.cp": 2, "training.seq_len": 30}),
+    ("document-mask-on-the-ring", 2, {"parallel.cp": 2, "data.document_mask": True}),
     ("ep-without-experts", 2, {"parallel.ep": 2}),
     ("experts-not-dividing-ep", 2, {"model.n_experts": 3, "parallel.ep": 2}),
     ("experts-with-pp", 2, {"model.n_experts": 4, "parallel.pp": 2, "parallel.dp_shard": 1}),
@@ -553,6 +557,23 @@ def titanlite(*args, timeout=60):
         text=True,
         timeout=timeout,
     )
+
+
+def test_a_document_mask_over_a_tokenizer_without_an_end_of_document_token(world, data_dir, capfd):
+    """A document mask needs the token documents end with: a tokenizer folder that names none
+    (a bare tokenizer.json gets titanlite's <|eos|>) is refused in one line (data/tokenizer.py's
+    load_tokenizer, before anything is written)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (world / "no-eos").mkdir()
+    tok.save(str(world / "no-eos" / "tokenizer.json"))
+    argv = ["--data.tokenizer", str(world / "no-eos"), "--data.document_mask", "true"]
+    before = snapshot(world)
+    code, err = run_cli(["train", *_base(world, data_dir), *argv], capfd)
+    check(code, err, "no eos token")
+    assert code == 2 and snapshot(world) == before
 
 
 @pytest.mark.parametrize(

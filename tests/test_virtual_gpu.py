@@ -243,6 +243,8 @@ def _spy_on_attention(monkeypatch, run: bool = True) -> list:
                 "dtypes": (q.dtype, k.dtype, v.dtype),
                 "heads": (q.shape[1], k.shape[1]),
                 "enable_gqa": kwargs.get("enable_gqa", False),
+                "is_causal": kwargs.get("is_causal", False),
+                "masked": kwargs.get("attn_mask") is not None,
                 "order": _cur_sdpa_kernel_backends(with_priority=True),
             }
         )
@@ -800,3 +802,110 @@ def test_a_cuda_process_sets_the_allocator_before_anything_allocates(monkeypatch
     plan = preflight.preflight(cfg, 1, cfg.data.vocab_size, None)
     preflight.prepare_process(plan, cfg)
     assert applied == ["expandable_segments:True"]
+
+
+# ----- document masks (issue 49): which kernel, one mask a batch, no wait --------------------
+
+
+def test_a_document_mask_trains_through_flex_on_cuda_and_sdpa_on_the_cpu_and_mps(monkeypatch):
+    """`--model.attention auto` under a document mask: FlexAttention where torch has its backward
+    (CUDA), SDPA with the boolean mask elsewhere; no mask: SDPA as always. `flex` asked where torch
+    has no backward is one line (asked of torch: a later torch that has one trains)."""
+    from titanlite.models import masked_attention
+
+    masked = Config()
+    masked.data.document_mask = True
+    assert device_defaults(masked, "cuda", H100, fsdp=False)["model.attention"] == "flex"
+    assert device_defaults(masked, "cpu", None, fsdp=False)["model.attention"] == "sdpa"
+    assert device_defaults(masked, "mps", None, fsdp=False)["model.attention"] == "sdpa"
+    assert device_defaults(Config(), "cuda", H100, fsdp=False)["model.attention"] == "sdpa"
+    assert masked_attention.flex_trains("cuda")
+    assert masked_attention.attention_for("flex", "cuda") == "flex"
+    if not masked_attention.flex_trains("cpu"):  # torch 2.13
+        with pytest.raises(TitanliteError, match="no FlexAttention backward on cpu") as e:
+            masked_attention.attention_for("flex", "cpu")
+        assert "\n" not in str(e.value)
+    monkeypatch.setattr(masked_attention, "flex_trains", lambda device_type: True)
+    assert masked_attention.attention_for("flex", "cpu") == "flex"  # once torch has it
+
+
+def test_the_flex_path_builds_one_block_mask_a_batch_and_calls_flex_in_every_layer_unwaiting(
+    monkeypatch,
+):
+    """The model as the trainer builds it on CUDA (compiled flex), run on the CPU with flex's
+    compiled kernel replaced by a spy that records its BlockMask (and answers with SDPA under the
+    same mask): one BlockMask built per batch, the same one in every layer, and no wait for the
+    device anywhere on titanlite's side of the step."""
+    import torch.nn.attention.flex_attention as flex
+
+    from titanlite.distributed.mesh import ParallelDims
+    from titanlite.distributed.parallelize import Techniques, parallelize
+    from titanlite.labs.nb21_documents_and_masks import documents_of, masked_sdpa
+    from titanlite.models import masked_attention
+    from titanlite.models.llama import ModelArgs
+
+    cfg = Config()
+    cfg.data.document_mask, cfg.model.attention = True, "flex"  # as resolved on CUDA
+    args = ModelArgs.preset("debug", vocab_size=64, max_seq_len=64)
+    model = parallelize(
+        args,
+        ParallelDims.resolve(1, -1, 1),
+        None,
+        torch.device("cpu"),
+        torch.float32,
+        cfg.parallel,
+        Techniques.of(cfg),
+        example_shape=(2, 64),
+    ).parts[0]
+    assert model.masked.kernel == "flex" and model.masked.compiled  # torch.compile'd, once
+    built, calls = [], []
+    real_build = flex.create_block_mask
+    monkeypatch.setattr(
+        flex, "create_block_mask", lambda *a, **k: built.append(1) or real_build(*a, **k)
+    )
+
+    def spy(q, k, v, block_mask, enable_gqa):
+        calls.append(block_mask)
+        return masked_sdpa(q, k, v, documents)
+
+    monkeypatch.setattr(masked_attention, "_compiled_flex", lambda: spy)
+    x = torch.randint(3, 64, (2, 64))
+    x[:, [5, 40]] = 1
+    documents = documents_of(x, 1)
+    with HostSyncs() as syncs:
+        model(x, documents)
+    assert syncs.sites == []
+    assert len(built) == 1 and len(calls) == args.n_layers
+    assert all(c is calls[0] for c in calls) and isinstance(calls[0], flex.BlockMask)
+
+
+def test_a_boolean_mask_takes_cuda_attention_off_flash_and_repeats_the_kv_heads(monkeypatch):
+    """Predicted from each GPU's facts by torch's rules: flash takes no mask, so a masked A100
+    trains through the memory-efficient kernel; an H100 with a new cuDNN through cuDNN, which
+    takes one; a T4 through efficient either way. The core hands SDPA the mask in place of
+    is_causal, with the K/V heads repeated (the masked kernels' GQA is not flash's)."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titanlite.labs.nb21_documents_and_masks import cuda_sdpa_choice
+    from titanlite.models.llama import causal_attention
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert [cuda_sdpa_choice(m, bf16, A100) for m in (False, True)] == ["flash", "efficient"]
+    assert [cuda_sdpa_choice(m, bf16, H100) for m in (False, True)] == ["cudnn", "cudnn"]
+    assert [cuda_sdpa_choice(m, fp16, T4) for m in (False, True)] == ["efficient", "efficient"]
+    calls = _spy_on_attention(monkeypatch, run=False)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(major=8, minor=0)
+    )
+    with FakeTensorMode():
+        q = torch.empty(2, 32, 128, 64, device="cuda", dtype=bf16)
+        kv = torch.empty(2, 8, 128, 64, device="cuda", dtype=bf16)
+        mask = torch.empty(2, 1, 128, 128, device="cuda", dtype=torch.bool)
+        causal_attention(q, kv, kv)
+        causal_attention(q, kv, kv, mask=mask)
+    plain, masked = calls
+    assert plain["heads"] == (32, 8) and plain["enable_gqa"] and plain["is_causal"]
+    assert masked["heads"] == (32, 32) and not masked["enable_gqa"] and not masked["is_causal"]
+    assert masked["masked"] and not plain["masked"]

@@ -167,8 +167,10 @@ def causal_attention(q, k, v, expand_kv: bool | None = None, mask=None) -> torch
     priority = sdpa_priority(q.device.type, capability)  # cuDNN first where torch would put it
     gqa = q.shape[1] != k.shape[1]  # not when the KV heads were repeated above
     with sdpa_kernel(priority, set_priority=True) if priority else contextlib.nullcontext():
-        causal = mask is None
-        return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa)
+        causal = mask is None  # a mask is causal itself
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+        )
 
 
 class TransformerBlock(nn.Module):
