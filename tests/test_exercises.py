@@ -413,7 +413,91 @@ def _spec_mistake(kind, layout, name, shape, n):
     return right
 
 
+def _block_mask_answer(pairs_of=None, reduce="any", by_firsts=False):
+    """A student's block_mask(documents, block): the pairs (query, key) some rule keeps, then a
+    block kept where any (or all) of its pairs are."""
+
+    def block_mask(documents, block):
+        T = documents.shape[0]
+        n = T // block
+        q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        same = documents[:, None] == documents[None, :]
+        if by_firsts:  # each block judged by its first token only
+            firsts = documents[::block]
+            return (firsts[:, None] == firsts[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+        pairs = (pairs_of or (lambda same, q, k: same & (q >= k)))(same, q, k)
+        blocks = pairs.reshape(n, block, n, block)
+        return blocks.all(3).all(1) if reduce == "all" else blocks.any(3).any(1)
+
+    return block_mask
+
+
+def _fractions_right(lengths):
+    from fractions import Fraction
+
+    T = sum(lengths)
+    return (
+        float(Fraction(T * (T + 1), 2 * T * T)),
+        float(sum(Fraction(n * (n + 1), 2) for n in lengths) / (T * T)),
+    )
+
+
+def _fractions_answer(causal, block_causal):
+    return lambda ls: (causal(sum(ls)), block_causal(ls, sum(ls)))
+
+
 MISTAKES = {
+    "21_block_mask": [
+        ("causal blocks only", _block_mask_answer(lambda s, q, k: q >= k), "the kept blocks"),
+        ("documents only, no causality", _block_mask_answer(lambda s, q, k: s), "the kept blocks"),
+        (
+            "keys strictly earlier",
+            _block_mask_answer(lambda s, q, k: s & (q > k)),
+            "the kept blocks",
+        ),
+        ("transposed", _block_mask_answer(lambda s, q, k: s & (q <= k)), "the kept blocks"),
+        ("full blocks only", _block_mask_answer(reduce="all"), "the kept blocks"),
+        ("a block by its first token", _block_mask_answer(by_firsts=True), "the kept blocks"),
+        ("the pair mask, not blocks", lambda d, b: _block_mask_answer()(d, 1), "has shape"),
+    ],
+    "21_attended_fraction": [
+        (
+            "the diagonal left out",
+            _fractions_answer(
+                lambda T: (T - 1) / 2 / T, lambda ls, T: sum(n * (n - 1) / 2 for n in ls) / T**2
+            ),
+            "item [0]",
+        ),
+        (
+            "half the square",
+            _fractions_answer(lambda T: 0.5, lambda ls, T: sum(n * n / 2 for n in ls) / T**2),
+            "item [0]",
+        ),
+        (
+            "no causality within a document",
+            _fractions_answer(
+                lambda T: (T + 1) / 2 / T, lambda ls, T: sum(n * n for n in ls) / T**2
+            ),
+            "item [1]",
+        ),
+        (
+            "block-causal over the causal pairs",
+            _fractions_answer(
+                lambda T: (T + 1) / 2 / T,
+                lambda ls, T: sum(n * (n + 1) for n in ls) / (T * (T + 1)),
+            ),
+            "item [1]",
+        ),
+        ("swapped", lambda ls: _fractions_right(ls)[::-1], "item [0]"),
+        (
+            "integer division",
+            _fractions_answer(
+                lambda T: T * (T + 1) // 2 // T**2, lambda ls, T: sum(n * n for n in ls) // T**2
+            ),
+            "item [0]",
+        ),
+        ("one number", lambda ls: _fractions_right(ls)[1], "should be a tuple"),
+    ],
     "01_cross_entropy": [
         (
             "padding counted as class 0",
@@ -965,6 +1049,35 @@ MISTAKES = {
 
 # Right answers other than the notebook's solution, which each check must accept at every seed.
 ALSO_RIGHT = {
+    "21_block_mask": [
+        ("an int tensor of 0 and 1", lambda d, b: _block_mask_answer()(d, b).int()),
+        (
+            "a loop over the blocks",
+            lambda d, b: torch.tensor(
+                [
+                    [
+                        any(
+                            d[q] == d[k] and k <= q
+                            for q in range(i * b, (i + 1) * b)
+                            for k in range(j * b, (j + 1) * b)
+                        )
+                        for j in range(len(d) // b)
+                    ]
+                    for i in range(len(d) // b)
+                ]
+            ),
+        ),
+    ],
+    "21_attended_fraction": [
+        ("exact fractions", _fractions_right),
+        (
+            "a dense mask's mean",
+            lambda ls: (
+                torch.ones(sum(ls), sum(ls)).tril().mean().item(),
+                torch.block_diag(*[torch.ones(n, n).tril() for n in ls]).double().mean().item(),
+            ),
+        ),
+    ],
     "17_lse_merge": [
         ("the softmax of the stacked log-sum-exps (float32)", _merge_right("softmax")),
         ("weights exp(lse - max), normalised (float32)", _merge_right("max shifted")),

@@ -11,7 +11,6 @@ data/sampler.py (which document each token is in); this measures it.
 
 from __future__ import annotations
 
-import statistics
 import time
 import warnings
 
@@ -49,11 +48,18 @@ def pair_mask(documents: torch.Tensor) -> torch.Tensor:
 def block_layout(documents: torch.Tensor, block: int) -> torch.Tensor:
     """[B, T/block, T/block]: 0 where a query block and a key block have no pair that attends
     (never computed), 1 where some do (computed, then masked), 2 where all do (computed whole):
-    the three kinds FlexAttention's BlockMask keeps apart."""
-    B, T = documents.shape
-    n = T // block
-    attended = pair_mask(documents).view(B, n, block, n, block).sum((2, 4))
-    return (attended > 0).to(torch.int8) + (attended == block * block).to(torch.int8)
+    the three kinds FlexAttention's BlockMask keeps apart. Read off the documents of each block's
+    first and last token (documents only grow along a row), never the T × T pairs: key block j
+    below the diagonal shares a document with query block i when its last token's document is
+    the one i's first token is in, and every pair attends when j's first token's document is
+    i's last token's; a diagonal block is causal, so partial (unless a block is one token)."""
+    first, last = documents[:, ::block], documents[:, block - 1 :: block]
+    n = first.shape[1]
+    below = torch.ones(n, n, dtype=torch.bool, device=documents.device).tril(-1)
+    diagonal = torch.eye(n, dtype=torch.bool, device=documents.device)
+    kept = (below & (last[:, None, :] == first[:, :, None])) | diagonal
+    full = (below & (first[:, None, :] == last[:, :, None])) | (diagonal & (block == 1))
+    return kept.to(torch.int8) + full.to(torch.int8)
 
 
 def block_plan(documents: torch.Tensor, block: int) -> list:
@@ -172,7 +178,7 @@ def attention_kinds(documents: torch.Tensor, block: int, flex_compiled=None) -> 
             q, k, v, docs, block, plan
         )
         if flex_compiled is not None:
-            mask = MaskedAttention("flex").mask_for(docs, docs.shape[1], "cpu")
+            mask = MaskedAttention("flex").mask_for(docs, docs.shape[1], docs.device)
             kinds[f"flex, {what}"] = lambda q, k, v, mask=mask: flex_compiled(
                 q, k, v, block_mask=mask, enable_gqa=True
             )
@@ -181,19 +187,22 @@ def attention_kinds(documents: torch.Tensor, block: int, flex_compiled=None) -> 
 
 @torch.no_grad()
 def time_forward(kinds: dict, q, k, v, rounds: int = 5) -> dict:
-    """Median seconds of each kind's forward, the kinds in turn in every round (a machine that
-    slows down slows them all), after one warm-up call each."""
+    """Seconds of each kind's forward in every round, the kinds in turn in each round (a machine
+    that slows down slows them all), after one warm-up call each."""
     times = {name: [] for name in kinds}
+    wait = torch.cuda.synchronize if q.is_cuda else lambda: None  # a GPU runs ahead of the clock
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for fn in kinds.values():
             fn(q, k, v)
         for _ in range(rounds):
             for name, fn in kinds.items():
+                wait()
                 start = time.perf_counter()
                 fn(q, k, v)
+                wait()
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 # ----- which SDPA kernel takes a mask -----------------------------------------------------------
