@@ -1505,6 +1505,11 @@ def test_the_markdown_states_the_rules_the_checks_enforce():
         "14_bf16_verdict": ["**medians**", "`(max - min) / median`"],
         "17_lse_merge": ["even in float64", "float32's rounding"],
         "18_dispatch_splits": ["the list of `ep` numbers", "its own included"],
+        "21_block_mask": ["**at least one**", "**a token attends to itself**"],
+        "21_attended_fraction": [
+            "**all `T × T` query–key pairs**",
+            "**A token attends to itself.**",
+        ],
     }
     for name, phrases in rules.items():
         for phrase in phrases:

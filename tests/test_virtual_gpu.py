@@ -167,12 +167,14 @@ def test_cuda_gets_torchtitans_defaults_and_the_cpu_keeps_its_own():
     assert _defaults(H100) == {
         "parallel.param_dtype": "bfloat16",
         "training.mixed_precision": "fp32",
+        "model.attention": "sdpa",  # no document mask: causal SDPA (flex only under a mask)
         "compile.enable": True,
         "metrics.log_every": 10,
     }
     # Not sharded: autocast is the mixed precision (bf16, resolved later by Precision).
     assert _defaults(H100, fsdp=False) == {
         "parallel.param_dtype": "float32",
+        "model.attention": "sdpa",
         "compile.enable": True,
         "metrics.log_every": 10,
     }
@@ -180,6 +182,7 @@ def test_cuda_gets_torchtitans_defaults_and_the_cpu_keeps_its_own():
     assert _defaults(T4)["parallel.param_dtype"] == "float32"
     assert _defaults(None, device="cpu") == {
         "parallel.param_dtype": "float32",
+        "model.attention": "sdpa",
         "compile.enable": False,
         "metrics.log_every": 1,
     }
@@ -193,6 +196,7 @@ def test_cuda_gets_torchtitans_defaults_and_the_cpu_keeps_its_own():
                 "compile.enable": False,
                 "metrics.log_every": 1,
                 "training.mixed_precision": "bf16",
+                "model.attention": "sdpa",
             },
         )
         == {}
@@ -811,7 +815,7 @@ def test_a_document_mask_trains_through_flex_on_cuda_and_sdpa_on_the_cpu_and_mps
     """`--model.attention auto` under a document mask: FlexAttention where torch has its backward
     (CUDA), SDPA with the boolean mask elsewhere; no mask: SDPA as always. `flex` asked where torch
     has no backward is one line (asked of torch: a later torch that has one trains)."""
-    from titanlite.models import masked_attention
+    from titanlite.models import flex
 
     masked = Config()
     masked.data.document_mask = True
@@ -819,14 +823,14 @@ def test_a_document_mask_trains_through_flex_on_cuda_and_sdpa_on_the_cpu_and_mps
     assert device_defaults(masked, "cpu", None, fsdp=False)["model.attention"] == "sdpa"
     assert device_defaults(masked, "mps", None, fsdp=False)["model.attention"] == "sdpa"
     assert device_defaults(Config(), "cuda", H100, fsdp=False)["model.attention"] == "sdpa"
-    assert masked_attention.flex_trains("cuda")
-    assert masked_attention.attention_for("flex", "cuda") == "flex"
-    if not masked_attention.flex_trains("cpu"):  # torch 2.13
+    assert flex.flex_trains("cuda")
+    assert flex.attention_for("flex", "cuda") == "flex"
+    if not flex.flex_trains("cpu"):  # torch 2.13
         with pytest.raises(TitanliteError, match="no FlexAttention backward on cpu") as e:
-            masked_attention.attention_for("flex", "cpu")
+            flex.attention_for("flex", "cpu")
         assert "\n" not in str(e.value)
-    monkeypatch.setattr(masked_attention, "flex_trains", lambda device_type: True)
-    assert masked_attention.attention_for("flex", "cpu") == "flex"  # once torch has it
+    monkeypatch.setattr(flex, "flex_trains", lambda device_type: True)
+    assert flex.attention_for("flex", "cpu") == "flex"  # once torch has it
 
 
 def test_the_flex_path_builds_one_block_mask_a_batch_and_calls_flex_in_every_layer_unwaiting(
@@ -868,7 +872,7 @@ def test_the_flex_path_builds_one_block_mask_a_batch_and_calls_flex_in_every_lay
         calls.append(block_mask)
         return masked_sdpa(q, k, v, documents)
 
-    monkeypatch.setattr(masked_attention, "_compiled_flex", lambda: spy)
+    monkeypatch.setattr(masked_attention, "compiled_flex", lambda: spy)
     x = torch.randint(3, 64, (2, 64))
     x[:, [5, 40]] = 1
     documents = documents_of(x, 1)

@@ -147,7 +147,7 @@ def resolve_for_device(cfg, device: torch.device, fsdp: bool):
         device.type, capability, cfg.float8.enable, cfg.float8.emulate, cfg.compile.enable
     )
     if cfg.model.attention == "flex":  # asked where torch may have no backward: asked of torch
-        from .models.masked_attention import attention_for
+        from .models.flex import attention_for
 
         attention_for("flex", device.type)
     return cfg

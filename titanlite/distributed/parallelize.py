@@ -36,10 +36,10 @@ from .ddp import apply_ddp
 from .mesh import ParallelDims
 
 
+# The config sections the chain of apply_* reads, and nothing else of the config; and the
+# kernel that takes a mask where one is asked for (`masked_kernel`).
 @dataclass(frozen=True)
 class Techniques:
-    """The config sections the chain of apply_* reads, and nothing else of the config."""
-
     float8: Float8Section
     activation_checkpoint: ActivationCheckpointSection
     compile: CompileSection
@@ -48,13 +48,6 @@ class Techniques:
     @classmethod
     def of(cls, cfg) -> "Techniques":
         return cls(cfg.float8, cfg.activation_checkpoint, cfg.compile, masked_kernel(cfg))
-
-
-def masked_kernel(cfg) -> str | None:
-    """The kernel that takes a mask where a run asks for one (a document mask, or flex's causal
-    mask), as [model] attention says (sdpa or flex, once resolved for the device); else None."""
-    masked = cfg.data.document_mask or cfg.model.attention == "flex"
-    return cfg.model.attention if masked else None
 
 
 @dataclass
@@ -133,6 +126,13 @@ def parallelize(
         stage.submod = part  # the stage runs the parallelized module
     # The schedule is built over the stages' final (parallelized) modules
     return Parallelized(parts, Pipeline(stages, mesh["pp"], parallel, micro_batch=example_shape[0]))
+
+
+def masked_kernel(cfg) -> str | None:
+    """The kernel that takes a mask where a run asks for one (a document mask, or flex's causal
+    mask), as [model] attention says (sdpa or flex, once resolved for the device); else None."""
+    masked = cfg.data.document_mask or cfg.model.attention == "flex"
+    return cfg.model.attention if masked else None
 
 
 def build(args: ModelArgs, device: torch.device, dtype: torch.dtype, on_meta: bool) -> nn.Module:

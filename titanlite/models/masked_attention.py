@@ -23,12 +23,11 @@ rounding, a masked batch is each of its documents run alone (tests/test_document
 Under context parallelism the mask needs every key's document: the all-gather form (each rank's
 queries against every rank's keys, masked; Llama 3 §3.3.2 chose it partly for such masks)."""
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import TitanliteError
+from .flex import compiled_flex, flex_module
 from .llama import causal_attention
 
 
@@ -77,8 +76,7 @@ class MaskedAttention:
             same = documents[b, q_pos[q]] == documents[b, k_pos[k]]
             return same & (q_pos[q] >= k_pos[k])
 
-        flex = _flex()
-        return flex.create_block_mask(
+        return flex_module().create_block_mask(
             block_causal, documents.shape[0], None, len(q_pos), total, device=device
         )
 
@@ -89,43 +87,5 @@ class MaskedAttention:
             k, v = cp.gather_sequence(torch.stack([k, v]))
         if self.kernel == "sdpa":
             return causal_attention(q, k, v, mask=mask)
-        attend = _compiled_flex() if self.compiled else _flex().flex_attention
+        attend = compiled_flex() if self.compiled else flex_module().flex_attention
         return attend(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def attention_for(asked: str, device_type: str) -> str:
-    """The kernel `--model.attention` asks for, checked on this device: flex where torch has no
-    FlexAttention backward is refused in one line (it trains, once torch has one)."""
-    if asked == "flex" and not flex_trains(device_type):
-        raise TitanliteError(
-            f"--model.attention flex: torch {torch.__version__} has no FlexAttention backward on "
-            f"{device_type} (it refuses: 'FlexAttention does not support backward'): use "
-            f"--model.attention auto (SDPA with the mask as a boolean here), or train on CUDA"
-        )
-    return asked
-
-
-@functools.cache
-def flex_trains(device_type: str) -> bool:
-    """Does torch have FlexAttention's backward on this device? CUDA: yes (its Triton kernels).
-    Elsewhere torch is asked, on a tiny input: torch 2.13 refuses on the CPU and MPS at once."""
-    if device_type == "cuda":
-        return True
-    q = torch.zeros(1, 1, 16, 8, device=device_type, requires_grad=True)
-    try:
-        _flex().flex_attention(q, q, q).sum().backward()
-    except NotImplementedError:
-        return False
-    return True
-
-
-def _flex():  # FlexAttention's module: imported by masked runs only
-    import torch.nn.attention.flex_attention as flex
-
-    return flex
-
-
-@functools.cache
-def _compiled_flex():
-    # Compiled once for every layer and batch (torchtitan's FlexAttentionWrapper does the same).
-    return torch.compile(_flex().flex_attention, dynamic=False)

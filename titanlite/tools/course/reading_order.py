@@ -97,6 +97,11 @@ READING_ORDER = [
         ["models/moe.py", "distributed/expert_parallel.py"],
     ),
     (
+        "21",
+        "document masks: SDPA's boolean or FlexAttention's BlockMask, and where flex trains",
+        ["models/masked_attention.py", "models/flex.py"],
+    ),
+    (
         "all",
         "one-line errors, output paths, torch internals in one place, package files",
         [
