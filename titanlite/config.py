@@ -47,7 +47,7 @@ class ModelSection:
     moe_aux_loss_coef: float = ranged(0.01, "[0, inf)")
     moe_bias_update: float = ranged(1e-3, "[0, inf)")  # aux_free: bias step per optimizer step
     moe_capacity_factor: float | None = ranged(None, "(0, inf)")  # None: dropless
-    # auto: FlexAttention's BlockMask where torch trains it (CUDA) when a mask is asked, else SDPA
+    # the kernel under a document mask; auto: FlexAttention where torch trains it (CUDA), else SDPA
     attention: str = one_of("auto", "sdpa", "flex")
 
 

@@ -16,7 +16,7 @@ import torch
 from .config import Config
 from .data.tokenizer import load_tokenizer
 from .distributed.mesh import ParallelDims
-from .distributed.parallelize import masked_kernel, sequence_parallel_enabled
+from .distributed.parallelize import sequence_parallel_enabled
 from .efficiency.accumulation import resolve_batch
 from .errors import TitanliteError
 from .models.llama import ModelArgs, count
@@ -188,9 +188,9 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
             f"--parallel.cp {dims.cp} ({p.cp_layout}): use a seq_len that is a multiple of {pieces}",
         ),
         (
-            dims.cp > 1 and p.cp_method == "ring" and masked_kernel(cfg),
-            "a mask (document_mask, attention flex) under --parallel.cp needs --parallel.cp_method "
-            "allgather: a ring rank sees one block of keys at a time (Llama 3 paper §3.3.2: why it chose all-gather)",
+            dims.cp > 1 and p.cp_method == "ring" and cfg.data.document_mask,
+            "--data.document_mask under --parallel.cp needs --parallel.cp_method allgather: a ring "
+            "rank sees one block of keys at a time (Llama 3 paper §3.3.2: why it chose all-gather)",
         ),
         (
             dims.ep > 1 and not n_experts,

@@ -12,7 +12,7 @@
 5. AC       - wraps each block, so the wrapper is what compile and FSDP see.
 6. compile  - per block, before FSDP: the hooks FSDP installs stay outside the graphs.
 7. CP, mask - hand attention the cp group (after compile's trial, which runs one block alone), and
-              the kernel that takes a document mask (or flex's causal one).
+              the kernel that takes a document mask.
 8. DDP/FSDP - last: they wrap or shard whatever the model finally is.
 
 Each technique's part of torch (or torchao) is imported only where a run asks for the technique."""
@@ -129,10 +129,9 @@ def parallelize(
 
 
 def masked_kernel(cfg) -> str | None:
-    """The kernel that takes a mask where a run asks for one (a document mask, or flex's causal
-    mask), as [model] attention says (sdpa or flex, once resolved for the device); else None."""
-    masked = cfg.data.document_mask or cfg.model.attention == "flex"
-    return cfg.model.attention if masked else None
+    """The kernel that takes a document mask where a run asks for one, as [model] attention says
+    (sdpa or flex, once resolved for the device); None without a mask (causal SDPA, as always)."""
+    return cfg.model.attention if cfg.data.document_mask else None
 
 
 def build(args: ModelArgs, device: torch.device, dtype: torch.dtype, on_meta: bool) -> nn.Module:

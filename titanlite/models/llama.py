@@ -238,9 +238,9 @@ class Transformer(nn.Module):
         rows = slice(0, T) if cp is None else cp.positions(T, self.rope_cos.device)
         cos, sin = self.rope_cos[rows].to(h.dtype), self.rope_sin[rows].to(h.dtype)
         # Built once a batch, for every layer. RoPE's positions run on across documents: 0..T-1.
-        mask = self.masked and self.masked.mask_for(documents, T, h.device, cp)
-        if documents is not None and mask is None:
+        if documents is not None and self.masked is None:
             raise TitanliteError("documents need masked attention: apply_masked_attention first")
+        mask = documents if documents is None else self.masked.mask_for(documents, T, h.device, cp)
         for block in self.layers.values():
             h = block(h, cos, sin, mask)
         h = self.norm(h) if self.norm is not None else h

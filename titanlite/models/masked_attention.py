@@ -54,11 +54,9 @@ class MaskedAttention:
 
     def mask_for(self, documents, local_len: int, device, cp=None):
         """This batch's mask: a boolean [B, 1, Tq, Tk] (True: attend) for sdpa, a BlockMask for flex.
-        `documents` [B, T]: each token's document over the whole sequence (None: one document, the
-        causal mask alone). Under CP, Tq: this rank's queries; Tk: every rank's keys, in rank order."""
+        `documents` [B, T]: each token's document over the whole sequence. Under CP, Tq: this
+        rank's queries; Tk: every rank's keys, in rank order."""
         total = local_len * (cp.size if cp is not None else 1)
-        if documents is None:
-            documents = torch.zeros(1, total, dtype=torch.int32, device=device)
         documents = documents.to(device)
         q_pos = (
             torch.arange(total, device=device) if cp is None else cp.positions(local_len, device)

@@ -161,7 +161,7 @@ DEPENDS_ON = (
     ),
     (
         ("model.attention",),
-        lambda c: c.data.document_mask or c.model.attention == "flex",
+        lambda c: c.data.document_mask,
         "--data.document_mask true",
     ),
 )
