@@ -22,6 +22,7 @@ import argparse
 import difflib
 import errno
 import hashlib
+import json
 import os
 import statistics
 import sys
@@ -156,7 +157,9 @@ def _export_hf(args, _overrides) -> None:
     check_not_into_work(args.out_dir, "export folder", source=args.run_dir)  # before the load
     model, tokenizer = load_weights(args.run_dir)
     out = to_hf(model, args.out_dir, tokenizer=tokenizer)
-    print(f"wrote a Hugging Face LlamaForCausalLM to {out}")
+    # What was written, as transformers will read it: a model with experts is a MixtralForCausalLM.
+    (written,) = json.loads((out / "config.json").read_text())["architectures"]
+    print(f"wrote a Hugging Face {written} to {out}")
 
 
 def _export_checkpoint(args, _overrides) -> None:
