@@ -51,9 +51,9 @@ PACKAGE = Path(titanlite.__file__).parent
 # memory-efficient kernel as torch's ring attention calls them (attention_block.py, +67; the ring
 # itself -29), the kernel decided once in apply_cp and recorded in run.json with the experts' kernel
 # and host waits (run_record +10, moe +13), preflight's memory floor with FSDP over dp_shard × ep × cp
-# and each CP rank's tokens (+10): 2,690 -> 2,711 loaded, 4,195 -> 4,269 reachable, notebook 01's
-# part 1,585 -> 1,595 (preflight's floor).
-LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 2_711, 4_269, 1_595  # statements
+# and each CP rank's tokens (+10), the schedule's warning filtered only under a scaler (+2): 2,690 ->
+# 2,713 loaded, 4,195 -> 4,271 reachable, notebook 01's part 1,585 -> 1,595 (preflight's floor).
+LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 2_713, 4_271, 1_595  # statements
 MODULE_BUDGET = 300  # lines, as `ruff format` leaves them
 
 # A technique's module opens with the technique: its first public function or class is this.
