@@ -211,7 +211,14 @@ def _h100_with_a_new_cudnn(monkeypatch):
 def test_the_sdpa_order_puts_cudnn_first_on_cuda_only_where_torch_would(monkeypatch):
     from torch.nn.attention import SDPBackend
 
-    assert sdpa_priority("cuda", H100) is None  # this CPU build: no cuDNN, torch's own order
+    from titanlite import device_policy
+
+    # Facts set, not read off this machine: the suite runs on CPU and CUDA builds of torch alike.
+    monkeypatch.setattr(device_policy, "_CUDNN", [None])  # a build without cuDNN
+    assert sdpa_priority("cuda", H100) is None  # torch's own order
+    monkeypatch.setattr(device_policy, "_CUDNN", [91500])  # 9.15.0: before the fix torch needs
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert sdpa_priority("cuda", H100) is None
     _h100_with_a_new_cudnn(monkeypatch)
     assert sdpa_priority("cuda", H100) == [
         SDPBackend.CUDNN_ATTENTION,
@@ -557,19 +564,21 @@ def test_the_predicted_h100_table_in_docs_is_what_the_script_prints_now():
 # ----- which GPU each rank takes, and two ranks on one GPU ---------------------------------------
 
 
-def _fake_gpus(monkeypatch, uuids: list[str], capability=H100):
-    """torch sees these GPUs (one UUID each); set_device does nothing."""
+def _fake_gpus(monkeypatch, uuids: list[str], capability=H100) -> list:
+    """torch sees these GPUs (one UUID each); returns the devices set_device is called with."""
     from types import SimpleNamespace
 
+    chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
 
     def properties(device=None):
         index = torch.device(device).index or 0 if device is not None else 0
         return SimpleNamespace(uuid=uuids[index], major=capability[0], minor=capability[1])
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    return chosen
 
 
 def _join_as(monkeypatch, rank, local_rank, world, local_world, others: dict[int, str]):
@@ -613,11 +622,88 @@ def test_slurm_one_gpu_per_task_each_rank_takes_its_own_gpu(monkeypatch):
 
 
 def test_eight_gpus_each_local_rank_takes_its_own(monkeypatch):
-    _fake_gpus(monkeypatch, [f"GPU-{i}" for i in range(8)])
+    chosen = _fake_gpus(monkeypatch, [f"GPU-{i}" for i in range(8)])
     host = __import__("socket").gethostname()
     others = {r: f"{host}/GPU-{r}" for r in range(8) if r != 5}
     out, started, _ = _join_as(monkeypatch, 5, 5, 8, 8, others)
     assert out.device == torch.device("cuda", 5) and started["device_id"] == torch.device("cuda", 5)
+    assert chosen == [torch.device("cuda", 5)]  # torch.cuda.set_device: kernels land there
+
+
+def test_on_a_second_node_a_rank_takes_the_gpu_of_its_local_rank(monkeypatch):
+    """Rank 13 of 16 on two 8-GPU nodes is local rank 5 on its node: cuda:5, set as the current
+    device before NCCL starts (the global rank, 13, names no GPU here)."""
+    chosen = _fake_gpus(monkeypatch, [f"GPU-{i}" for i in range(8)])
+    host = __import__("socket").gethostname()
+    others = {r: f"first-node/GPU-{r}" for r in range(8)}  # ranks 0-7: the other machine
+    others |= {8 + r: f"{host}/GPU-{r}" for r in range(8) if r != 5}
+    out, started, _ = _join_as(monkeypatch, 13, 5, 16, 8, others)
+    assert out.device == torch.device("cuda", 5) and started["device_id"] == torch.device("cuda", 5)
+    assert chosen == [torch.device("cuda", 5)] and started["rank"] == 13
+
+
+def test_allocator_settings_reach_the_allocator_before_and_after_cuda_starts(monkeypatch):
+    """hardware.use_allocator_settings: before CUDA's first allocation through the environment
+    (read then), once CUDA is up through the allocator itself (the environment is read no more)."""
+    from titanlite import hardware
+
+    applied = []
+    monkeypatch.setattr(hardware, "set_cuda_allocator_settings", applied.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    hardware.use_allocator_settings("expandable_segments:True")
+    assert __import__("os").environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert applied == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    hardware.use_allocator_settings("expandable_segments:True")
+    assert applied == ["expandable_segments:True"]
+    hardware.use_allocator_settings(None)  # nothing asked: nothing changes
+    assert applied == ["expandable_segments:True"]
+
+
+def test_a_cuda_batch_is_pinned_then_copied_without_waiting():
+    """data/transfer.to_device on CUDA: each tensor pinned (page-locked), then copied with
+    non_blocking=True, so the copy overlaps the compute already queued; elsewhere a plain copy."""
+    from titanlite.data.transfer import to_device
+
+    class Spy:
+        def __init__(self, log, name):
+            self.log, self.name = log, name
+
+        def pin_memory(self):
+            self.log.append((self.name, "pin_memory"))
+            return self
+
+        def to(self, device, non_blocking=False):
+            self.log.append((self.name, "to", str(device), non_blocking))
+            return self
+
+    log = []
+    to_device((Spy(log, "x"), Spy(log, "y")), "cuda:0")
+    assert log == [
+        ("x", "pin_memory"),
+        ("x", "to", "cuda:0", True),
+        ("y", "pin_memory"),
+        ("y", "to", "cuda:0", True),
+    ]
+    log.clear()
+    to_device((Spy(log, "x"),), "mps")
+    assert log == [("x", "to", "mps", False)]
+
+
+def test_an_async_save_of_cuda_state_stages_into_pinned_memory(monkeypatch):
+    """The stager made for CUDA tensors copies into pinned host memory, on its own stream,
+    without blocking (torch's StagingOptions as staging_options says); for CPU tensors, none."""
+    from titanlite.resilience import staging
+
+    made = []
+    monkeypatch.setattr(staging, "DefaultStager", lambda options: made.append(options))
+    monkeypatch.setattr(staging, "HostStager", lambda options: made.append(options))
+    staging.make_stager(staging.staging_options({"cuda", "cpu"}))
+    staging.make_stager(staging.staging_options({"cpu"}))
+    cuda, cpu = made
+    assert cuda.use_pinned_memory and cuda.use_non_blocking_copy and cuda.use_async_staging
+    assert not cpu.use_pinned_memory and not cpu.use_non_blocking_copy
 
 
 # ----- the wiring: what the trainer passes on from each decision --------------------------------

@@ -225,17 +225,35 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
         )
 
 
-def check_memory_fits(plan: Plan, cfg: Config, limit: int | None, where: str) -> None:
-    """Refuse sizes that cannot fit in `limit` bytes (memory.memory_limit_bytes) before anything
-    is allocated: a lower bound of what one process holds at once, so it never refuses a run that
-    fits. The logits of one micro-batch and their gradient (in at least 16 bits each), its tokens,
-    and the weights, gradients and AdamW moments of this process's shard."""
+def memory_floor(plan: Plan, cfg: Config) -> tuple[float, float]:
+    """A lower bound of what one process holds at once, in bytes, as (state, per_sequence): its
+    shard of the weights, their gradients and AdamW's two fp32 moments; and what each sequence of
+    its micro-batch adds: its seq_len/cp tokens' logits, vocab/tp wide, and their gradient (in at
+    least 16 bits each), and the tokens. FSDP shards over dp_shard × ep × cp (the experts, which ep
+    has split already, over dp_shard); TP and PP split every weight (notebook 17 writes it out)."""
     args, dims, t = plan.model_args, plan.dims, cfg.training
     _, params = count(args, t.seq_len)  # on the meta device: counted, not allocated
+    moe = args.moe
+    moe_layers = sum((i + 1) % moe.every == 0 for i in range(args.n_layers)) if moe else 0
+    experts = (
+        moe_layers * moe.n_experts * 3 * (moe.hidden_dim or args.hidden_dim) * args.dim
+        if moe
+        else 0
+    )
+    fsdp = dims.dp_shard if dims.sharded else 1
+    shard = ((params - experts) / (fsdp * dims.ep * dims.cp) + experts / (fsdp * dims.ep)) / (
+        dims.tp * dims.pp
+    )
     param_bytes = 2 if t.dtype in ("bfloat16", "float16", "bf16", "fp16") else 4
-    # per process: its shard of weights and gradients (2 × param_bytes) and AdamW's two fp32 moments
-    state = params * (2 * param_bytes + 8) / (dims.dp_shard * dims.tp * dims.pp)
-    per_sequence = t.seq_len * (args.vocab_size / dims.tp * 2 * param_bytes + 16)
+    per_sequence = t.seq_len / dims.cp * (args.vocab_size / dims.tp * 2 * param_bytes + 16)
+    return shard * (2 * param_bytes + 8), per_sequence
+
+
+def check_memory_fits(plan: Plan, cfg: Config, limit: int | None, where: str) -> None:
+    """Refuse sizes that cannot fit in `limit` bytes (memory.memory_limit_bytes) before anything
+    is allocated: `memory_floor`, a lower bound, so it never refuses a run that fits."""
+    args, t = plan.model_args, cfg.training
+    state, per_sequence = memory_floor(plan, cfg)
     need = state + plan.micro_batch * per_sequence
     if limit is None or need <= limit:  # None: this machine's memory is unknown
         return
@@ -246,6 +264,7 @@ def check_memory_fits(plan: Plan, cfg: Config, limit: int | None, where: str) ->
         if fits >= 1
         else "choose a smaller model, or shard it over more processes"
     )
+    _, params = count(args, t.seq_len)
     raise TitanliteError(
         f"micro-batch {plan.micro_batch:,} × seq_len {t.seq_len:,} of a {params / 1e6:,.1f}M-"
         f"parameter model needs at least {need / 2**30:,.1f} GiB in one process (logits "

@@ -102,7 +102,11 @@ def parallelize(
         if dims.cp > 1:  # after the trial compile, which runs a block alone
             from .context_parallel import apply_cp  # cp > 1 only
 
-            apply_cp(part, mesh["cp"], parallel.cp_layout, parallel.cp_method)
+            # attention runs in autocast's dtype, else in FSDP's gathered one, else the weights'
+            attention_dtype = autocast_dtype or gathered or dtype
+            apply_cp(
+                part, mesh["cp"], parallel.cp_layout, parallel.cp_method, device, attention_dtype
+            )
         return apply_data_parallel(part, args, dims, mesh, parallel, device, dtype, gathered)
 
     model = build(args, device, dtype, on_meta)

@@ -89,7 +89,7 @@ READING_ORDER = [
     (
         "17",
         "context parallel: ring attention across the ranks",
-        ["distributed/context_parallel.py"],
+        ["distributed/context_parallel.py", "distributed/attention_block.py"],
     ),
     (
         "18",
