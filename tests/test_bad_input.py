@@ -577,12 +577,15 @@ def test_a_document_mask_over_a_tokenizer_without_an_end_of_document_token(world
 
 
 @pytest.mark.parametrize(
-    "kind", ["bad-value", "bad-toml", "damaged-checkpoint", "export-to-folder"]
+    "kind", ["bad-value", "bad-toml", "damaged-checkpoint", "export-to-folder", "bad-layout-on-2"]
 )
 def test_as_a_real_process(kind, world, data_dir, trained):
     base = _base(world, data_dir)
     if kind == "bad-value":
         argv = ["train", *base, "--optimizer.lr", "nan"]
+    elif kind == "bad-layout-on-2":  # issue 47: torchrun added its ChildFailedError report, exit 1
+        argv = ["train", "--nproc-per-node", "2", *base, "--parallel.cp", "2"]
+        argv += ["--training.seq_len", "130"]
     elif kind == "bad-toml":
         argv = ["train", *config_file_case(world, "bad-toml"), *base]
     elif kind == "damaged-checkpoint":

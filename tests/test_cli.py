@@ -338,3 +338,125 @@ def test_errors_use_the_command_line_spelling_and_the_closest_key_first(
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and first in lines[0], r.stderr
     assert "dataset='file'" not in lines[0]
+
+
+# ----- titanlite train --nproc-per-node N: the job from a shell, with one process's promises ----
+
+
+def cli(argv: list[str], capfd) -> tuple[int, str, str]:
+    """`titanlite <argv>` in this process (the CLI's own code; the ranks fork from the warm server)."""
+    from titanlite.tools.cli.commands import main
+
+    capfd.readouterr()
+    code = main(argv)
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [  # issue 47: each was the line, then torchrun's 40-line ChildFailedError report and exit 1
+        (["--parallel.cp", "2", "--training.seq_len", "130"], "training.seq_len=130 does not cut"),
+        (["--model.n_experts", "3", "--parallel.ep", "2"], "model.n_experts=3 does not divide"),
+        (["--nproc-per-node", "0"], "--nproc-per-node must be a positive whole number"),
+        (["--nproc-per-node", "two"], "--nproc-per-node must be a positive whole number"),
+    ],
+)
+def test_nproc_per_node_refuses_bad_input_in_one_line_before_any_rank_starts(
+    data_dir, tmp_path, capfd, monkeypatch, args, message
+):
+    from titanlite.tools.jobs import launcher
+
+    started = []
+    monkeypatch.setattr(launcher, "_run", lambda *a, **k: started.append(a))
+    nproc = [] if "--nproc-per-node" in args else ["--nproc-per-node", "2"]
+    o = tiny_overrides(data_dir, tmp_path, **{"training.steps": 2})
+    code, out, err = cli(["train", *nproc, *flags(o), *args], capfd)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("titanlite: error:"), err
+    assert message in lines[0] and not out.strip()
+    assert not started and not (tmp_path / "runs").exists()  # no rank, no run folder
+
+
+def test_nproc_per_node_is_refused_inside_a_torchrun_rank(capfd, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    code, _, err = cli(["train", "--nproc-per-node", "2"], capfd)
+    assert code == 2 and err.count("\n") == 1 and "drop it under torchrun" in err, err
+
+
+def test_nproc_per_node_trains_says_the_layout_and_no_rank_warns(data_dir, tmp_path, capfd):
+    """Issue 47: the cp run said "on 2 processes (fsdp, gloo)" and every rank printed torch's
+    "Slicing a flattened dim from root mesh will be deprecated" (fsdp_mesh indexed the root mesh
+    by the flattened dp_shard_cp): now the layout is named and no rank writes a warning."""
+    from titanlite.tools.jobs.launcher import rank_output
+
+    o = tiny_overrides(data_dir, tmp_path, **{"training.steps": 3, "eval.every": 0})
+    code, out, err = cli(["train", "--nproc-per-node", "2", *flags(o), "--parallel.cp", "2"], capfd)
+    assert code == 0, err
+    assert "on 2 processes (cp=2; fsdp, gloo)" in out and "done: 3 steps" in out, out
+    run_dir = tmp_path / "runs" / "t"
+    assert "Warning" not in rank_output(run_dir) + err, rank_output(run_dir)
+    assert (run_dir / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    "args, code, shown",
+    [  # a rank's own failure: its traceback once (not also echoed), one line, exit 1
+        (
+            ["--fault.kind", "exception", "--fault.rank", "1", "--fault.step", "2"],
+            1,
+            "rank 1 failed: InjectedFailure",
+        ),
+        # bad input only a rank can see (it reads the corpus): the ranks' one line, exit 2
+        (["--data.dataset", "file:{empty}"], 2, "has only 0 tokens"),
+    ],
+    ids=["rank-fails", "ranks-refuse"],
+)
+def test_nproc_per_node_exits_with_the_jobs_status(data_dir, tmp_path, capfd, args, code, shown):
+    (tmp_path / "empty.txt").write_text("")
+    args = [a.format(empty=tmp_path / "empty.txt") for a in args]
+    o = tiny_overrides(data_dir, tmp_path, **{"training.steps": 3, "eval.every": 0})
+    got, _, err = cli(["train", "--nproc-per-node", "2", *flags(o), *args], capfd)
+    errors = [ln for ln in err.splitlines() if ln.startswith("titanlite: error:")]
+    assert got == code and len(errors) == 1 and shown in errors[0], err
+    assert err.count("Traceback (most recent call last)") == (code == 1), err
+
+
+@pytest.mark.filterwarnings("ignore:4 processes on")  # on 2 cores they take turns: fine here
+def test_every_fsdp_layout_folds_its_mesh_without_a_warning(tmp_path):
+    """fsdp_mesh on 4 ranks, warnings as errors: cp folded into FSDP alone (the flattened mesh kept)
+    and beside dp_replicate (HSDP: a 2-D mesh of the same groups, _concatenate), the ranks as
+    before, and FSDP takes each mesh for a step."""
+    from conftest import run_torchrun
+
+    script = tmp_path / "meshes.py"
+    script.write_text(MESH_PROBE)
+    run_torchrun(script, tmp_path, nproc=4, timeout=120)
+    seen = json.loads((tmp_path / "r0.json").read_text())
+    assert seen == {
+        "fsdp-cp": [["dp_shard_cp"], [0, 1, 2, 3]],
+        "hsdp-cp": [["dp_replicate", "dp_shard_cp"], [[0, 1], [2, 3]]],
+        "hsdp": [["dp_replicate", "dp_shard"], [[0, 1], [2, 3]]],
+    }
+    assert all((tmp_path / f"r{r}.json").read_text() == json.dumps(seen) for r in range(4))
+
+
+MESH_PROBE = """
+import json, sys, warnings
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from titanlite.distributed.mesh import ParallelDims
+
+warnings.simplefilter("error")  # torch's deprecation warning fails the rank
+dist.init_process_group("gloo")
+seen = {}
+for name, (replicate, shard, cp) in {"fsdp-cp": (1, 2, 2), "hsdp-cp": (2, 1, 2), "hsdp": (2, 2, 1)}.items():
+    dims = ParallelDims.resolve(replicate, shard, dist.get_world_size(), cp=cp)
+    mesh = dims.fsdp_mesh(dims.build_mesh("cpu"))
+    seen[name] = [list(mesh.mesh_dim_names), mesh.mesh.tolist()]
+    layer = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+    layer(torch.ones(2, 4)).sum().backward()
+Path(sys.argv[1], f"r{dist.get_rank()}.json").write_text(json.dumps(seen))
+dist.destroy_process_group()
+"""

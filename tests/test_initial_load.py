@@ -43,10 +43,16 @@ LINES = [
 ] * 20
 
 
-def write_checkpoint(folder, tie: bool, seed: int = 0, **changes):
-    """A random transformers Llama plus a tiny trained BPE tokenizer, as on the Hub."""
+def write_checkpoint(folder, tie: bool, seed: int = 0, mixtral: bool = False, **changes):
+    """A random transformers Llama (or Mixtral) plus a tiny trained BPE tokenizer, as on the Hub."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     torch.manual_seed(seed)
     cfg = dict(
@@ -63,8 +69,16 @@ def write_checkpoint(folder, tie: bool, seed: int = 0, **changes):
         tie_word_embeddings=tie,
         initializer_range=0.2,
     )
+    if mixtral:  # 4 experts, top 2, each 96 wide; Mixtral's RoPE is plain
+        del cfg["rope_scaling"]
+        cfg.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)
+        cfg.update(router_aux_loss_coef=0.02)
     cfg.update(changes)
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model = (
+        MixtralForCausalLM(MixtralConfig(**cfg))
+        if mixtral
+        else LlamaForCausalLM(LlamaConfig(**cfg))
+    ).eval()
     model.save_pretrained(folder, safe_serialization=True)
 
     tok = Tokenizer(models.BPE())
@@ -245,3 +259,115 @@ def test_checkpoint_of_another_shape_is_refused_at_load(tmp_path):
     with pytest.raises(TitanliteError, match="cannot load the weights") as err:
         load_initial_weights([model], tmp_path / "hf")
     assert "\n" not in str(err.value)
+
+
+# ----- a Mixtral: one saved by transformers, and our own export of a mixture of experts -------
+
+
+def first_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's logits as `titanlite train` starts it: the weights loaded as fit() loads them."""
+    trainer.start_from.load(trainer.model_parts, trainer.model_args.tie_embeddings)
+    with torch.no_grad():
+        return trainer.model(tokens)
+
+
+def test_a_run_starts_from_a_transformers_mixtral_with_its_logits(data_dir, tmp_path):
+    """Issue 47: the start refused every Mixtral ("no Hugging Face name for titanlite tensor
+    'layers.0.feed_forward.router.expert_bias': only Llama weights map"). Its files keep one tensor
+    per expert (block_sparse_moe.experts.j.w1/w2/w3); transformers 5 holds them stacked in memory
+    (mlp.experts.gate_up_proj, down_proj): both layouts load, to the folder's logits."""
+    from safetensors.torch import save_file
+
+    from titanlite.tools.jobs.launcher import launch, rank_output
+
+    hf = write_checkpoint(tmp_path / "mx", tie=False, mixtral=True)
+    given = {"model.moe_balance": "aux_loss", "model.n_experts": 4}  # as the checkpoint has them
+    cfg = load_config(None, overrides(data_dir, tmp_path, tmp_path / "mx", **given))
+    trainer = trainer_for(cfg)
+    assert trainer.model_args.moe.n_experts == 4 and trainer.model_args.moe.aux_loss_coef == 0.02
+    tokens = torch.randint(0, VOCAB, (2, 24))
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    assert (first_logits(trainer, tokens) - theirs).abs().max() <= 1e-5
+    bias = trainer.model.layers["0"].feed_forward.router.expert_bias
+    assert bias.eq(0).all()  # Mixtral's routers have none
+    # transformers 5's in-memory names, stacked, written as they are: the same logits.
+    (tmp_path / "mx" / "model.safetensors").unlink()
+    save_file(
+        {k: v.contiguous() for k, v in hf.state_dict().items()},
+        tmp_path / "mx" / "fused.safetensors",
+    )
+    with torch.no_grad():
+        trainer.model.layers["1"].feed_forward.experts.w_up.zero_()
+    assert (first_logits(trainer, tokens) - theirs).abs().max() <= 1e-5
+    trainer.close()
+    # Through the command line on two expert-parallel ranks, each reading its two experts: the
+    # first loss is transformers' on the same batch, and --model.moe_balance gets no false note.
+    ep2 = {"parallel.ep": 2, "parallel.dp_shard": 1, "metrics.run_name": "ep2"}
+    result = launch(cfg, nproc=2, overrides=ep2, timeout_s=300)
+    assert result.train[0]["loss"] == pytest.approx(hf_loss(hf, cfg, dp=2), rel=1e-5)
+    out = rank_output(result.run_dir, "stdout")
+    assert "a Mixtral (the routers' expert_bias, which it has not, starts at zero)" in out
+    assert "--model.moe_balance" not in out  # was: "has no effect without --model.n_experts"
+
+
+def test_a_run_starts_from_our_own_mixtral_export(data_dir, tmp_path, capsys):
+    """An aux_loss mixture trained here, exported by `titanlite export-hf` (which says it wrote a
+    Mixtral), then started from: the start's logits are the trained model's and transformers'."""
+    from transformers import MixtralForCausalLM
+
+    from titanlite.tools.cli.commands import main
+    from titanlite.tools.jobs.launcher import launch
+    from titanlite.weights import load_weights
+
+    moe = {"model.n_experts": 4, "model.moe_balance": "aux_loss", "training.steps": 2}
+    o = tiny_overrides(data_dir, tmp_path, **moe, **{"eval.every": 0, "metrics.run_name": "moe"})
+    trained = launch(load_config(None, o), nproc=1)
+    capsys.readouterr()
+    assert main(["export-hf", str(trained.run_dir), str(tmp_path / "mx")]) == 0
+    assert capsys.readouterr().out.startswith("wrote a Hugging Face MixtralForCausalLM to ")
+    cfg = load_config(
+        None, overrides(data_dir, tmp_path, tmp_path / "mx", **{"model.moe_balance": "aux_loss"})
+    )
+    trainer = trainer_for(cfg)
+    tokens = torch.randint(0, trainer.model_args.vocab_size, (2, 24))
+    hf = MixtralForCausalLM.from_pretrained(tmp_path / "mx").eval()
+    model, _ = load_weights(trained.run_dir)
+    with torch.no_grad():
+        theirs, ours = hf(tokens).logits, model(tokens)
+    logits = first_logits(trainer, tokens)
+    assert (logits - theirs).abs().max() <= 1e-5 and (logits - ours).abs().max() <= 1e-5
+    history = trainer.fit()
+    trainer.close()
+    assert history.losses[0] == pytest.approx(hf_loss(hf, cfg, dp=1), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "given, has",
+    [
+        ({"model.n_experts": 8}, "n_experts=4"),
+        ({"model.moe_balance": "none"}, "moe_balance=aux_loss"),
+        ({"model.n_shared_experts": 1}, "n_shared_experts=0"),
+    ],
+)
+def test_mixture_settings_a_mixtral_disagrees_with_are_refused_in_one_line(
+    data_dir, tmp_path, given, has
+):
+    write_checkpoint(tmp_path / "mx", tie=False, mixtral=True)
+    cfg = load_config(None, overrides(data_dir, tmp_path, tmp_path / "mx", **given))
+    ((key, value),) = given.items()
+    with pytest.raises(
+        TitanliteError, match=rf"^{key}={value} but the checkpoint .* has {has}: drop --{key} "
+    ):
+        trainer_for(cfg)
+
+
+def test_experts_asked_of_a_dense_checkpoint_are_refused_in_one_line(data_dir, tmp_path):
+    write_checkpoint(tmp_path / "hf", tie=False)
+    cfg = load_config(
+        None, overrides(data_dir, tmp_path, tmp_path / "hf", **{"model.n_experts": 4})
+    )
+    with pytest.raises(
+        TitanliteError, match=r"^model\.n_experts=4 but the checkpoint .* has no experts"
+    ):
+        trainer_for(cfg)

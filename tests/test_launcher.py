@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import signal
 import socket
@@ -598,3 +599,92 @@ def test_a_port_asked_for_and_taken_before_the_store_binds_it_is_one_line():
             launcher._job_store(port)
     store = launcher._job_store(None)  # port 0: the kernel's pick, bound as it is made
     assert store.port > 0
+
+
+def test_the_echo_shows_rank_0_as_one_process_and_leaves_failures_to_the_launcher(tmp_path, capsys):
+    """launch(echo=True), which `titanlite train --nproc-per-node` uses: rank 0's lines as they
+    are, the others' prefixed, a half-written line held back; a traceback and `titanlite: error:`
+    lines withheld (the launcher reports the root cause once); another job's logs not shown."""
+    from titanlite.tools.jobs.launcher import _Echo
+
+    job = "0123456789ab" + "f" * 20
+    logs = tmp_path / "logs"
+    files = {
+        (0, "stdout"): "titanlite: debug model ...\nstep 1/4",
+        (
+            0,
+            "stderr",
+        ): "a warning\nTraceback (most recent call last):\n  File x\nValueError: boom\n",
+        (1, "stdout"): "hello\n",
+        (1, "stderr"): "titanlite: error: data file x.txt is empty: add text\nwarning 1\n",
+    }
+    for (rank, stream), text in files.items():
+        path = logs / job[:12] / "attempt_0" / str(rank) / f"{stream}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    earlier = logs / "fedcba987654" / "attempt_0" / "0" / "stdout.log"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("an earlier job's line\n")
+    echo = _Echo(logs, job)
+    echo.show()
+    assert capsys.readouterr() == (
+        "titanlite: debug model ...\n[rank1]:hello\n",
+        "a warning\n[rank1]:warning 1\n",
+    )
+    with (logs / job[:12] / "attempt_0" / "0" / "stdout.log").open("a") as f:
+        f.write(" · loss 6.2\n")
+    echo.show()
+    assert capsys.readouterr() == ("step 1/4 · loss 6.2\n", "")
+
+
+def test_a_failed_job_carries_the_status_its_command_exits_with(tmp_path, capfd):
+    """JobFailed.exit_code, what `titanlite train --nproc-per-node` exits with: 2 where the ranks
+    refused bad input only they could see, 1 for a rank's crash or a kill."""
+    from titanlite.tools.jobs.launcher import JobFailed, _failure_of
+
+    attempt = tmp_path / "logs" / "job" / "attempt_0"
+    for rank in (0, 1):
+        (attempt / str(rank)).mkdir(parents=True)
+        (attempt / str(rank) / "stderr.log").write_text("")
+    (attempt / "0" / "stderr.log").write_text(
+        "titanlite: error: data file x.txt is empty: add text\n"
+    )
+    refused = _failure_of(
+        tmp_path,
+        [{"rank": 0, "code": 2, "error_file": None}, {"rank": 1, "code": -15, "error_file": None}],
+        "",
+    )
+    assert isinstance(refused, JobFailed) and refused.exit_code == 2
+    assert str(refused) == "data file x.txt is empty: add text"
+    report = attempt / "1" / "error.json"
+    report.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "ValueError: boom",
+                    "extraInfo": {"py_callstack": "Traceback ...\nValueError: boom\n"},
+                }
+            }
+        )
+    )
+    crashed = _failure_of(tmp_path, [{"rank": 1, "code": 1, "error_file": report}], "")
+    assert crashed.exit_code == 1 and str(crashed).startswith("rank 1 failed: ValueError: boom")
+    assert "ValueError: boom" in capfd.readouterr().err  # its traceback, shown once
+    killed = _failure_of(tmp_path, [{"rank": 0, "code": -9, "error_file": None}], "")
+    assert killed.exit_code == 1 and "killed by signal SIGKILL" in str(killed)
+
+
+def test_a_fork_server_gone_with_a_ctrl_c_still_ends_the_job_cleanly():
+    """A Ctrl-C in a terminal reaches the whole foreground process group: the fork server dies
+    with the launcher's KeyboardInterrupt, and its ranks with it (PDEATHSIG). Stopping the job then
+    counts them killed instead of raising the server's error over the interrupt."""
+    from titanlite.tools.jobs.forkserver import ForkServerError
+    from titanlite.tools.jobs.launcher import _stop_forked
+
+    class Gone:
+        exited = {11: 0}  # rank 0 had ended before
+
+        def exits(self):
+            raise ForkServerError("the fork server exited (status -2)")
+
+    assert _stop_forked(Gone(), {0: 11, 1: 12}, "no-such-job", grace_s=0.1) == {0: 0, 1: -9}

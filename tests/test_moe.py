@@ -258,6 +258,13 @@ def test_expert_and_tensor_parallel_train_like_one_process(
 
 
 def test_an_ep_checkpoint_resumes_exactly_and_loads_into_one_process_and_ep4(data_dir, tmp_path):
+    """Through the command line (`launch` runs `titanlite train` under torchrun): an EP2 run's
+    checkpoint continues on EP2, on one process and on EP4. Issue 47: one process died at its
+    first step in LambdaLR (`zip() argument 2 is longer`), the schedule restored with one lr per
+    parameter group of the EP run, which has a group more (the experts' own mesh)."""
+    from titanlite._compat.torch_tools import load_whole_dcp_state
+    from titanlite.resilience.checkpoint_files import RawReader
+
     o = _overrides(data_dir, tmp_path, **{"checkpoint.enable": True, "checkpoint.every": 2})
     ep2 = {"parallel.ep": 2, "parallel.dp_shard": 1, "training.batch_size": 4}
     whole = launch(load_config(None, {**o, "metrics.run_name": "whole"}), nproc=2, overrides=ep2)
@@ -268,11 +275,30 @@ def test_an_ep_checkpoint_resumes_exactly_and_loads_into_one_process_and_ep4(dat
         overrides=ep2,
     )
     assert resumed.losses == whole.losses[2:]  # bit for bit
+    one = launch(
+        load_config(None, {**o, "metrics.run_name": "one", "checkpoint.load": str(path)}), nproc=1
+    )
+    assert one.losses == pytest.approx(whole.losses[2:], abs=1e-5)
+    # What one process loaded is the checkpoint's, whole: the weights and, by parameter name, the
+    # optimizer's moments, step and group settings (the EP run kept the experts' apart).
     trainer = Trainer(load_config(None, {**o, "checkpoint.enable": False}))
     assert Checkpointer(path.parent).load(trainer.train_state(), path) == 2
-    saved = load_model(path).state_dict()
-    assert any("experts.w_gate" in k for k in saved) and any("expert_bias" in k for k in saved)
-    assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in saved.items())
+    saved = load_whole_dcp_state(RawReader(path))
+    assert (
+        any("experts.w_gate" in k for k in saved["model"])
+        and len(saved["scheduler"]["base_lrs"]) == 3
+    )
+    assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in saved["model"].items())
+    names = {p: n for n, p in trainer.model.named_parameters()}
+    moments = [
+        (names[p], k, v) for p, state in trainer.optimizer.state.items() for k, v in state.items()
+    ]
+    assert len(moments) == 3 * len(names) and "layers.0.feed_forward.experts.w_up" in names.values()
+    assert all(torch.equal(v, saved["optimizer"][f"state.{n}.{k}"]) for n, k, v in moments)
+    for group in trainer.optimizer.param_groups:
+        for p in group["params"]:
+            for key in ("lr", "initial_lr", "weight_decay"):
+                assert group[key] == saved["optimizer"][f"param_groups.{names[p]}.{key}"]
     trainer.close()
     ep4 = launch(
         load_config(None, {**o, "metrics.run_name": "ep4", "checkpoint.load": str(path)}),
@@ -280,6 +306,7 @@ def test_an_ep_checkpoint_resumes_exactly_and_loads_into_one_process_and_ep4(dat
         overrides={"parallel.ep": 4, "parallel.dp_shard": 1, "training.batch_size": 2},
     )
     assert ep4.losses == pytest.approx(whole.losses[2:], abs=1e-5)
+    assert ep4.losses == pytest.approx(one.losses, abs=1e-5)
     eight = {**o, "metrics.run_name": "eight", "checkpoint.load": str(path), "model.n_experts": 8}
     with pytest.raises(TitanliteError, match="n_experts"):
         Trainer(load_config(None, eight)).fit()

@@ -232,7 +232,7 @@ class CheckpointSection:
     keep_latest_k: int = ranged(2, "[0, inf)")  # committed checkpoints kept; 0 keeps all
     resume: bool = True  # start from the newest committed checkpoint in `folder`, if any
     load: str | None = None  # or from this checkpoint (e.g. another run's; resharded on load)
-    # Start from a Hugging Face Llama folder (config.json, *.safetensors, tokenizer.json): its shape
+    # Start from a Hugging Face Llama or Mixtral folder (config.json, *.safetensors, tokenizer.json): its shape
     # and tokenizer, fresh optimizer, step 0; a checkpoint found by resume or `load` wins (tools/formats/hf_start.py).
     initial_load_path: str | None = None
     # before loading, check every file's size and CRC-32 | only "size"

@@ -30,7 +30,7 @@ def ranged(default, interval: str, also: tuple = ()):
     lo, hi = (float(x) for x in interval[1:-1].split(","))
     return dataclasses.field(
         default=default,
-        metadata={"range": Range(lo, hi, interval[0] == "(", interval[-1] == ")", also, interval)},
+        metadata={"range": Range(lo, hi, interval[0] == "(", interval[-1] == ")", also)},
     )
 
 
@@ -56,7 +56,6 @@ class Range:
     lo_open: bool
     hi_open: bool
     also: tuple
-    text: str
 
     def admits(self, v) -> bool:
         return v in self.also or (
@@ -71,9 +70,18 @@ class Range:
             (1, False): "positive",
             (0, False): "zero or positive",
         }.get((self.lo, self.lo_open), f"{'>' if self.lo_open else '>='} {_num(self.lo)}")
-        bounded = f"between {_num(self.lo)} and {_num(self.hi)}, in {self.text}"
+        bounded = _BOUNDED[self.lo_open, self.hi_open].format(lo=_num(self.lo), hi=_num(self.hi))
         also = "".join(f" or {a}" for a in self.also)
         return (open_ended if self.hi == math.inf else bounded) + also
+
+
+# A bounded range in words, said once ("between 1 and 1024" takes both ends), by which end is open.
+_BOUNDED = {
+    (False, False): "between {lo} and {hi}",
+    (True, False): "between {lo} and {hi}, excluding {lo}",
+    (False, True): "between {lo} and {hi}, excluding {hi}",
+    (True, True): "strictly between {lo} and {hi}",
+}
 
 
 def _num(x: float) -> str:

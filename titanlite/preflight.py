@@ -205,7 +205,7 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
         # torch's pipeline stages run a first forward to learn their shapes, which a router would
         # count as tokens (its balancing then differs from one process's); tp × ep: not built.
         (
-            n_experts and (dims.pp > 1 or dims.tp > 1 and dims.ep > 1),
+            n_experts and (dims.pp > 1 or (dims.tp > 1 and dims.ep > 1)),
             "a mixture of experts with pipeline parallelism, or split by tensor and expert "
             "parallelism together, is not supported here: split the experts with --parallel.ep "
             "or --parallel.tp, the rest with FSDP (--parallel.dp_shard)",

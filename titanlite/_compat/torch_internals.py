@@ -127,11 +127,16 @@ def scaler_scale(scaler) -> torch.Tensor:
     return scaler._scale
 
 
-def flatten_mesh(mesh, dims: tuple[str, ...], name: str) -> str:
+def flatten_mesh(mesh, dims: tuple[str, ...], name: str, beside: str | None = None):
     """Fold `dims` of a DeviceMesh into one dim called `name` (DeviceMesh._flatten, 2.11-2.13, as
-    torchtitan does for FSDP over dp_shard × cp); returns the name to index the mesh with."""
-    mesh[dims]._flatten(name)
-    return name
+    torchtitan does for FSDP over dp_shard × cp) and return that 1-D mesh; `beside`: a dim of
+    `mesh` put before it, as a 2-D mesh (HSDP's dp_replicate; DeviceMesh._concatenate, 2.11-2.13).
+    Never `mesh[name]`: slicing the root mesh by a flattened name warns in every rank since 2.11
+    ("Slicing a flattened dim from root mesh will be deprecated ... bookkeep the flattened mesh
+    directly"), so the mesh _flatten returns is the one kept."""
+    flat = mesh[dims]._flatten(name)
+    # type(flat) is DeviceMesh; _concatenate reuses both meshes' process groups, creates none
+    return flat if beside is None else type(flat)._concatenate([mesh[beside], flat])
 
 
 def in_backward() -> bool:

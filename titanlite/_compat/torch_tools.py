@@ -1,7 +1,8 @@
 """The torch internals only titanlite's tools touch (the core's are in torch_internals.py),
 each with why and what if it moves: the dispatch-mode base class (collectives counted, activation
 memory measured), pytree, fake tensors, process-group names, the PipelineStage methods the
-pipeline timeline shadows. Names and signatures checked in torch 2.11-2.13.
+pipeline timeline shadows, where a DTensor's shard lies. Names and signatures checked in torch
+2.11-2.13.
 """
 
 # FakeTensor: comm.CommCounter skips collectives traced on fake tensors (a compile's tracing
@@ -90,3 +91,14 @@ def load_whole_dcp_state(storage_reader) -> dict:
         state, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True
     )
     return state
+
+
+def local_piece(t) -> tuple:
+    """(this rank's part of `t`, where it starts in the whole tensor, its size per dim). A DTensor
+    (FSDP, TP, EP) says where its shard lies through `__create_chunk_list__`, the protocol DCP asks
+    every tensor it saves (2.11-2.13; torch has no public spelling): one chunk for a DTensor. A
+    plain tensor is whole. hf_moe reads a Mixtral's experts by it, each rank only its slices."""
+    if not hasattr(t, "to_local"):
+        return t, (0,) * t.dim(), tuple(t.shape)
+    (chunk,) = t.__create_chunk_list__()
+    return t.to_local(), tuple(chunk.offsets), tuple(chunk.sizes)

@@ -130,13 +130,13 @@ class ParallelDims:
         HSDP); None where no rank holds the same experts."""
         if experts and self.dp_shard * self.dp_replicate == 1:
             return None
+        replicate = "dp_replicate" if self.strategy == "hsdp" else None
         folded = ["dp_shard"] + [d for d in ("ep", "cp") if getattr(self, d) > 1 and not experts]
-        shard = folded[0]
-        if len(folded) > 1:
-            from .._compat.torch_internals import flatten_mesh  # a private DeviceMesh method
+        if len(folded) == 1:
+            return mesh[replicate, "dp_shard"] if replicate else mesh["dp_shard"]
+        from .._compat.torch_internals import flatten_mesh  # private DeviceMesh methods
 
-            shard = flatten_mesh(mesh, tuple(folded), "_".join(folded))
-        return mesh["dp_replicate", shard] if self.strategy == "hsdp" else mesh[shard]
+        return flatten_mesh(mesh, tuple(folded), "_".join(folded), beside=replicate)
 
     def groups(self, dim: str) -> list[list[int]]:
         """The process groups along one dim, e.g. groups("tp") → [[0, 1], [2, 3], ...]."""

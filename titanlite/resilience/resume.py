@@ -76,7 +76,7 @@ def open_checkpoint(checkpoint, run_dir: Path, trainer) -> Opened:
     elif trainer.start_from is not None:  # no titanlite checkpoint came first: a fresh start
         took = trainer.start_from.load(trainer.model_parts, trainer.model_args.tie_embeddings)
         if is_main:
-            say(f"started from {trainer.start_from.path} ({took:.1f}s to load)", None)
+            say(f"started from {trainer.start_from.label} ({took:.1f}s to load)", None)
     if checkpoint.enable:
         opened.checkpointer = ckpt
         if is_main and not (ckpt.folder / "tokenizer").is_dir():

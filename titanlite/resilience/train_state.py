@@ -99,7 +99,18 @@ class TrainState(Stateful):
                 model_state_dict={ours[k]: v for k, v in state["model"].items()},
                 optim_state_dict={ours[k]: v for k, v in state["optimizer"].items()},
             )
-        self.scheduler.load_state_dict(state["scheduler"])
+        # LambdaLR keeps its peak and last lr once per parameter group, and the groups differ with
+        # the layout (optimizer.py: expert parallel gives the experts, on a mesh of their own, groups
+        # of their own) but never in lr: each group of another layout takes the saved one. The
+        # optimizer's own state (moments, step, each group's settings) is saved by parameter name
+        # (DCP's flattened form), so it reshards as it is.
+        n, schedule = len(self.optimizer.param_groups), state["scheduler"]
+        self.scheduler.load_state_dict(
+            {
+                k: v[:1] * n if isinstance(v, list) and len(v) != n else v
+                for k, v in schedule.items()
+            }
+        )
         self.sampler.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])

@@ -1,6 +1,7 @@
 """`titanlite` command line.
 
     titanlite train --config configs/debug.toml --training.steps 50
+    titanlite train --nproc-per-node 2 --config configs/debug.toml --parallel.cp 2   # 2 ranks
     titanlite peaks [--device cpu] [--refresh]
     titanlite export-hf runs/<name> out/hf-model
     titanlite export-checkpoint runs/<name>/checkpoints/step-00000100 out/hf-model [--format torch]
@@ -12,8 +13,12 @@ Bad input ends in one line on stderr, never a traceback wall. Exit status:
          unless it is a disk/OS error on a known path
     2    bad input: a config value, a data file, a checkpoint, a path (one line: problem + fix)
     130  interrupted (Ctrl-C)
-Under torchrun every rank that hits an error reports it, but an error several ranks of a job hit
-alike (bad input is the same everywhere) is printed once, by the first rank to get there.
+`train --nproc-per-node N` keeps these for a job of N ranks: it checks the input here, before any
+rank starts (bad input: one line, exit 2), starts the ranks (tools/jobs/launcher.py), shows their
+output, and exits as one process would have. Under torchrun every rank that hits an error reports
+it, but an error several ranks of a job hit alike (bad input is the same everywhere) is printed
+once, by the first rank to get there; torchrun itself then adds its ChildFailedError report and
+exits 1.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import difflib
 import errno
 import hashlib
+import json
 import os
 import statistics
 import sys
@@ -29,7 +35,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from ...errors import DISK_FIX, TitanliteError, WriteFailed, disk_error
+from ...errors import DISK_FIX, TitanliteError, disk_error
 from .config_help import overrides_help, without_effect
 
 
@@ -49,6 +55,13 @@ def _train(args, overrides: list[str]) -> None:
     from ..probe.matmul_peak import MatmulPeaks
 
     cfg = load_config(args.config, overrides)
+    nproc = _processes(args.nproc_per_node)
+    if nproc > 1:  # this process only checks, starts the ranks and shows what they print
+        from ..jobs.launcher import launch
+
+        fetch_for(cfg)  # once, here, not by each rank
+        launch(cfg, nproc, echo=True)  # refuses bad input before any rank starts
+        return
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one copy of each note
         for line in without_effect(cfg):
             print(f"titanlite: note: {line}")
@@ -64,8 +77,10 @@ def _train(args, overrides: list[str]) -> None:
     try:
         say = print if trainer.dist.is_main else (lambda *a, **k: None)
         world = trainer.dist.world_size
+        # the layout (e.g. "cp=2"), then what shards or replicates the weights (fsdp, ddp, ...)
         on = (
-            f"{world} processes ({trainer.dims.strategy}, {trainer.dist.backend})"
+            f"{world} processes ({trainer.dims.describe()}; {trainer.dims.strategy}, "
+            f"{trainer.dist.backend})"
             if world > 1
             else str(trainer.device)
         )
@@ -128,6 +143,23 @@ def _train(args, overrides: list[str]) -> None:
     print(f"metrics: {history.run_dir / 'metrics.jsonl'}")
 
 
+def _processes(value: str | None) -> int:
+    """--nproc-per-node as a number of ranks to start (1: none, this process trains)."""
+    if value is None:
+        return 1
+    if "RANK" in os.environ:
+        raise TitanliteError(
+            "--nproc-per-node starts the ranks itself: drop it under torchrun, whose own "
+            "--nproc-per-node already started this one"
+        )
+    if not value.isdigit() or int(value) < 1:
+        raise TitanliteError(
+            f"--nproc-per-node must be a positive whole number of processes, got '{value}': "
+            f"e.g. --nproc-per-node 2"
+        )
+    return int(value)
+
+
 def _peaks(args, _overrides) -> None:
     import torch
 
@@ -156,7 +188,9 @@ def _export_hf(args, _overrides) -> None:
     check_not_into_work(args.out_dir, "export folder", source=args.run_dir)  # before the load
     model, tokenizer = load_weights(args.run_dir)
     out = to_hf(model, args.out_dir, tokenizer=tokenizer)
-    print(f"wrote a Hugging Face LlamaForCausalLM to {out}")
+    # What was written, as transformers will read it: a model with experts is a MixtralForCausalLM.
+    (written,) = json.loads((out / "config.json").read_text())["architectures"]
+    print(f"wrote a Hugging Face {written} to {out}")
 
 
 def _export_checkpoint(args, _overrides) -> None:
@@ -203,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "train",
         help="train a model; any --section.key value overrides the config",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="titanlite train [-h] [--config TOML] [--section.key VALUE ...]",
+        usage="titanlite train [-h] [--config TOML] [--nproc-per-node N] [--section.key VALUE ...]",
         description=textwrap.fill(
             "Train a model. Settings start from the defaults below, then the "
             "--config file, then --section.key VALUE overrides (e.g. --training.steps "
@@ -216,6 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         "--config",
         metavar="TOML",
         help="a TOML file with [section] tables of the keys below (examples in configs/)",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        metavar="N",
+        help="train on N processes of this machine, started here (as torchrun --nproc-per-node "
+        "N would start them, but bad input is one line and exit 2, before any starts)",
     )
     p.set_defaults(func=_train)
     p = sub.add_parser("peaks", help="measure (and cache) this device's matmul peaks per dtype")
@@ -300,10 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         args.func(args, rest)
-    except WriteFailed as e:  # a full disk while running (1), a path never writable (2): one line
-        return _report(str(e), e.exit_code)
-    except TitanliteError as e:
-        return _report(str(e), 2)
+    except TitanliteError as e:  # one line; bad input exits 2, unless the error carries its status
+        # (WriteFailed: 1 for a disk that filled up; JobFailed: the ranks' job, as one process)
+        return _report(str(e), getattr(e, "exit_code", 2))
     except KeyboardInterrupt:
         return _report("interrupted", 130)
     except Exception as e:

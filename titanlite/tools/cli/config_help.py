@@ -151,7 +151,8 @@ DEPENDS_ON = (
             "model.moe_bias_update",
             "model.moe_capacity_factor",
         ),
-        lambda c: c.model.n_experts > 0,
+        # A published start (a Mixtral) sets them, and HuggingFaceStart refuses one it disagrees with.
+        lambda c: c.model.n_experts > 0 or bool(c.checkpoint.initial_load_path),
         "--model.n_experts 2 or more",
     ),
     (

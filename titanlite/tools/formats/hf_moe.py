@@ -12,7 +12,9 @@ aux_loss to export). export.py calls these for any model with experts."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+from pathlib import Path
 
 import torch
 
@@ -24,6 +26,20 @@ from .hf_names import decoder_config
 _EXPERTS = re.compile(
     r"layers\.(\d+)\.feed_forward\.(router\.gate\.weight|experts\.w_(gate|up|down))"
 )
+# [model]'s mixture keys and the MoEArgs field each sets (preflight.moe_args_of): a published
+# Mixtral sets them all (from_mixtral_config), so a start checks each given one against it.
+MOE_FIELDS = {
+    "n_experts": "n_experts",
+    "experts_per_token": "experts_per_token",
+    "n_shared_experts": "n_shared_experts",
+    "moe_every": "every",
+    "expert_hidden_dim": "hidden_dim",
+    "moe_router": "router",
+    "moe_balance": "balance",
+    "moe_aux_loss_coef": "aux_loss_coef",
+    "moe_bias_update": "bias_update",
+    "moe_capacity_factor": "capacity_factor",
+}
 
 
 def check_mixtral(model: Transformer) -> None:
@@ -127,3 +143,69 @@ def from_mixtral_state(tensors: dict, titanlite_name) -> dict:
     for key, experts in per_expert.items():  # stacked in expert order
         out[key] = torch.stack([experts[j] for j in sorted(experts)])
     return out
+
+
+def mixtral_only(name: str) -> bool:
+    """Is titanlite's tensor `name` one a Llama has not: a router's (gate, expert_bias) or experts'?"""
+    return bool(_EXPERTS.fullmatch(name)) or name.endswith("router.expert_bias")
+
+
+def load_mixtral_parts(tensors: dict, path: str | Path) -> None:
+    """Fill `tensors` (titanlite names: this rank's parameters, plain or DTensors) in place from the
+    Mixtral folder `path`: each router's gate and each expert's slices read from the safetensors
+    files, only the slices this rank holds (EP: its experts; TP: its rows or columns). Either layout
+    (see from_mixtral_state): one tensor per expert, or transformers 5's gate_up_proj/down_proj. The
+    routers' expert_bias, which Mixtral has not (its routing has no bias), starts at zero."""
+    from safetensors import safe_open
+
+    from ..._compat.torch_tools import local_piece
+
+    with contextlib.ExitStack() as files, torch.no_grad():
+        opened = [
+            files.enter_context(safe_open(f, "pt"))
+            for f in sorted(Path(path).glob("*.safetensors"))
+        ]
+        where = {name: f for f in opened for name in f.keys()}
+
+        def read(name: str, *index: slice) -> torch.Tensor:  # only these slices leave the file
+            if name not in where:
+                raise TitanliteError(
+                    f"no tensor '{name}' in {path}, which a Mixtral of this shape has"
+                )
+            return where[name].get_slice(name)[index]
+
+        for name, tensor in tensors.items():
+            local, start, size = local_piece(tensor)
+            here = [slice(a, a + n) for a, n in zip(start, size)]
+            layer = f"model.layers.{name.split('.')[1]}"
+            moe = (
+                f"{layer}.block_sparse_moe"
+                if f"{layer}.block_sparse_moe.gate.weight" in where
+                else f"{layer}.mlp"
+            )
+            if name.endswith("expert_bias"):
+                local.zero_()
+            elif name.endswith("router.gate.weight"):
+                local.copy_(read(f"{moe}.gate.weight", *here))
+            else:  # experts.w_gate / w_up / w_down [E, ...]: expert j's rows of this rank's slice
+                kind = name.rsplit("_", 1)[1]
+                for j in range(start[0], start[0] + size[0]):
+                    local[j - start[0]].copy_(
+                        _expert(read, moe, j, kind, here[1:], tensor.shape[1])
+                    )
+
+
+def _expert(read, moe: str, j: int, kind: str, here: list, hidden: int) -> torch.Tensor:
+    """Expert j's `kind` (gate, up, down), the slice `here` of it, in the folder's layout."""
+    if moe.endswith("block_sparse_moe"):  # Mixtral's original: w1 gate, w2 down, w3 up
+        return read(f"{moe}.experts.{j}.w{dict(gate=1, down=2, up=3)[kind]}.weight", *here)
+    if kind == "down":
+        return read(f"{moe}.experts.down_proj", slice(j, j + 1), *here)[0]
+    rows, cols = here  # gate_up_proj [E, 2H, D]: the gate's rows, then the up's
+    shift = hidden if kind == "up" else 0
+    return read(
+        f"{moe}.experts.gate_up_proj",
+        slice(j, j + 1),
+        slice(rows.start + shift, rows.stop + shift),
+        cols,
+    )[0]

@@ -1,5 +1,5 @@
-"""Start a run from a published Llama: its shape, its tokenizer, its weights - a tool handed to the
-trainer (`Trainer(cfg, start_from=HuggingFaceStart(path))`; `titanlite train` reads
+"""Start a run from a published Llama or Mixtral: its shape, its tokenizer, its weights - a tool
+handed to the trainer (`Trainer(cfg, start_from=HuggingFaceStart(path))`; `titanlite train` reads
 `--checkpoint.initial_load_path` and hands it in).
 
     titanlite train --checkpoint.initial_load_path ~/models/SmolLM-135M ...
@@ -13,7 +13,9 @@ precedence: a restarted run continues from its own checkpoint, not from the publ
 The two models share one architecture (RMSNorm, GQA, rotate-half RoPE, SwiGLU, optional tied
 embeddings), so reading one is a renaming of tensors plus a translation of the config. No q/k
 permutation is needed: both rotate the halves [x1, x2] of each head (Meta's original checkpoints pair
-interleaved dims, which is why HF's conversion script permutes q/k).
+interleaved dims, which is why HF's conversion script permutes q/k). A Mixtral's routers and experts
+are read by hf_moe.py (its files keep one tensor per expert, ours one per kind, stacked), each rank
+the experts and slices it holds; the routers' expert_bias, which Mixtral has not, starts at zero.
 """
 
 from __future__ import annotations
@@ -24,21 +26,26 @@ from pathlib import Path
 
 import torch
 
+from ...config import ModelSection
 from ...errors import TitanliteError
 from ...models.llama import ModelArgs
 from .hf_names import hf_name
 
-# [model] settings the checkpoint decides; an explicit value must agree with it.
+# [model] settings the checkpoint decides; a value set away from its default must agree with it.
 _SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings")
 
 
 class HuggingFaceStart:
-    """A published Llama directory (config.json, *.safetensors, tokenizer.json) to start from."""
+    """A published Llama or Mixtral directory (config.json, *.safetensors, tokenizer.json) to start
+    from; `label` names it in the run's "started from" line."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser()
         self.config = read_hf_config(self.path)  # one line now if it is not a checkpoint
         self.tokenizer = str(path)  # the corpus is encoded with the checkpoint's own tokenizer
+        self.label = str(self.path)
+        if self.config.model_type == "mixtral":  # what the run has and the folder has not
+            self.label += ", a Mixtral (the routers' expert_bias, which it has not, starts at zero)"
 
     @classmethod
     def from_config(cls, cfg) -> HuggingFaceStart | None:
@@ -48,14 +55,20 @@ class HuggingFaceStart:
     def model_args(self, cfg) -> ModelArgs:
         """The checkpoint's ModelArgs, checked against the run's `[model]`. `max_seq_len` may shorten
         the RoPE tables (no weight), not lengthen them."""
-        args = from_hf_config(self.config)
-        for name in _SHAPE_FIELDS:
-            mine, theirs = getattr(cfg.model, name), getattr(args, name)
-            if mine is not None and mine != theirs:
+        from .hf_moe import MOE_FIELDS
+
+        args, default = from_hf_config(self.config), ModelSection()
+        theirs = {name: getattr(args, name) for name in _SHAPE_FIELDS}
+        # The mixture's keys too (a Mixtral's, or none): a dense checkpoint has no experts.
+        theirs |= {k: getattr(args.moe, f) if args.moe else None for k, f in MOE_FIELDS.items()}
+        for name, value in theirs.items():
+            mine = getattr(cfg.model, name)
+            if mine != getattr(default, name) and mine != value:
+                has = f"{name}={value}" if args.moe or name not in MOE_FIELDS else "no experts"
                 raise TitanliteError(
-                    f"model.{name}={mine} but the checkpoint at {self.path} has "
-                    f"{name}={theirs}: drop --model.{name} (the checkpoint sets the model's "
-                    "shape) or point checkpoint.initial_load_path at a matching checkpoint"
+                    f"model.{name}={mine} but the checkpoint at {self.path} has {has}: drop "
+                    f"--model.{name} (the checkpoint sets the model) or point "
+                    "checkpoint.initial_load_path at a matching checkpoint"
                 )
         if cfg.model.max_seq_len is not None:
             if cfg.model.max_seq_len > args.max_seq_len:
@@ -89,25 +102,29 @@ def load_initial_weights(
             "checkpoint.initial_load_path needs DCP's HuggingFaceStorageReader, missing "
             f"from torch {torch.__version__}: upgrade torch to >= 2.11"
         ) from None
+    from .hf_moe import load_mixtral_parts, mixtral_only
+
     start = time.perf_counter()
     path = Path(path).expanduser()
     read_hf_config(path)  # the same one-line refusals as at start-up, should it have changed
     # Plain names in every layout; FSDP and TP entries are DTensors that know their slice.
     states = [get_model_state_dict(part) for part in parts]
+    named = [(n, t) for state in states for n, t in state.items()]
+    mixtral = {n: t for n, t in named if mixtral_only(n)}  # routers and experts: hf_moe.py
     wanted = {
         hf_name(name): tensor
-        for state in states
-        for name, tensor in state.items()
-        if not (tie_embeddings and name == "output.weight")
+        for name, tensor in named
+        if name not in mixtral and not (tie_embeddings and name == "output.weight")
     }  # tied: stored once, as the embedding
     try:
         with warnings.catch_warnings():  # DCP says it assumes one process when it is one
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))  # in place, cast
+        load_mixtral_parts(mixtral, path)
     except (Exception, CheckpointException) as err:  # DCP's exception is a BaseException
         raise TitanliteError(
             f"cannot load the weights in {path}: {_first_line(err)}; is the "
-            f"download complete and the checkpoint a plain Llama?"
+            f"download complete and the checkpoint a plain Llama or Mixtral?"
         ) from None
     for part, state in zip(parts, states):
         # A no-op where the state dict's tensors are the parameters; a copy where a wrapper copied.

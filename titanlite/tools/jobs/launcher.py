@@ -11,6 +11,10 @@ and, while it runs, tails every rank's metrics file into your callbacks (the liv
 rank fails, torchrun stops the others; we then show the failing rank's traceback and raise one
 clear error. Interrupting the kernel, a timeout or a failure all end in `_stop`, which leaves no
 process behind (each worker also asks the kernel to kill it if its torchrun agent dies).
+
+`titanlite train --nproc-per-node N ...` is `launch(cfg, N, echo=True)` from a shell: bad input is
+refused here, in one line, before any rank starts; a failed job is one line too (after the failing
+rank's traceback), and its `exit_code` is what the command exits with.
 """
 
 from __future__ import annotations
@@ -36,6 +40,16 @@ from ...paths import check_output_dir, run_dir_refusal
 JOB_ENV = "TITANLITE_JOB_ID"  # set in every process of a job: how we find them to clean up
 STOP_GRACE_S = 5.0  # how long stopped processes get to exit before they are killed
 _FORKED: dict = {}  # job id -> (the fork server, its ranks' pids): job_processes asks it
+
+
+class JobFailed(TitanliteError):
+    """A job that ended because a rank failed (or hung past the timeout), said in one line.
+    `exit_code`: what `titanlite train --nproc-per-node` exits with, as one process would have: 2
+    where the ranks refused bad input they alone could see (an empty data file), else 1."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -84,7 +98,9 @@ def launch(
     max_restarts: int = 0,
     echo: bool = False,
 ) -> LaunchResult:
-    """Train `cfg` (a Config, a TOML path or None for defaults) with `nproc` processes."""
+    """Train `cfg` (a Config, a TOML path or None for defaults) with `nproc` processes.
+    `echo`: show the ranks' output as it comes (_Echo), progress lines included; without it the
+    callbacks (a live plot) are the progress."""
     from ...config import Config, load_config
     from ...preflight import preflight, tokenizer_size
     from ..formats.hf_start import HuggingFaceStart
@@ -98,7 +114,8 @@ def launch(
     t = cfg.training
     layout = dims.describe().replace(" × ", "-").replace("=", "")
     name = cfg.metrics.run_name or f"{cfg.model.preset}-{layout}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg.metrics.run_name, cfg.metrics.progress = name, False  # the live plot is the progress
+    cfg.metrics.run_name = name
+    cfg.metrics.progress = cfg.metrics.progress and echo  # else the live plot is the progress
     run_dir = check_output_dir(Path(cfg.metrics.log_dir) / name, "run folder (metrics.log_dir)")
     # Another run in that folder: refused (or deleted, with metrics.overwrite) before this job writes there.
     if refusal := run_dir_refusal(
@@ -322,7 +339,6 @@ def _run_torchrun(
         str(run_dir / "logs"),
         "--redirects",
         "3",
-        *(["--tee", "3"] if echo else []),
         *module_args,
     ]
     shown = "torchrun " + shlex.join(cmd[3:])
@@ -336,10 +352,13 @@ def _run_torchrun(
         preexec_fn=_dies_with_us(),
     )
     tail = _Tail(run_dir)
+    echoes = _Echo(run_dir / "logs", job_id) if echo else None
     result = LaunchResult(run_dir=run_dir, command=shown, wall_s=0.0, job_id=job_id)
     try:
         while proc.poll() is None:
             _deliver(tail.read(), result, callbacks)
+            if echoes is not None:
+                echoes.show()
             if timeout_s is not None and time.perf_counter() - start > timeout_s:
                 _stop(proc, job_id)
                 raise _timed_out(timeout_s, tail, nproc, run_dir)
@@ -351,6 +370,8 @@ def _run_torchrun(
     finally:
         _stop(proc, job_id)  # a no-op when the job ended by itself
         log.close()
+        if echoes is not None:
+            echoes.show()
     _finish(result, tail, callbacks, start)
     if proc.returncode != 0:
         raise _failure(run_dir, proc.returncode, tail.last_steps())
@@ -364,6 +385,8 @@ def _run_forked(
     (RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*), logs in the same places
     (logs/<id>/attempt_0/<rank>/), the same teardown when one rank fails (the others are stopped),
     the same error reports. No agent: this loop is the agent."""
+    from .forkserver import ForkServerError
+
     logs = run_dir / "logs" / job_id[:12] / "attempt_0"
     store = _job_store(port)
     port = store.port
@@ -388,7 +411,7 @@ def _run_forked(
             str(folder / "stderr.log"),
         )
     _FORKED[job_id] = (server, list(ranks.values()))
-    echoes = _Echo(logs, nproc) if echo else None
+    echoes = _Echo(run_dir / "logs", job_id) if echo else None
     failed: list[dict] = []  # in the order seen: the first is the root cause
     try:
         while True:
@@ -420,6 +443,8 @@ def _run_forked(
         _stop_forked(server, ranks, job_id)
         print(f"interrupted: stopped all {nproc} ranks of {run_dir.name}", file=sys.stderr)
         raise
+    except ForkServerError as e:  # the server died mid-job, and its ranks with it: one line
+        raise JobFailed(f"{e} (the job's ranks ended with it; logs in {logs})") from None
     finally:
         _stop_forked(server, ranks, job_id)  # a no-op when every rank has ended
         del store  # its server stops: no rank is left to read it
@@ -459,48 +484,68 @@ def _error_file(logs: Path, rank: int) -> Path | None:
 def _stop_forked(server, ranks: dict[int, int], job_id: str, grace_s: float = STOP_GRACE_S):
     """Stop every rank still running (SIGTERM to its session, SIGKILL after `grace_s`) and
     whatever they started; return {rank: exit status} of all ranks."""
-    live = [pid for pid in ranks.values() if pid not in server.exits()]
+    pids = list(ranks.values())
+    live = [pid for pid in pids if pid not in _exits(server, pids)]
     for pid in live:
         _signal_group(pid, signal.SIGTERM)  # each rank leads its own session (setsid)
     deadline = time.monotonic() + grace_s
     while live and time.monotonic() < deadline:
         time.sleep(0.02)
-        live = [pid for pid in live if pid not in server.exits()]
+        live = [pid for pid in live if pid not in _exits(server, pids)]
     for pid in live:
         _signal_group(pid, signal.SIGKILL)
     while live:
         time.sleep(0.02)
-        live = [pid for pid in live if pid not in server.exits()]
+        live = [pid for pid in live if pid not in _exits(server, pids)]
     _signal_all(job_processes(job_id), signal.SIGKILL)  # a rank's own children: checkpoint writers
-    exits = server.exits()
+    exits = _exits(server, pids)
     return {rank: exits[pid] for rank, pid in ranks.items()}
 
 
-class _Echo:
-    """torchrun's --tee for forked ranks: each rank's new output lines, prefixed [rank<r>]:."""
+def _exits(server, pids) -> dict[int, int]:
+    """server.exits(), also once the server is gone - a Ctrl-C in a terminal reaches the whole
+    foreground process group, the server with this process: its ranks went with it (each asked
+    the kernel for a SIGKILL when it dies), so a rank not seen to end counts as killed."""
+    from .forkserver import ForkServerError
 
-    def __init__(self, logs: Path, nproc: int):
-        self.files = [
-            (r, logs / str(r) / f"{s}.log", s) for r in range(nproc) for s in ("stdout", "stderr")
-        ]
-        self.offsets = {}
+    try:
+        return server.exits()
+    except ForkServerError:
+        return {pid: -int(signal.SIGKILL) for pid in pids} | server.exited
+
+
+class _Echo:
+    """The ranks' output as it comes (`launch(echo=True)`, `titanlite train --nproc-per-node`):
+    rank 0's as it is - the run's own report and progress, what one process prints - and the
+    other ranks' prefixed [rank<r>]:, as torchrun's --tee does. Except a traceback (from its first
+    line on: a dying rank's last words) and a `titanlite: error:` line: the launcher reports the
+    failure itself, once, root cause first, where N ranks' copies and their peers' "connection
+    closed" would bury it. Reads the job's own logs (<logs>/<job id>*/attempt_*/<rank>/), every
+    attempt's, fork or torchrun."""
+
+    def __init__(self, logs: Path, job_id: str):
+        self.pattern = f"{job_id[:12]}*/attempt_*/*/std*.log"
+        self.logs, self.offsets, self.withheld = logs, {}, set()
 
     def show(self) -> None:
-        for rank, path, stream in self.files:
-            if not path.exists():
-                continue
+        for path in sorted(self.logs.glob(self.pattern)):
             with path.open("rb") as f:
                 f.seek(self.offsets.get(path, 0))
                 chunk = f.read()
-            complete = chunk[: chunk.rfind(b"\n") + 1]
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a half-written line waits
             self.offsets[path] = self.offsets.get(path, 0) + len(complete)
-            out = sys.stdout if stream == "stdout" else sys.stderr
+            rank, stream = int(path.parent.name), path.stem
             for line in complete.decode(errors="replace").splitlines():
-                print(f"[rank{rank}]:{line}", file=out)
+                if line.startswith("Traceback (most recent call last)"):
+                    self.withheld.add(path)
+                if path in self.withheld or line.startswith("titanlite: error:"):
+                    continue
+                out = sys.stdout if stream == "stdout" else sys.stderr
+                print(line if rank == 0 else f"[rank{rank}]:{line}", file=out, flush=True)
 
 
-def _timed_out(timeout_s, tail, nproc, run_dir) -> TitanliteError:
-    return TitanliteError(
+def _timed_out(timeout_s, tail, nproc, run_dir) -> JobFailed:
+    return JobFailed(
         f"the job did not finish within {timeout_s:.0f} s (last step per "
         f"rank: {tail.last_steps() or 'none logged'}); all {nproc} ranks "
         f"were stopped: raise timeout_s, or look for a hung rank in {run_dir / 'logs'}"
@@ -658,7 +703,7 @@ def _read_report(error_file: Path | None) -> dict | None:
         return None
 
 
-def _failure(run_dir: Path, returncode: int, last_steps: str) -> TitanliteError:
+def _failure(run_dir: Path, returncode: int, last_steps: str) -> JobFailed:
     """After torchrun: its summary in launcher.log names the failed ranks, root cause first."""
     log = (run_dir / "launcher.log").read_text()
     parts = log.rsplit("Root Cause (first observed failure):", 1)
@@ -668,13 +713,13 @@ def _failure(run_dir: Path, returncode: int, last_steps: str) -> TitanliteError:
             run_dir, _failed_ranks("\n" + parts[1]) + _failed_ranks("\n" + failures), last_steps
         )
     print("\n".join(log.strip().splitlines()[-15:]), file=sys.stderr)
-    return TitanliteError(
+    return JobFailed(
         f"the job failed with exit status {returncode} before any rank reported "
         f"an error (torchrun's output above; all of it in {run_dir / 'launcher.log'})"
     )
 
 
-def _failure_of(run_dir: Path, failed: list[dict], last_steps: str) -> TitanliteError:
+def _failure_of(run_dir: Path, failed: list[dict], last_steps: str) -> JobFailed:
     """Show the failing rank's traceback; return the one-line error to raise. `failed`: the
     failed ranks ({rank, code, error_file}), the first observed first.
 
@@ -703,18 +748,18 @@ def _failure_of(run_dir: Path, failed: list[dict], last_steps: str) -> Titanlite
     rank, code = root["rank"], root["code"]
     if message is not None:
         hint = " - a peer stopped answering (hung or dead rank?)" if "imed out" in message else ""
-        return TitanliteError(f"rank {rank} failed: {message}{hint} ({where})")
+        return JobFailed(f"rank {rank} failed: {message}{hint} ({where})")
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
-        return TitanliteError(f"rank {rank} was killed by signal {name} ({where})")
+        return JobFailed(f"rank {rank} was killed by signal {name} ({where})")
     errors = _reported_errors(run_dir)
     if errors:
         # One line per distinct error: the ranks print an error they share only once
         # (cli._report), so the root-cause rank may have printed nothing itself.
         for line in errors[1:]:
             print(f"titanlite: error: {line}", file=sys.stderr)
-        return TitanliteError(errors[0])
-    return TitanliteError(f"rank {rank} exited with status {code} ({where})")
+        return JobFailed(errors[0], exit_code=code)  # 2: bad input, as the ranks exited
+    return JobFailed(f"rank {rank} exited with status {code} ({where})", exit_code=code)
 
 
 def _reported_errors(run_dir: Path) -> list[str]:
