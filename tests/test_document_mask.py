@@ -327,3 +327,13 @@ def test_titanlite_train_with_the_debug_config_and_a_document_mask_trains(data_d
     run = next((tmp_path / "runs").iterdir())
     record = json.loads((run / "run.json").read_text())
     assert record["config"]["model"]["attention"] == "sdpa"  # auto on this CPU
+
+
+def test_the_kernel_key_without_a_mask_is_said_to_have_no_effect():
+    from titanlite.tools.cli.config_help import without_effect
+
+    assert without_effect(load_config(None, {"model.attention": "sdpa"})) == [
+        "--model.attention sdpa has no effect without --data.document_mask true"
+    ]
+    masked = {"model.attention": "sdpa", "data.document_mask": True}
+    assert without_effect(load_config(None, masked)) == []

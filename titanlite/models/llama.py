@@ -240,7 +240,7 @@ class Transformer(nn.Module):
         # Built once a batch, for every layer. RoPE's positions run on across documents: 0..T-1.
         if documents is not None and self.masked is None:
             raise TitanliteError("documents need masked attention: apply_masked_attention first")
-        mask = documents if documents is None else self.masked.mask_for(documents, T, h.device, cp)
+        mask = None if documents is None else self.masked.mask_for(documents, T, h.device, cp)
         for block in self.layers.values():
             h = block(h, cos, sin, mask)
         h = self.norm(h) if self.norm is not None else h
