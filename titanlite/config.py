@@ -89,11 +89,18 @@ class TrainingSection:
 
 @dataclass
 class OptimizerSection:
-    lr: float = ranged(3e-3, "(0, inf)")
+    # adamw: torch's; adamw8bit, adamw4bit: torchao's, moments block-quantized; adafactor: torch's,
+    # second moment factored; muon: torch's Muon on the hidden matrices, AdamW on the rest (optimizer.py)
+    name: str = one_of("adamw", "adamw8bit", "adamw4bit", "adafactor", "muon")
+    lr: float = ranged(3e-3, "(0, inf)")  # adafactor: the largest relative step (torch's)
     weight_decay: float = ranged(0.1, "[0, inf)")
     beta1: float = ranged(0.9, "[0, 1)")  # AdamW's moment decays: 1 would never forget
     beta2: float = ranged(0.95, "[0, 1)")
     eps: float = ranged(1e-8, "(0, inf)")
+    muon_momentum: float = ranged(0.95, "[0, 1)")  # muon: its (Nesterov) momentum, torch's default
+    muon_ns_steps: int = ranged(
+        5, "[1, 99]"
+    )  # muon: Newton-Schulz iterations (torch: fewer than 100)
 
 
 @dataclass

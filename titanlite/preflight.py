@@ -20,6 +20,7 @@ from .distributed.parallelize import sequence_parallel_enabled
 from .efficiency.accumulation import resolve_batch
 from .errors import TitanliteError
 from .models.llama import ModelArgs, count
+from .optimizer import check_optimizer
 from .resilience.faults import check_fault
 
 
@@ -46,6 +47,7 @@ def preflight(cfg: Config, world_size: int, vocab_size: int, start_from=None) ->
     )
     args = model_args_for(cfg, vocab_size, start_from)
     check_parallel_config(cfg, dims, args)
+    check_optimizer(cfg.optimizer, dims, cpu_offload=cfg.parallel.cpu_offload)
     return Plan(dims, micro, accum, global_batch, args)
 
 
