@@ -136,6 +136,14 @@ def check_optimizer(o, dims, cpu_offload: bool = False) -> None:
             "adamw8bit or muon with dp_shard or tp > 1, or adafactor with DDP "
             "(--parallel.dp_replicate) or one process"
         )
+    if o.name in QUANTIZED and dims.tp > 1:
+        raise TitanliteError(
+            f"optimizer.name {o.name} quantizes each shard's moments in blocks of its flattened "
+            f"values, and tensor parallelism cuts row-parallel matrices by columns: their blocks "
+            f"are not the whole matrix's, so the moments differ from one process's and torchao "
+            f"cannot reshard their checkpoints (it slices quantized states along dim 0 only): use "
+            f"{o.name} with FSDP (--parallel.dp_shard), or --optimizer.name adamw with tp"
+        )
     if o.name == "muon" and cpu_offload:
         raise TitanliteError(
             "optimizer.name muon gathers each matrix's update over the FSDP ranks every step, and "
