@@ -1,7 +1,7 @@
 """Muon for the hidden matrices and AdamW for the rest, as one optimizer; under FSDP, each matrix's
 update gathered whole for Newton-Schulz.
 
-    optimizer = MuonWithAdamW(hidden_matrices, adamw_groups, cfg.optimizer, device)
+    optimizer = MuonWithAdamW(hidden, adamw_groups, cfg.optimizer, fused, torch.float32)
 
 Muon (Keller Jordan, "Muon: An optimizer for hidden layers in neural networks", 2024; torch.optim.Muon)
 keeps one momentum buffer per matrix and steps along its orthogonalised version: the SVD's U·Vᵀ with
@@ -27,7 +27,6 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._compat.torch_internals import muon_lr
-from .device_policy import use_fused_adamw
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -36,7 +35,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     by torch's "match_rms_adamw"), one state dict holds both, one step hook (Keller Jordan's
     MuonWithAuxAdam, as an object). Its param_groups and state are its two optimizers' own."""
 
-    def __init__(self, hidden: list, adamw_groups: list[dict], o, device: torch.device):
+    def __init__(self, hidden: list, adamw_groups: list[dict], o, fused: bool, ns_dtype):
         self.muon = ShardedMuon(
             hidden,
             lr=o.lr,
@@ -45,8 +44,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             ns_steps=o.muon_ns_steps,
             adjust_lr_fn="match_rms_adamw",
         )
-        self.muon.ns_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        fused = use_fused_adamw(device.type)
+        self.muon.ns_dtype = ns_dtype
         self.adamw = torch.optim.AdamW(
             adamw_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None
         )

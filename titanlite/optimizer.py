@@ -56,7 +56,9 @@ def build_optimizer(parts: list[nn.Module], o, device: torch.device) -> torch.op
                 "on AdamW: use --optimizer.name adamw"
             )
         rest = [p for p in params if id(p) not in {id(h) for h in hidden}]
-        optimizer = MuonWithAdamW(hidden, decay_groups(rest, o.weight_decay), o, device)
+        # Newton-Schulz in bf16 on CUDA (tensor cores; torch's choice), else in fp32 (muon.py: why)
+        ns_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        optimizer = MuonWithAdamW(hidden, decay_groups(rest, o.weight_decay), o, fused, ns_dtype)
     elif o.name in QUANTIZED:
         from ._compat.torchao_internals import quantized_adamw  # adamw8bit / adamw4bit runs only
 
