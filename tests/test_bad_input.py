@@ -146,6 +146,15 @@ CONFIG_VALUES = [
     ("moe-balance-typo", ["--model.n_experts", "4", "--model.moe_balance", "aux_fre"], "aux_free"),
     ("moe-every-beyond", ["--model.n_experts", "4", "--model.moe_every", "9"], "moe_every"),
     ("seq-len-beyond-model", ["--training.seq_len", "4096"], "maximum"),
+    # the optimizers (issue 48): a misspelt name, and an option of one optimizer given to another
+    ("optimizer-typo", ["--optimizer.name", "adafacter"], "did you mean: adafactor"),
+    ("muon-key-on-adamw", ["--optimizer.muon_momentum", "0.9"], "is Muon's"),
+    (
+        "adam-key-on-adafactor",
+        ["--optimizer.name", "adafactor", "--optimizer.beta2", "0.99"],
+        "optimizer.beta2 is AdamW's",
+    ),
+    ("muon-ns-steps-100", ["--optimizer.muon_ns_steps", "100"], "optimizer.muon_ns_steps"),
     ("heads-not-dividing", ["--model.n_heads", "5"], ""),
 ]
 
@@ -382,6 +391,15 @@ def test_checkpoint_of_another_model_is_refused(case, argv, trained, world, data
     )
     check(code, err, "")
     assert "different model" in err or "does not fit" in err
+
+
+def test_checkpoint_of_another_optimizer_is_refused(trained, world, data_dir, capfd):
+    ckpt = _ckpt_copy(world, trained) / "step-00000004"
+    before = snapshot(world)
+    argv = ["--optimizer.name", "muon", "--checkpoint.load", str(ckpt)]
+    code, err = run_cli(["train", *_base(world, data_dir), *argv], capfd)
+    check(code, err, "holds adamw's optimizer state, and this run asks for --optimizer.name muon")
+    assert snapshot(world) == before
 
 
 @pytest.mark.parametrize(

@@ -89,8 +89,7 @@ class TrainingSection:
 
 @dataclass
 class OptimizerSection:
-    # adamw: torch's; adamw8bit, adamw4bit: torchao's, moments block-quantized; adafactor: torch's,
-    # second moment factored; muon: torch's Muon on the hidden matrices, AdamW on the rest (optimizer.py)
+    # torch's AdamW | torchao's 8-/4-bit AdamW | torch's Adafactor | Muon + AdamW (optimizer.py)
     name: str = one_of("adamw", "adamw8bit", "adamw4bit", "adafactor", "muon")
     lr: float = ranged(3e-3, "(0, inf)")  # adafactor: the largest relative step (torch's)
     weight_decay: float = ranged(0.1, "[0, inf)")
@@ -98,9 +97,7 @@ class OptimizerSection:
     beta2: float = ranged(0.95, "[0, 1)")
     eps: float = ranged(1e-8, "(0, inf)")
     muon_momentum: float = ranged(0.95, "[0, 1)")  # muon: its (Nesterov) momentum, torch's default
-    muon_ns_steps: int = ranged(
-        5, "[1, 99]"
-    )  # muon: Newton-Schulz iterations (torch: fewer than 100)
+    muon_ns_steps: int = ranged(5, "[1, 99]")  # muon: Newton-Schulz iterations (torch's < 100)
 
 
 @dataclass
