@@ -116,17 +116,25 @@ def torchao_roundtrip(x: torch.Tensor, name: str, signed: bool):
     return state, state.dequantize()
 
 
+def rounding_bound(table: torch.Tensor, signed: bool) -> float:
+    """The largest error nearest rounding to `table` can make on a value scaled into [-1, 1]
+    (signed) or [0, 1]: half the widest gap between entries, or the distance from an end of the
+    range to the entry nearest it (4-bit's second moment has no 0: a 0 is stored as 1/16)."""
+    low = -1.0 if signed else 0.0
+    gaps = [float((table[1:] - table[:-1]).max()) / 2, float(table[0]) - low, 1 - float(table[-1])]
+    return max(gaps)
+
+
 def quantization_error(moment: torch.Tensor, name: str, signed: bool) -> dict:
     """The error torchao's quantization puts on one real moment: relative error per value (of the
     values a tenth of their block's absmax or more: below that a relative error says little),
-    the largest error per block against half the widest gap of the table times the block's scale
-    (nearest rounding can do no worse), and the relative norm of the error."""
+    the largest error per block over `rounding_bound` times the block's absmax (nearest rounding
+    can do no worse: at most 1), and the relative norm of the error."""
     state, back = torchao_roundtrip(moment, name, signed)
     block = BLOCK[name]
     err = (back - moment).reshape(-1, block)
     scale = moment.reshape(-1, block).abs().amax(-1, keepdim=True)
-    table = qmap(name, signed)
-    bound = 0.5 * (table[1:] - table[:-1]).max() * scale
+    bound = rounding_bound(qmap(name, signed), signed) * scale
     big = moment.reshape(-1, block).abs() >= 0.1 * scale
     rel = (err.abs() / moment.reshape(-1, block).abs().clamp(min=1e-30))[big]
     return {
@@ -311,3 +319,82 @@ def state_per_rank(overrides: dict, names: list[str]) -> dict:
         trainer.train_step(trainer.next_micro_batches())
         held[name] = measure_state_bytes(trainer.model, trainer.optimizer)["optimizer"]
     return {"rank": dist.get_rank(), "bytes": held}
+
+
+# ----- the comparison, read against its noise ------------------------------------------------------
+def row_of(name: str, trainer, history, warmup: int = 2) -> dict:
+    """One optimizer's row from its finished run: the final validation loss, the median tokens/s
+    of the steps after `warmup` and their spread (the capstone's measures), and the state's bytes,
+    measured off its tensors and by the formula."""
+    import statistics
+
+    from ..tools.predict.zero import measure_state_bytes
+
+    speeds = [r["tokens_per_sec"] for r in history.train[warmup:]] or [
+        history.train[-1]["tokens_per_sec"]
+    ]
+    model = trainer.model
+    return {
+        "row": name,
+        "lr": trainer.cfg.optimizer.lr,
+        "val_loss": history.val_losses[-1],
+        "first_loss": history.losses[0],
+        "loss": history.losses[-1],
+        "tokens": history.train[-1].get("tokens"),
+        "tokens_per_sec": statistics.median(speeds),
+        "spread": (max(speeds) - min(speeds)) / statistics.median(speeds),
+        "state_bytes": measure_state_bytes(model, trainer.optimizer)["optimizer"],
+        "formula_bytes": predicted_state(model, trainer.cfg.optimizer.name),
+        "params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+    }
+
+
+def loss_verdict(row: dict, ref: dict, band: float) -> str:
+    """A validation loss read against `band`, the gap two AdamW runs of different seeds left."""
+    if row["val_loss"] < ref["val_loss"] - band:
+        return "lower (beyond seed noise)"
+    if row["val_loss"] > ref["val_loss"] + band:
+        return "higher (beyond seed noise)"
+    return "within seed noise"
+
+
+def comparison_table(rows: list[dict]) -> str:
+    """The optimizers against the first AdamW row: validation loss against the seed band (the two
+    AdamW rows, first and last), tokens/s against the capstone's band (the AdamW rows' drift plus
+    half of each row's step spread: nb16_report.noise), state bytes measured and by the formula."""
+    from .nb16_report import noise, verdict
+
+    ref, again = rows[0], rows[-1]
+    seed_band = abs(ref["val_loss"] - again["val_loss"])
+    head = (
+        f"{'optimizer':<18}{'lr':>7}{'val loss':>10}{'Δ':>8}  {'loss reading':<27}"
+        f"{'tok/s':>8}{'×':>6}  {'speed reading':<22}{'state kB':>10}{'formula':>9}{'B/param':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ratio = r["tokens_per_sec"] / ref["tokens_per_sec"]
+        same = r is ref
+        lines.append(
+            f"{r['row']:<18}{r['lr']:>7.0e}{r['val_loss']:>10.4f}"
+            f"{r['val_loss'] - ref['val_loss']:>+8.4f}  "
+            f"{'(the reference)' if same else loss_verdict(r, ref, seed_band):<27}"
+            f"{r['tokens_per_sec']:>8,.0f}{ratio:>6.2f}  "
+            f"{'(the reference)' if same else verdict(ratio, noise(r, ref, rows)):<22}"
+            f"{r['state_bytes'] / 1e3:>10,.1f}{r['formula_bytes'] / 1e3:>9,.1f}"
+            f"{r['state_bytes'] / r['params']:>8.3f}"
+        )
+    return "\n".join(lines)
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> int:
+    """Matmul FLOPs of Newton-Schulz on a rows × cols matrix (m = the smaller side, n the larger):
+    each iteration X·Xᵀ (2m²n), A·A (2m³) and B·X (2m²n)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4 * m * m * n + 2 * m**3)
+
+
+def muon_two_ways(shapes: list, seed: int = 0) -> dict:
+    """Both ways in one job (`sharded_muon_step`: one step, the update gathered whole; then
+    `implicit_dtensor_muon`: torch's Muon left to DTensor), for the notebook."""
+    gathered = sharded_muon_step(shapes, seed=seed, steps=1)
+    return {**gathered, "implicit": implicit_dtensor_muon(shapes, seed=seed)}
