@@ -368,18 +368,18 @@ def comparison_table(rows: list[dict]) -> str:
     seed_band = abs(ref["val_loss"] - again["val_loss"])
     head = (
         f"{'optimizer':<18}{'lr':>7}{'val loss':>10}{'Δ':>8}  {'loss reading':<27}"
-        f"{'tok/s':>8}{'×':>6}  {'speed reading':<22}{'state kB':>10}{'formula':>9}{'B/param':>8}"
+        f"{'tok/s':>8}{'×':>6}{'band':>6}  {'speed reading':<22}{'state kB':>10}{'formula':>9}{'B/param':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = r["tokens_per_sec"] / ref["tokens_per_sec"]
-        same = r is ref
+        same, band = r is ref, noise(r, ref, rows)
         lines.append(
             f"{r['row']:<18}{r['lr']:>7.0e}{r['val_loss']:>10.4f}"
             f"{r['val_loss'] - ref['val_loss']:>+8.4f}  "
             f"{'(the reference)' if same else loss_verdict(r, ref, seed_band):<27}"
-            f"{r['tokens_per_sec']:>8,.0f}{ratio:>6.2f}  "
-            f"{'(the reference)' if same else verdict(ratio, noise(r, ref, rows)):<22}"
+            f"{r['tokens_per_sec']:>8,.0f}{ratio:>6.2f}{'' if same else f'±{band:.0%}':>6}  "
+            f"{'(the reference)' if same else verdict(ratio, band):<22}"
             f"{r['state_bytes'] / 1e3:>10,.1f}{r['formula_bytes'] / 1e3:>9,.1f}"
             f"{r['state_bytes'] / r['params']:>8.3f}"
         )
