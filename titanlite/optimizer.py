@@ -26,7 +26,6 @@ from ._compat.torch_internals import is_compiled_in_place
 from .device_policy import use_fused_adamw
 from .errors import TitanliteError
 
-NAMES = ("adamw", "adamw8bit", "adamw4bit", "adafactor", "muon")
 QUANTIZED = {"adamw8bit": 8, "adamw4bit": 4}  # bits a moment
 # torchao tests its low-bit optimizers on CPU and CUDA only (torchao/optim/README.md)
 QUANTIZED_DEVICES = ("cpu", "cuda")
@@ -134,8 +133,8 @@ def check_optimizer(o, dims, cpu_offload: bool = False) -> None:
         raise TitanliteError(
             "optimizer.name adafactor factors each matrix's second moment into its row and column "
             "means, which need every row of the matrix, and FSDP and tensor parallelism keep a "
-            "shard of it on each rank (torch's Adafactor cannot step their DTensors): use adamw, "
-            "adamw8bit or muon with dp_shard or tp > 1, or adafactor with DDP "
+            "shard of it on each rank (torch's Adafactor cannot step their DTensors): use another "
+            "--optimizer.name with dp_shard or tp > 1, or adafactor with DDP "
             "(--parallel.dp_replicate) or one process"
         )
     if o.name in QUANTIZED and dims.tp > 1:

@@ -393,8 +393,45 @@ def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> int:
     return steps * (4 * m * m * n + 2 * m**3)
 
 
-def muon_two_ways(shapes: list, seed: int = 0) -> dict:
-    """Both ways in one job (`sharded_muon_step`: one step, the update gathered whole; then
-    `implicit_dtensor_muon`: torch's Muon left to DTensor), for the notebook."""
+def sharded_steps(shapes: list, seed: int = 0) -> dict:
+    """For the notebook, in one job: one step of `sharded_muon_step` (the update gathered whole),
+    `implicit_dtensor_muon` (torch's Muon left to DTensor), and what torch's Adafactor says when
+    asked to step the same DTensor shards."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ._common import join
+
     gathered = sharded_muon_step(shapes, seed=seed, steps=1)
-    return {**gathered, "implicit": implicit_dtensor_muon(shapes, seed=seed)}
+    implicit = implicit_dtensor_muon(shapes, seed=seed)
+    _, mesh = join(mesh_dim="dp_shard")
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(shapes[0]), mesh, [Shard(0)]))
+    p.grad = distribute_tensor(torch.randn(shapes[0]), mesh, [Shard(0)])
+    try:
+        torch.optim.Adafactor([p]).step()
+        adafactor = "it stepped"
+    except Exception as e:  # what torch says, in one line
+        adafactor = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+    return {**gathered, "implicit": implicit, "adafactor": adafactor}
+
+
+def rounding_sensitivity(matrices: list, relative: float = 1e-6, seed: int = 0) -> dict:
+    """How far Newton-Schulz's output moves when each input value moves by ~`relative` of itself
+    (what summing a gradient over N ranks in another order does to fp32's last bits), in bf16 and in
+    fp32: the largest change of an output over that output's largest value, and how many of the
+    inputs round to another bf16 number (of how many)."""
+    from ..muon import newton_schulz
+
+    g = torch.Generator().manual_seed(seed)
+    out = {"bfloat16": 0.0, "float32": 0.0, "flipped": 0, "values": 0}
+    for m in matrices:
+        nudged = m * (1 + relative * torch.randn(m.shape, generator=g))
+        out["flipped"] += int((m.bfloat16() != nudged.bfloat16()).sum())
+        out["values"] += m.numel()
+        for dtype in (torch.bfloat16, torch.float32):
+            a = newton_schulz(m.to(dtype), COEFFICIENTS, 5).float()
+            b = newton_schulz(nudged.to(dtype), COEFFICIENTS, 5).float()
+            moved = float((a - b).abs().max() / a.abs().max())
+            out[str(dtype).replace("torch.", "")] = max(
+                out[str(dtype).replace("torch.", "")], moved
+            )
+    return out
