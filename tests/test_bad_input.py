@@ -393,6 +393,27 @@ def test_checkpoint_of_another_model_is_refused(case, argv, trained, world, data
     assert "different model" in err or "does not fit" in err
 
 
+@pytest.mark.parametrize(
+    "name, patch, message",
+    [
+        # a device torchao's quantized states do not run on (here the CPU, declared one of them)
+        ("adamw8bit", ("QUANTIZED_DEVICES", ("cuda",)), "run on cuda only, not on cpu"),
+        # a model part with no 2-D hidden matrix for Muon to take
+        ("muon", ("hidden_matrices", lambda parts: []), "this model part has none"),
+    ],
+)
+def test_an_optimizer_that_cannot_build_here_is_refused(
+    name, patch, message, world, data_dir, capfd, monkeypatch
+):
+    import titanlite.optimizer
+
+    monkeypatch.setattr(titanlite.optimizer, *patch)
+    before = snapshot(world)
+    code, err = run_cli(["train", *_base(world, data_dir), "--optimizer.name", name], capfd)
+    check(code, err, message)
+    assert code == 2 and snapshot(world) == before
+
+
 def test_checkpoint_of_another_optimizer_is_refused(trained, world, data_dir, capfd):
     ckpt = _ckpt_copy(world, trained) / "step-00000004"
     before = snapshot(world)
