@@ -112,17 +112,22 @@ def test_each_optimizer_resumes_bit_identically(name, data_dir, tmp_path):
     assert Trainer(load_config(None, o)).fit().losses == whole.losses[2:]
 
 
-@pytest.mark.parametrize("name", ["muon", "adamw8bit"])
-def test_debug_config_on_two_fsdp_ranks_gives_one_process_losses(name, data_dir, tmp_path):
+FSDP2 = {"parallel.dp_shard": 2, "training.batch_size": 4}
+TP2 = {"parallel.tp": 2, "parallel.dp_shard": 1}  # the row-parallel matrices: column shards
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [("muon", FSDP2), ("adamw8bit", FSDP2), ("muon", TP2)],
+    ids=["muon-fsdp", "adamw8bit-fsdp", "muon-tp"],
+)
+def test_debug_config_on_two_ranks_gives_one_process_losses(name, layout, data_dir, tmp_path):
     """`titanlite train --config configs/debug.toml --optimizer.name NAME` against the same under
-    torchrun with --parallel.dp_shard 2 (launch runs exactly that), deterministic fp32."""
+    torchrun with --parallel.dp_shard 2 (launch runs exactly that), deterministic fp32; and Muon
+    under tensor parallelism, whose gather also joins column shards."""
     o = parity_overrides(data_dir, tmp_path, **{"optimizer.name": name, "training.steps": 6})
     one = Trainer(load_config(DEBUG, o)).fit()
-    two = launch(
-        load_config(DEBUG, o),
-        nproc=2,
-        overrides={"parallel.dp_shard": 2, "training.batch_size": 4},
-    )
+    two = launch(load_config(DEBUG, o), nproc=2, overrides=layout)
     assert len(two.losses) == 6 and two.losses == pytest.approx(one.losses, abs=1e-5)
     assert [r["val_loss"] for r in two.rank(0, "val")] == pytest.approx(one.val_losses, abs=1e-5)
 

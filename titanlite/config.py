@@ -91,7 +91,7 @@ class TrainingSection:
 class OptimizerSection:
     # torch's AdamW | torchao's 8-/4-bit AdamW | torch's Adafactor | Muon + AdamW (optimizer.py)
     name: str = one_of("adamw", "adamw8bit", "adamw4bit", "adafactor", "muon")
-    lr: float = ranged(3e-3, "(0, inf)")  # adafactor: the largest relative step (torch's)
+    lr: float = ranged(3e-3, "(0, inf)")  # the peak; adafactor: its largest relative step
     weight_decay: float = ranged(0.1, "[0, inf)")
     beta1: float = ranged(0.9, "[0, 1)")  # AdamW's moment decays: 1 would never forget
     beta2: float = ranged(0.95, "[0, 1)")
