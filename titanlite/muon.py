@@ -21,7 +21,7 @@ ranks, every step.
 Newton-Schulz runs in bf16 on CUDA (tensor cores; torch's and Keller Jordan's choice) and in fp32
 elsewhere, the dtype CPU and MPS runs compute in. In bf16 the last-bit differences of a gradient
 summed over N ranks flip a rounding now and then, and N ranks part from one process by ~3e-5 in
-loss within 8 steps (measured on this model); in fp32 they agree to fp32's rounding."""
+loss within 8 steps (measured on the debug model); in fp32 they agree to fp32's rounding."""
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
