@@ -146,6 +146,15 @@ CONFIG_VALUES = [
     ("moe-balance-typo", ["--model.n_experts", "4", "--model.moe_balance", "aux_fre"], "aux_free"),
     ("moe-every-beyond", ["--model.n_experts", "4", "--model.moe_every", "9"], "moe_every"),
     ("seq-len-beyond-model", ["--training.seq_len", "4096"], "maximum"),
+    # the optimizers (issue 48): a misspelt name, and an option of one optimizer given to another
+    ("optimizer-typo", ["--optimizer.name", "adafacter"], "did you mean: adafactor"),
+    ("muon-key-on-adamw", ["--optimizer.muon_momentum", "0.9"], "is Muon's"),
+    (
+        "adam-key-on-adafactor",
+        ["--optimizer.name", "adafactor", "--optimizer.beta2", "0.99"],
+        "optimizer.beta2 is AdamW's",
+    ),
+    ("muon-ns-steps-100", ["--optimizer.muon_ns_steps", "100"], "optimizer.muon_ns_steps"),
     ("attention-typo", ["--model.attention", "flx"], "did you mean: flex"),
     # torch 2.13 has no FlexAttention backward on the CPU (a later torch that has one trains)
     ("flex-without-a-backward-here", ["--model.attention", "flex"], "FlexAttention backward"),
@@ -385,6 +394,36 @@ def test_checkpoint_of_another_model_is_refused(case, argv, trained, world, data
     )
     check(code, err, "")
     assert "different model" in err or "does not fit" in err
+
+
+@pytest.mark.parametrize(
+    "name, patch, message",
+    [
+        # a device torchao's quantized states do not run on (here the CPU, declared one of them)
+        ("adamw8bit", ("QUANTIZED_DEVICES", ("cuda",)), "run on cuda only, not on cpu"),
+        # a model part with no 2-D hidden matrix for Muon to take
+        ("muon", ("hidden_matrices", lambda parts: []), "this model part has none"),
+    ],
+)
+def test_an_optimizer_that_cannot_build_here_is_refused(
+    name, patch, message, world, data_dir, capfd, monkeypatch
+):
+    import titanlite.optimizer
+
+    monkeypatch.setattr(titanlite.optimizer, *patch)
+    before = snapshot(world)
+    code, err = run_cli(["train", *_base(world, data_dir), "--optimizer.name", name], capfd)
+    check(code, err, message)
+    assert code == 2 and snapshot(world) == before
+
+
+def test_checkpoint_of_another_optimizer_is_refused(trained, world, data_dir, capfd):
+    ckpt = _ckpt_copy(world, trained) / "step-00000004"
+    before = snapshot(world)
+    argv = ["--optimizer.name", "muon", "--checkpoint.load", str(ckpt)]
+    code, err = run_cli(["train", *_base(world, data_dir), *argv], capfd)
+    check(code, err, "holds adamw's optimizer state, and this run asks for --optimizer.name muon")
+    assert snapshot(world) == before
 
 
 @pytest.mark.parametrize(

@@ -770,12 +770,12 @@ def test_behind_ddp_real_fp8_makes_mfu_divide_by_bf16(
 def test_the_optimizer_is_fused_where_the_policy_says(data_dir, tmp_path, monkeypatch):
     """use_fused_adamw answers per device type (CUDA: yes); the AdamW the trainer builds must be
     what it answered. Here the policy is asked to say yes for the CPU, which fused AdamW runs on."""
-    import titanlite.train
+    import titanlite.optimizer
     from titanlite.run_record import built
 
-    monkeypatch.setattr(titanlite.train, "use_fused_adamw", lambda device_type: True)
+    monkeypatch.setattr(titanlite.optimizer, "use_fused_adamw", lambda device_type: True)
     assert built(_trainer(data_dir, tmp_path))["fused"] is True
-    monkeypatch.setattr(titanlite.train, "use_fused_adamw", lambda device_type: False)
+    monkeypatch.setattr(titanlite.optimizer, "use_fused_adamw", lambda device_type: False)
     assert built(_trainer(data_dir, tmp_path))["fused"] is False
 
 

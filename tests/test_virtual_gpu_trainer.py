@@ -302,3 +302,36 @@ def test_the_experts_record_their_kernel_and_host_waits_per_layer(
     trainer, record = _build(data_dir, tmp_path, peaks=False, **MOE)
     assert record["experts"] == {"kernel": kernel, "host_waits_per_layer": waits}
     assert host_waits(kernel, ep=2) == 1
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [("adamw8bit", "AdamW8bit"), ("adamw4bit", "AdamW4bit"), ("muon", "MuonWithAdamW")],
+)
+def test_an_h100_steps_each_optimizer_as_the_gpu_would(
+    data_dir, tmp_path, virtual_gpus, name, kind
+):
+    """What the trainer decides on a GPU for an optimizer (optimizer.py, notebook 20's "on a GPU"):
+    torchao's step compiled with the blocks (its fused kernels; eager on a CPU), Muon's AdamW part
+    fused and its Newton-Schulz in bf16 as torch's Muon computes it (fp32 on a CPU)."""
+    virtual_gpus(H100, ["GPU-h100"])
+    trainer, record = _build(data_dir, tmp_path, **{"optimizer.name": name})
+    assert record["optimizer"] == kind and record["fused"] is True
+    assert record["compiled_blocks"] == [True, True]
+    if name == "muon":
+        assert trainer.optimizer.muon.ns_dtype == torch.bfloat16
+        assert trainer.optimizer.adamw.defaults["fused"] is True
+    cpu, cpu_record = _cpu_build(data_dir, tmp_path, name)
+    assert cpu_record["optimizer"] == kind and cpu_record["fused"] is False
+    if name == "muon":
+        assert cpu.optimizer.muon.ns_dtype == torch.float32
+
+
+def _cpu_build(data_dir, tmp_path, name):
+    from titanlite.config import load_config
+    from titanlite.run_record import built
+    from titanlite.train import Trainer
+
+    o = tiny_overrides(data_dir, tmp_path, **{"optimizer.name": name, "training.device": "cpu"})
+    trainer = Trainer(load_config(None, o))
+    return trainer, built(trainer)

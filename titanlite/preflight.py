@@ -20,6 +20,7 @@ from .distributed.parallelize import sequence_parallel_enabled
 from .efficiency.accumulation import resolve_batch
 from .errors import TitanliteError
 from .models.llama import ModelArgs, count
+from .optimizer import check_optimizer
 from .resilience.faults import check_fault
 
 
@@ -46,6 +47,7 @@ def preflight(cfg: Config, world_size: int, vocab_size: int, start_from=None) ->
     )
     args = model_args_for(cfg, vocab_size, start_from)
     check_parallel_config(cfg, dims, args)
+    check_optimizer(cfg.optimizer, dims, cpu_offload=cfg.parallel.cpu_offload)
     return Plan(dims, micro, accum, global_batch, args)
 
 
@@ -240,10 +242,8 @@ def memory_floor(plan: Plan, cfg: Config) -> tuple[float, float]:
     _, params = count(args, t.seq_len)  # on the meta device: counted, not allocated
     moe = args.moe
     moe_layers = sum((i + 1) % moe.every == 0 for i in range(args.n_layers)) if moe else 0
-    experts = (
-        moe_layers * moe.n_experts * 3 * (moe.hidden_dim or args.hidden_dim) * args.dim
-        if moe
-        else 0
+    experts = moe_layers * (  # the experts' parameters (none in a dense model)
+        moe.n_experts * 3 * (moe.hidden_dim or args.hidden_dim) * args.dim if moe else 0
     )
     fsdp = dims.dp_shard if dims.sharded else 1
     shard = ((params - experts) / (fsdp * dims.ep * dims.cp) + experts / (fsdp * dims.ep)) / (
