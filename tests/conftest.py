@@ -29,7 +29,12 @@ def _isolated_peak_cache(tmp_path_factory):
 
     from titanlite.tools.probe import matmul_peak
 
-    matmul_peak.matmul_peak(torch.device("cpu"), torch.float32)
+    # A measurement too noisy to keep (two workers starting at once, say) is measured again,
+    # a few times, so that the session starts with a cached peak if the machine allows one.
+    for _ in range(4):
+        peak = matmul_peak.matmul_peak(torch.device("cpu"), torch.float32, refresh=True)
+        if "too noisy" not in peak.label:
+            break
     yield cache
     if old is None:
         os.environ.pop("TITANLITE_CACHE_DIR", None)

@@ -146,6 +146,18 @@ CONFIG_VALUES = [
     ("moe-balance-typo", ["--model.n_experts", "4", "--model.moe_balance", "aux_fre"], "aux_free"),
     ("moe-every-beyond", ["--model.n_experts", "4", "--model.moe_every", "9"], "moe_every"),
     ("seq-len-beyond-model", ["--training.seq_len", "4096"], "maximum"),
+    # the optimizers (issue 48): a misspelt name, and an option of one optimizer given to another
+    ("optimizer-typo", ["--optimizer.name", "adafacter"], "did you mean: adafactor"),
+    ("muon-key-on-adamw", ["--optimizer.muon_momentum", "0.9"], "is Muon's"),
+    (
+        "adam-key-on-adafactor",
+        ["--optimizer.name", "adafactor", "--optimizer.beta2", "0.99"],
+        "optimizer.beta2 is AdamW's",
+    ),
+    ("muon-ns-steps-100", ["--optimizer.muon_ns_steps", "100"], "optimizer.muon_ns_steps"),
+    ("attention-typo", ["--model.attention", "flx"], "did you mean: flex"),
+    # torch 2.13 has no FlexAttention backward on the CPU (a later torch that has one trains)
+    ("flex-without-a-backward-here", ["--model.attention", "flex"], "FlexAttention backward"),
     ("heads-not-dividing", ["--model.n_heads", "5"], ""),
     # Fault tolerance (torchft): what a replica group cannot be, refused before the lighthouse.
     (
@@ -398,6 +410,36 @@ def test_checkpoint_of_another_model_is_refused(case, argv, trained, world, data
 
 
 @pytest.mark.parametrize(
+    "name, patch, message",
+    [
+        # a device torchao's quantized states do not run on (here the CPU, declared one of them)
+        ("adamw8bit", ("QUANTIZED_DEVICES", ("cuda",)), "run on cuda only, not on cpu"),
+        # a model part with no 2-D hidden matrix for Muon to take
+        ("muon", ("hidden_matrices", lambda parts: []), "this model part has none"),
+    ],
+)
+def test_an_optimizer_that_cannot_build_here_is_refused(
+    name, patch, message, world, data_dir, capfd, monkeypatch
+):
+    import titanlite.optimizer
+
+    monkeypatch.setattr(titanlite.optimizer, *patch)
+    before = snapshot(world)
+    code, err = run_cli(["train", *_base(world, data_dir), "--optimizer.name", name], capfd)
+    check(code, err, message)
+    assert code == 2 and snapshot(world) == before
+
+
+def test_checkpoint_of_another_optimizer_is_refused(trained, world, data_dir, capfd):
+    ckpt = _ckpt_copy(world, trained) / "step-00000004"
+    before = snapshot(world)
+    argv = ["--optimizer.name", "muon", "--checkpoint.load", str(ckpt)]
+    code, err = run_cli(["train", *_base(world, data_dir), *argv], capfd)
+    check(code, err, "holds adamw's optimizer state, and this run asks for --optimizer.name muon")
+    assert snapshot(world) == before
+
+
+@pytest.mark.parametrize(
     "case", ["record-not-json", "metadata-garbage", "shard-truncated", "shard-flipped"]
 )
 def test_export_of_a_damaged_checkpoint(case, trained, world, capfd):
@@ -539,6 +581,7 @@ LAUNCH_CASES = [
     ("replicate-2-shard-2-of-2", 2, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}),
     ("cp-3-of-2", 2, {"parallel.cp": 3}),
     ("cp-not-cutting-the-sequence", 2, {"parallel.cp": 2, "training.seq_len": 30}),
+    ("document-mask-on-the-ring", 2, {"parallel.cp": 2, "data.document_mask": True}),
     ("ep-without-experts", 2, {"parallel.ep": 2}),
     ("experts-not-dividing-ep", 2, {"model.n_experts": 3, "parallel.ep": 2}),
     ("experts-with-pp", 2, {"model.n_experts": 4, "parallel.pp": 2, "parallel.dp_shard": 1}),
@@ -590,6 +633,23 @@ def titanlite(*args, timeout=60):
         text=True,
         timeout=timeout,
     )
+
+
+def test_a_document_mask_over_a_tokenizer_without_an_end_of_document_token(world, data_dir, capfd):
+    """A document mask needs the token documents end with: a tokenizer folder that names none
+    (a bare tokenizer.json gets titanlite's <|eos|>) is refused in one line (data/tokenizer.py's
+    load_tokenizer, before anything is written)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (world / "no-eos").mkdir()
+    tok.save(str(world / "no-eos" / "tokenizer.json"))
+    argv = ["--data.tokenizer", str(world / "no-eos"), "--data.document_mask", "true"]
+    before = snapshot(world)
+    code, err = run_cli(["train", *_base(world, data_dir), *argv], capfd)
+    check(code, err, "no eos token")
+    assert code == 2 and snapshot(world) == before
 
 
 @pytest.mark.parametrize(

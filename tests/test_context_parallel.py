@@ -64,21 +64,28 @@ def test_a_causal_zigzag_ring_step_is_half_a_block_and_each_ranks_work_is_timed_
 
 
 @pytest.mark.parametrize(
-    "device, dtype, capability, kernel",
+    "device, dtype, capability, head_dim, rocm, kernel",
     [
-        ("cpu", torch.float32, None, "cpu_flash"),
-        ("cpu", torch.bfloat16, None, "cpu_flash"),
-        ("cuda", torch.bfloat16, (9, 0), "cuda_flash"),
-        ("cuda", torch.float16, (8, 0), "cuda_flash"),
-        ("cuda", torch.bfloat16, (7, 5), "math"),  # Turing: no flash attention in torch
-        ("cuda", torch.float32, (9, 0), "math"),  # flash takes half precision only
-        ("mps", torch.bfloat16, None, "math"),
+        ("cpu", torch.float32, None, 64, False, "cpu_flash"),
+        ("cpu", torch.bfloat16, None, 64, False, "cpu_flash"),
+        ("cuda", torch.bfloat16, (9, 0), 128, False, "cuda_flash"),
+        ("cuda", torch.float16, (8, 0), 64, False, "cuda_flash"),
+        ("cuda", torch.bfloat16, (8, 9), 256, False, "cuda_flash"),  # > 224 trains on sm89
+        ("cuda", torch.bfloat16, (8, 6), 200, False, "cuda_efficient"),  # (192, 224] does not
+        ("cuda", torch.bfloat16, (12, 0), 208, False, "cuda_efficient"),  # nor on sm120
+        ("cuda", torch.float16, (7, 5), 64, False, "cuda_efficient"),  # Turing: no flash
+        ("cuda", torch.bfloat16, (7, 5), 64, False, "math"),  # no bf16 kernel before sm80
+        ("cuda", torch.float32, (9, 0), 64, False, "cuda_efficient"),  # flash: half precision
+        ("cuda", torch.float32, (9, 0), 36, False, "cuda_efficient"),  # fp32 rows: 4-aligned
+        ("cuda", torch.bfloat16, (9, 0), 36, False, "math"),  # bf16 rows of 36: 8-aligned no
+        ("cuda", torch.bfloat16, (9, 4), 64, True, "math"),  # ROCm (MI300X reports 9.4)
+        ("mps", torch.bfloat16, None, 64, False, "math"),
     ],
 )
-def test_each_device_gets_a_block_kernel_that_returns_the_log_sum_exp(
-    device, dtype, capability, kernel
+def test_each_device_gets_the_block_kernel_sdpa_would_train_it_through(
+    device, dtype, capability, head_dim, rocm, kernel
 ):
-    assert block_kernel(device, dtype, capability) == kernel
+    assert block_kernel(device, dtype, capability, head_dim, rocm) == kernel
 
 
 class _Ctx(SimpleNamespace):  # what autograd hands a Function, for calling it by hand
@@ -229,3 +236,19 @@ def test_the_layout_folds_cp_into_fsdp_and_reads_one_data_slice_per_cp_group():
     assert ParallelDims.resolve(2, 1, 4, cp=2).strategy == "hsdp"
     assert ParallelDims.resolve(1, 1, 2, cp=2).strategy == "fsdp"
     assert cpmod.METHODS == ("ring", "allgather") and cpmod.LAYOUTS == ("zigzag", "contiguous")
+
+
+def test_the_math_block_computes_its_scores_in_fp32_under_fp16_autocast():
+    """The from-scratch block (ROCm, MPS) under a caller's fp16 autocast: q·kᵀ recast to fp16 by
+    autocast before the scale would overflow (a logit of 700 at head_dim 64 is 5,600 unscaled, and
+    products beyond 65,504 are inf). Its scores stay fp32: the same output and log-sum-exp as fp32."""
+    from titanlite.distributed.attention_block import block_forward
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 8, 64, generator=g) * 40  # q·k up to ~10^5: past fp16's range
+    k, v = torch.randn(1, 2, 8, 64, generator=g) * 40, torch.randn(1, 2, 8, 64, generator=g)
+    ref_out, ref_lse = block_forward("math", q, k, v, causal=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out, lse = block_forward("math", q, k, v, causal=True)
+    assert torch.isfinite(lse).all() and torch.isfinite(out).all()
+    assert torch.allclose(lse, ref_lse) and torch.allclose(out.float(), ref_out, atol=1e-5)

@@ -47,20 +47,44 @@ PACKAGE = Path(titanlite.__file__).parent
 # Reachable 4,194 -> 4,195 (issue 47): an expert-parallel checkpoint loads into another layout, whose
 # optimizer has more or fewer parameter groups: TrainState gives each group the schedule's saved lr
 # (one statement; the Mixtral start and its slices are a tool's, hf_moe.py).
+# On CUDA, run what torch runs (issue 46): context parallel's blocks through torch's flash or
+# memory-efficient kernel as torch's ring attention calls them (attention_block.py, +67; the ring
+# itself -29), the kernel decided once in apply_cp and recorded in run.json with the experts' kernel
+# and host waits (run_record +10, moe +13), preflight's memory floor with FSDP over dp_shard × ep × cp
+# and each CP rank's tokens (+10), the schedule's warning filtered only under a scaler (+2): 2,690 ->
+# 2,713 loaded, 4,195 -> 4,271 reachable, notebook 01's part 1,585 -> 1,595 (preflight's floor).
+# Raised for the optimizers (issue 48), +56 loaded, +142 reachable, notebook 01's part +52:
+# optimizer.py grew from AdamW to the five --optimizer.name choices (their construction, which
+# parameters Muon takes, one refusal per layout or key an optimizer cannot take: +49), their three
+# [optimizer] keys (+3), preflight's call and the trainer's build step moved into optimizer.py
+# (+2, -2), torch's Muon lr scale in _compat (+4); reached only by runs that ask for them: muon.py
+# (Muon + AdamW as one optimizer, the update gathered under FSDP, Newton-Schulz in the run's dtype:
+# 57), torchao's quantized AdamW with its whole-tensor quantization rule and eager step (+26) and
+# the checkpoint's refusal of another optimizer's state (+3).
+# Document masks (issue 49): models/masked_attention.py (40) and models/flex.py (26, where
+# FlexAttention trains and its compiled kernel), imported only when [data] document_mask or [model]
+# attention flex asks; all-gather CP's differentiable sequence gather (context_parallel.py +20);
+# what every run loads to carry a mask it may be handed: the two keys (+2), the batch's document
+# numbers (sampler +1), the model passing one mask a batch to every layer (llama +7), attention's
+# choice per device and the flex refusal (device_policy +5), the chain's mask step (parallelize
+# +6), the pipeline handing each stage its documents (+1): 2,769 -> 2,790
+# loaded, 4,413 -> 4,521 reachable, notebook 01's part 1,647 -> 1,657.
 # Per-step fault tolerance (issue 50, torchft): resilience/fault_tolerance.py (151), reached only
 # from a run with [fault_tolerance] enable; its keys and checks (resilience/fault_tolerance_config.py,
 # 20, loaded with the config); the replica groups as a data axis in the rank grid (mesh.py +7), the
 # trainer's two seams - the quorum's watcher as a step begins, the gradients averaged after the
 # backward (train.py +6), one check and the groups' data slice in preflight (+4), each group's run
-# folder (resume.py +3): 2,690 -> 2,732 loaded, 4,195 -> 4,388 reachable, notebook 01's part
-# 1,585 -> 1,597 (the config's field and import, preflight's and the trainer's lines).
-LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 2_732, 4_388, 1_597  # statements
+# folder (resume.py +3): 2,790 -> 2,832 loaded, 4,521 -> 4,714
+# reachable, notebook 01's part 1,657 -> 1,669 (the config's field and import, preflight's and
+# the trainer's lines).
+LOADED_BUDGET, REACHABLE_BUDGET, NOTEBOOK_01_BUDGET = 2_832, 4_714, 1_669  # statements
 MODULE_BUDGET = 300  # lines, as `ruff format` leaves them
 
 # A technique's module opens with the technique: its first public function or class is this.
 OPENS_WITH = {
     "efficiency/accumulation.py": "resolve_batch",
     "distributed/context_parallel.py": "apply_cp",
+    "models/masked_attention.py": "apply_masked_attention",
     "distributed/expert_parallel.py": "apply_ep",
     "models/moe.py": "MoEArgs",
     "efficiency/mixed_precision.py": "Precision",
@@ -75,6 +99,7 @@ OPENS_WITH = {
     "resilience/checkpoint.py": "Checkpointer",
     "resilience/train_state.py": "TrainState",
     "resilience/faults.py": "inject_fault",
+    "muon.py": "MuonWithAdamW",
     "resilience/fault_tolerance.py": "apply_ft",
 }
 

@@ -425,7 +425,162 @@ def _spec_mistake(kind, layout, name, shape, n):
     return right
 
 
+def _quantized_bytes(
+    shape, name, block=None, table=None, value=None, scale=4, moments=2, more=False
+):
+    """What a quantized AdamW state holds, with any one rule of it changed (20_state_bytes)."""
+    n = math.prod(shape)
+    block = block or {"adamw8bit": 256, "adamw4bit": 128}[name]
+    if (n <= 4096 if more else n < 4096) or n % block:
+        return 8 * n
+    table = {"adamw8bit": 256, "adamw4bit": 16}[name] if table is None else table
+    value = (1 if name == "adamw8bit" else 0.5) if value is None else value
+    return int(moments * (value * n + scale * n // block + 4 * table))
+
+
+def _state_mistake(**rule):
+    """20_state_bytes with one rule wrong: quantized ones (`_quantized_bytes`), Adafactor's
+    ("adafactor": a function of the shape), or every optimizer 8 bytes a value ("all fp32")."""
+
+    def state_bytes(shape, name):
+        n = math.prod(shape)
+        if "all fp32" in rule:
+            return 8 * n
+        if name == "adafactor":
+            if "adafactor" in rule:
+                return rule["adafactor"](shape)
+            return 4 * n if len(shape) < 2 else 4 * math.prod(shape[:-2]) * sum(shape[-2:])
+        if name in ("adamw8bit", "adamw4bit"):
+            return _quantized_bytes(
+                shape, name, **{k: v for k, v in rule.items() if k != "adafactor"}
+            )
+        return 8 * n
+
+    return state_bytes
+
+
+def _ns(x, a, b, c, kind="right"):
+    """One Newton-Schulz iteration, or a classic way of getting it wrong (20_newton_schulz_step)."""
+    gram = x @ x.T
+    if kind == "right":
+        return a * x + (b * gram + c * gram @ gram) @ x
+    if kind == "x p(xᵀx)":  # the same polynomial on the other side: right too
+        other = x.T @ x
+        return a * x + b * x @ other + c * x @ other @ other
+    if kind == "no x at the end":
+        return (
+            a * x + (b * gram + c * gram @ gram)[:, : x.shape[1]]
+            if x.shape[0] == x.shape[1]
+            else a * x + b * gram
+        )
+    if kind == "gram of the transpose":
+        other = x.T @ x
+        return a * x + (b * other + c * other @ other) @ x.T if x.shape[0] == x.shape[1] else other
+    if kind == "a, b, c in the wrong places":
+        return c * x + (a * gram + b * gram @ gram) @ x
+    if kind == "squared gram as gram²·c only":
+        return a * x + c * gram @ gram @ x
+    if kind == "float32":
+        x32 = x.float()
+        g32 = x32 @ x32.T
+        return a * x32 + (b * g32 + c * g32 @ g32) @ x32
+    if kind == "the transpose":
+        return (
+            (a * x + (b * gram + c * gram @ gram) @ x).T.contiguous()
+            if x.shape[0] == x.shape[1]
+            else x.T
+        )
+    if kind == "normalised again":
+        y = a * x + (b * gram + c * gram @ gram) @ x
+        return y / y.norm()
+    raise AssertionError(kind)
+
+
+def _block_mask_answer(pairs_of=None, reduce="any", by_firsts=False):
+    """A student's block_mask(documents, block): the pairs (query, key) some rule keeps, then a
+    block kept where any (or all) of its pairs are."""
+
+    def block_mask(documents, block):
+        T = documents.shape[0]
+        n = T // block
+        q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        same = documents[:, None] == documents[None, :]
+        if by_firsts:  # each block judged by its first token only
+            firsts = documents[::block]
+            return (firsts[:, None] == firsts[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+        pairs = (pairs_of or (lambda same, q, k: same & (q >= k)))(same, q, k)
+        blocks = pairs.reshape(n, block, n, block)
+        return blocks.all(3).all(1) if reduce == "all" else blocks.any(3).any(1)
+
+    return block_mask
+
+
+def _fractions_right(lengths):
+    from fractions import Fraction
+
+    T = sum(lengths)
+    return (
+        float(Fraction(T * (T + 1), 2 * T * T)),
+        float(sum(Fraction(n * (n + 1), 2) for n in lengths) / (T * T)),
+    )
+
+
+def _fractions_answer(causal, block_causal):
+    return lambda ls: (causal(sum(ls)), block_causal(ls, sum(ls)))
+
+
 MISTAKES = {
+    "21_block_mask": [
+        ("causal blocks only", _block_mask_answer(lambda s, q, k: q >= k), "the kept blocks"),
+        ("documents only, no causality", _block_mask_answer(lambda s, q, k: s), "the kept blocks"),
+        (
+            "keys strictly earlier",
+            _block_mask_answer(lambda s, q, k: s & (q > k)),
+            "the kept blocks",
+        ),
+        ("transposed", _block_mask_answer(lambda s, q, k: s & (q <= k)), "the kept blocks"),
+        ("full blocks only", _block_mask_answer(reduce="all"), "the kept blocks"),
+        ("a block by its first token", _block_mask_answer(by_firsts=True), "the kept blocks"),
+        ("the pair mask, not blocks", lambda d, b: _block_mask_answer()(d, 1), "has shape"),
+    ],
+    "21_attended_fraction": [
+        (
+            "the diagonal left out",
+            _fractions_answer(
+                lambda T: (T - 1) / 2 / T, lambda ls, T: sum(n * (n - 1) / 2 for n in ls) / T**2
+            ),
+            "item [0]",
+        ),
+        (
+            "half the square",
+            _fractions_answer(lambda T: 0.5, lambda ls, T: sum(n * n / 2 for n in ls) / T**2),
+            "item [0]",
+        ),
+        (
+            "no causality within a document",
+            _fractions_answer(
+                lambda T: (T + 1) / 2 / T, lambda ls, T: sum(n * n for n in ls) / T**2
+            ),
+            "item [1]",
+        ),
+        (
+            "block-causal over the causal pairs",
+            _fractions_answer(
+                lambda T: (T + 1) / 2 / T,
+                lambda ls, T: sum(n * (n + 1) for n in ls) / (T * (T + 1)),
+            ),
+            "item [1]",
+        ),
+        ("swapped", lambda ls: _fractions_right(ls)[::-1], "item [0]"),
+        (
+            "integer division",
+            _fractions_answer(
+                lambda T: T * (T + 1) // 2 // T**2, lambda ls, T: sum(n * n for n in ls) // T**2
+            ),
+            "item [0]",
+        ),
+        ("one number", lambda ls: _fractions_right(ls)[1], "should be a tuple"),
+    ],
     "01_cross_entropy": [
         (
             "padding counted as class 0",
@@ -793,6 +948,49 @@ MISTAKES = {
         ("t/S", lambda s, t, n: t / s * 2 * (n - 1) / n, "busbw of an all-reduce"),
         ("GB/s", lambda s, t, n: s / t * 2 * (n - 1) / n / 1e9, "busbw of an all-reduce"),
     ],
+    "20_state_bytes": [
+        ("8 bytes a value for all", _state_mistake(**{"all fp32": True}), "state_bytes("),
+        ("no block scales", _state_mistake(scale=0), "state_bytes("),
+        ("bf16 block scales", _state_mistake(scale=2), "state_bytes("),
+        ("no lookup table", _state_mistake(table=0), "state_bytes("),
+        ("one table of 256 for 4-bit", _state_mistake(table=256), "state_bytes("),
+        ("one moment", _state_mistake(moments=1), "state_bytes("),
+        ("4-bit as a byte a value", _state_mistake(value=1), "state_bytes("),
+        ("4-bit in blocks of 256", _state_mistake(block=256), "state_bytes("),
+        ("8-bit in blocks of 128", _state_mistake(block=128), "state_bytes("),
+        ("quantized above 4096 only", _state_mistake(more=True), "state_bytes("),
+        (
+            "Adafactor keeps rows × cols",
+            _state_mistake(adafactor=lambda sh: 4 * math.prod(sh)),
+            "state_bytes(",
+        ),
+        (
+            "Adafactor's leading dims dropped",
+            _state_mistake(adafactor=lambda sh: 4 * sum(sh[-2:]) if len(sh) > 1 else 4 * sh[0]),
+            "state_bytes(",
+        ),
+        (
+            "Adafactor factors vectors too",
+            _state_mistake(
+                adafactor=lambda sh: (
+                    4 * (math.prod(sh[:-2]) * sum(sh[-2:]) if len(sh) > 1 else 1 + sh[0])
+                )
+            ),
+            "state_bytes(",
+        ),
+    ],
+    "20_newton_schulz_step": [
+        (what, functools.partial(_ns, kind=what), says)
+        for what, says in (
+            ("no x at the end", "one iteration on a"),
+            ("gram of the transpose", "one iteration on a"),
+            ("a, b, c in the wrong places", "one iteration on a"),
+            ("squared gram as gram²·c only", "one iteration on a"),
+            ("float32", "one iteration on a"),
+            ("the transpose", "one iteration on a"),
+            ("normalised again", "one iteration on a"),
+        )
+    ],
     "18_topk_route": [
         ("weights from scores + bias", _route_mistake("biased weights"), "each token's chosen"),
         ("bias ignored", _route_mistake("no bias"), "each token's chosen"),
@@ -1003,6 +1201,44 @@ MISTAKES = {
 
 # Right answers other than the notebook's solution, which each check must accept at every seed.
 ALSO_RIGHT = {
+    "20_state_bytes": [
+        (
+            "a float that is a whole number",
+            lambda shape, name: float(_state_mistake()(shape, name)),
+        ),
+    ],
+    "20_newton_schulz_step": [
+        ("x·p(xᵀx), the polynomial on the other side", functools.partial(_ns, kind="x p(xᵀx)")),
+    ],
+    "21_block_mask": [
+        ("an int tensor of 0 and 1", lambda d, b: _block_mask_answer()(d, b).int()),
+        (
+            "a loop over the blocks",
+            lambda d, b: torch.tensor(
+                [
+                    [
+                        any(
+                            d[q] == d[k] and k <= q
+                            for q in range(i * b, (i + 1) * b)
+                            for k in range(j * b, (j + 1) * b)
+                        )
+                        for j in range(len(d) // b)
+                    ]
+                    for i in range(len(d) // b)
+                ]
+            ),
+        ),
+    ],
+    "21_attended_fraction": [
+        ("exact fractions", _fractions_right),
+        (
+            "a dense mask's mean",
+            lambda ls: (
+                torch.ones(sum(ls), sum(ls)).tril().mean().item(),
+                torch.block_diag(*[torch.ones(n, n).tril() for n in ls]).double().mean().item(),
+            ),
+        ),
+    ],
     "22_quorum_gradient": [
         (
             "a stacked mean over the live groups",
@@ -1447,6 +1683,13 @@ def test_the_markdown_states_the_rules_the_checks_enforce():
         "14_bf16_verdict": ["**medians**", "`(max - min) / median`"],
         "17_lse_merge": ["even in float64", "float32's rounding"],
         "18_dispatch_splits": ["the list of `ep` numbers", "its own included"],
+        "20_state_bytes": ["**4096 values or more**", "whole blocks", "one table per moment"],
+        "20_newton_schulz_step": ["float64", "any `a`, `b`, `c`"],
+        "21_block_mask": ["**at least one**", "**a token attends to itself**"],
+        "21_attended_fraction": [
+            "**all `T × T` query–key pairs**",
+            "**A token attends to itself.**",
+        ],
         "22_quorum_gradient": ["divided by the number", "counts in neither"],
         "22_bytes_per_step": ["**one**", "**on average**", "not bits", "not rounded"],
     }

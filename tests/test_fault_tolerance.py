@@ -23,7 +23,7 @@ from titanlite.tools.jobs.replica_groups import Lighthouse, launch_replica_group
 pytest.importorskip("torchft")  # the `ft` extra: make test installs it (it is skipped nowhere then)
 
 STEPS = 6
-LONG = 80  # the drill's steps: about 8 s
+LONG = 120  # the drill's steps: 12 s at least (0.1 s a step), several restarts long
 
 
 def _cfg(data_dir, tmp_path, **extra):
@@ -66,6 +66,40 @@ def test_two_replica_groups_train_as_two_rank_ddp(data_dir, tmp_path):
         assert a["grad_norm"] == b["grad_norm"] == pytest.approx(d["grad_norm"], abs=1e-5)
         assert a["quorum"] == b["quorum"] == 2 and a["committed"] and b["committed"]
         assert a["reduced_bytes"] == b["reduced_bytes"] > 0  # every gradient, every step
+
+
+def test_diloco_meets_every_h_steps_and_leaves_the_groups_equal(data_dir, tmp_path):
+    """DiLoCo with H = 3 over 6 steps: the groups step alone in between (each on its own data, so
+    their losses differ), all-reduce only at steps 3 and 6 - one pseudo-gradient, every parameter's
+    bytes, each time (1/H of every-step's) - and after the last outer step hold the same weights."""
+    H = 3
+    cfg = _cfg(
+        data_dir,
+        tmp_path,
+        **{
+            "metrics.run_name": "diloco",
+            "checkpoint.enable": True,
+            "fault_tolerance.semi_sync_method": "diloco",
+            "fault_tolerance.sync_steps": H,
+        },
+    )
+    with Lighthouse() as lighthouse:
+        groups = launch_replica_groups(cfg, 2, lighthouse=lighthouse, timeout_s=300)
+    from titanlite._compat.torch_tools import load_whole_dcp_state
+    from titanlite.resilience.checkpoint_files import RawReader, committed
+
+    (a,), (b,) = (committed(g.run_dir / "checkpoints") for g in groups)
+    a, b = (load_whole_dcp_state(RawReader(p)) for p in (a, b))
+    # every parameter's bytes: as many as AdamW's first moments (the rotary tables are buffers)
+    weights = sum(
+        v.numel() * v.element_size() for k, v in a["optimizer"].items() if k.endswith(".exp_avg")
+    )
+    for g in groups:
+        sent = [r["reduced_bytes"] for r in g.records if r.get("kind") == "train"]
+        assert sent == [0, 0, weights] * (STEPS // H), sent
+    ra, rb = ([r["loss"] for r in g.records if r.get("kind") == "train"] for g in groups)
+    assert all(x != y for x, y in zip(ra, rb))  # two data slices, two runs between meetings
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
 def test_a_killed_group_heals_from_a_live_peer_bit_for_bit(data_dir, tmp_path):

@@ -15,7 +15,7 @@ from titanlite.models.moe import MoE, MoEArgs, Router, expert_kernel, grouped_sw
 from titanlite.resilience.checkpoint import Checkpointer
 from titanlite.resilience.checkpoint_files import committed
 from titanlite.tools.formats.export import from_hf, load_model, to_hf, to_hf_model
-from titanlite.tools.jobs.launcher import launch
+from titanlite.tools.jobs.launcher import launch, launch_function
 from titanlite.tools.measure.flops import count_training_flops
 from titanlite.train import Trainer
 
@@ -114,18 +114,24 @@ def test_flops_count_the_experts_a_token_uses_not_all_of_them():
 
 
 @pytest.mark.parametrize(
-    "device, dtype, capability, kernel",
+    "device, dtype, capability, rocm, widths, kernel",
     [
-        ("cuda", torch.bfloat16, (9, 0), "grouped_mm"),
-        ("cuda", torch.bfloat16, (10, 0), "grouped_mm"),
-        ("cuda", torch.bfloat16, (8, 0), "loop"),
-        ("cuda", torch.float32, (9, 0), "loop"),
-        ("cpu", torch.bfloat16, None, "loop"),
-        ("mps", torch.bfloat16, None, "loop"),
+        ("cuda", torch.bfloat16, (9, 0), False, (64, 96), "grouped_mm"),  # H100
+        ("cuda", torch.bfloat16, (10, 0), False, (64, 96), "grouped_mm"),  # B200
+        ("cuda", torch.bfloat16, (10, 3), False, (64, 96), "grouped_mm"),  # B300
+        ("cuda", torch.bfloat16, (12, 0), False, (64, 96), "loop"),  # RTX 50: torch's fallback
+        ("cuda", torch.bfloat16, (8, 0), False, (64, 96), "loop"),  # A100: torch's fallback
+        ("cuda", torch.bfloat16, (9, 4), True, (64, 96), "loop"),  # MI300X under ROCm
+        ("cuda", torch.bfloat16, (9, 0), False, (64, 100), "loop"),  # rows not 16-byte aligned
+        ("cuda", torch.float32, (9, 0), False, (64, 96), "loop"),  # the fast path is bf16
+        ("cpu", torch.bfloat16, None, False, (64, 96), "loop"),
+        ("mps", torch.bfloat16, None, False, (64, 96), "loop"),
     ],
 )
-def test_grouped_gemm_where_torch_offers_it_a_loop_elsewhere(device, dtype, capability, kernel):
-    assert expert_kernel(device, dtype, capability) == kernel
+def test_grouped_gemm_where_torch_runs_its_kernel_a_loop_elsewhere(
+    device, dtype, capability, rocm, widths, kernel
+):
+    assert expert_kernel(device, dtype, capability, rocm, widths) == kernel
 
 
 def test_the_grouped_gemm_path_takes_the_experts_weights_as_they_are_stacked():
@@ -186,7 +192,7 @@ def test_under_autocast_the_kernel_is_chosen_and_fed_in_the_autocast_dtype(monke
     from titanlite.models import moe
 
     seen, fed = [], []
-    monkeypatch.setattr(moe, "expert_kernel", lambda dev, dtype, cap=None: seen.append(dtype))
+    monkeypatch.setattr(moe, "expert_kernel", lambda dev, dtype, *facts: seen.append(dtype))
     grouped = moe.grouped_swiglu
     monkeypatch.setattr(moe, "grouped_swiglu", lambda x, *w: fed.append(x.dtype) or grouped(x, *w))
     model = build_model(ModelArgs.preset("debug", moe=MoEArgs(n_experts=4)))
@@ -376,3 +382,21 @@ def test_a_hot_experts_rank_is_counted_and_timed_round_by_round():
     assert cost["hot"]["choices"] == 256 + 256 // 7  # all 256 tokens, and a share of the rest
     assert all(len(c["seconds"]) == 3 and min(c["seconds"]) > 0 for c in cost.values())
     assert torch.get_num_threads() == threads
+
+
+def test_an_expert_parallel_layer_waits_once_and_op_sac_keeps_its_exchanges(data_dir, tmp_path):
+    """EP 2 on two gloo ranks, one step, counted: each MoE layer's forward reads its split sizes
+    on the host once (a GPU's one wait a layer: models/moe.host_waits, what run.json records), and
+    under op-level SAC its all-to-alls are kept, not issued again by the backward's recompute."""
+    o = _overrides(data_dir, tmp_path, **{"parallel.ep": 2, "parallel.dp_shard": 1})
+    o.update({"training.batch_size": 4, "training.grad_accum_steps": 1})
+    target = "titanlite.labs.nb18_mixture_of_experts:ep_step_costs"
+    plain = launch_function(target, nproc=2, overrides=o)
+    sac = launch_function(target, nproc=2, overrides={**o, "activation_checkpoint.mode": "op"})
+    full = launch_function(target, nproc=2, overrides={**o, "activation_checkpoint.mode": "full"})
+    for r in plain:
+        assert len(r["host_reads"]) == r["moe_layers"] >= 1, r["host_reads"]
+        assert all("expert_parallel.py" in site for site in r["host_reads"]), r["host_reads"]
+    calls = [r["all_to_all"] for r in plain]
+    assert [r["all_to_all"] for r in sac] == calls  # kept: none issued twice
+    assert all(f > c for f, c in zip((r["all_to_all"] for r in full), calls))  # full AC re-issues

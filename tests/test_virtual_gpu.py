@@ -167,12 +167,14 @@ def test_cuda_gets_torchtitans_defaults_and_the_cpu_keeps_its_own():
     assert _defaults(H100) == {
         "parallel.param_dtype": "bfloat16",
         "training.mixed_precision": "fp32",
+        "model.attention": "sdpa",  # no document mask: causal SDPA (flex only under a mask)
         "compile.enable": True,
         "metrics.log_every": 10,
     }
     # Not sharded: autocast is the mixed precision (bf16, resolved later by Precision).
     assert _defaults(H100, fsdp=False) == {
         "parallel.param_dtype": "float32",
+        "model.attention": "sdpa",
         "compile.enable": True,
         "metrics.log_every": 10,
     }
@@ -180,6 +182,7 @@ def test_cuda_gets_torchtitans_defaults_and_the_cpu_keeps_its_own():
     assert _defaults(T4)["parallel.param_dtype"] == "float32"
     assert _defaults(None, device="cpu") == {
         "parallel.param_dtype": "float32",
+        "model.attention": "sdpa",
         "compile.enable": False,
         "metrics.log_every": 1,
     }
@@ -193,6 +196,7 @@ def test_cuda_gets_torchtitans_defaults_and_the_cpu_keeps_its_own():
                 "compile.enable": False,
                 "metrics.log_every": 1,
                 "training.mixed_precision": "bf16",
+                "model.attention": "sdpa",
             },
         )
         == {}
@@ -211,7 +215,14 @@ def _h100_with_a_new_cudnn(monkeypatch):
 def test_the_sdpa_order_puts_cudnn_first_on_cuda_only_where_torch_would(monkeypatch):
     from torch.nn.attention import SDPBackend
 
-    assert sdpa_priority("cuda", H100) is None  # this CPU build: no cuDNN, torch's own order
+    from titanlite import device_policy
+
+    # Facts set, not read off this machine: the suite runs on CPU and CUDA builds of torch alike.
+    monkeypatch.setattr(device_policy, "_CUDNN", [None])  # a build without cuDNN
+    assert sdpa_priority("cuda", H100) is None  # torch's own order
+    monkeypatch.setattr(device_policy, "_CUDNN", [91500])  # 9.15.0: before the fix torch needs
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert sdpa_priority("cuda", H100) is None
     _h100_with_a_new_cudnn(monkeypatch)
     assert sdpa_priority("cuda", H100) == [
         SDPBackend.CUDNN_ATTENTION,
@@ -236,6 +247,8 @@ def _spy_on_attention(monkeypatch, run: bool = True) -> list:
                 "dtypes": (q.dtype, k.dtype, v.dtype),
                 "heads": (q.shape[1], k.shape[1]),
                 "enable_gqa": kwargs.get("enable_gqa", False),
+                "is_causal": kwargs.get("is_causal", False),
+                "masked": kwargs.get("attn_mask") is not None,
                 "order": _cur_sdpa_kernel_backends(with_priority=True),
             }
         )
@@ -557,19 +570,21 @@ def test_the_predicted_h100_table_in_docs_is_what_the_script_prints_now():
 # ----- which GPU each rank takes, and two ranks on one GPU ---------------------------------------
 
 
-def _fake_gpus(monkeypatch, uuids: list[str], capability=H100):
-    """torch sees these GPUs (one UUID each); set_device does nothing."""
+def _fake_gpus(monkeypatch, uuids: list[str], capability=H100) -> list:
+    """torch sees these GPUs (one UUID each); returns the devices set_device is called with."""
     from types import SimpleNamespace
 
+    chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
 
     def properties(device=None):
         index = torch.device(device).index or 0 if device is not None else 0
         return SimpleNamespace(uuid=uuids[index], major=capability[0], minor=capability[1])
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    return chosen
 
 
 def _join_as(monkeypatch, rank, local_rank, world, local_world, others: dict[int, str]):
@@ -613,11 +628,88 @@ def test_slurm_one_gpu_per_task_each_rank_takes_its_own_gpu(monkeypatch):
 
 
 def test_eight_gpus_each_local_rank_takes_its_own(monkeypatch):
-    _fake_gpus(monkeypatch, [f"GPU-{i}" for i in range(8)])
+    chosen = _fake_gpus(monkeypatch, [f"GPU-{i}" for i in range(8)])
     host = __import__("socket").gethostname()
     others = {r: f"{host}/GPU-{r}" for r in range(8) if r != 5}
     out, started, _ = _join_as(monkeypatch, 5, 5, 8, 8, others)
     assert out.device == torch.device("cuda", 5) and started["device_id"] == torch.device("cuda", 5)
+    assert chosen == [torch.device("cuda", 5)]  # torch.cuda.set_device: kernels land there
+
+
+def test_on_a_second_node_a_rank_takes_the_gpu_of_its_local_rank(monkeypatch):
+    """Rank 13 of 16 on two 8-GPU nodes is local rank 5 on its node: cuda:5, set as the current
+    device before NCCL starts (the global rank, 13, names no GPU here)."""
+    chosen = _fake_gpus(monkeypatch, [f"GPU-{i}" for i in range(8)])
+    host = __import__("socket").gethostname()
+    others = {r: f"first-node/GPU-{r}" for r in range(8)}  # ranks 0-7: the other machine
+    others |= {8 + r: f"{host}/GPU-{r}" for r in range(8) if r != 5}
+    out, started, _ = _join_as(monkeypatch, 13, 5, 16, 8, others)
+    assert out.device == torch.device("cuda", 5) and started["device_id"] == torch.device("cuda", 5)
+    assert chosen == [torch.device("cuda", 5)] and started["rank"] == 13
+
+
+def test_allocator_settings_reach_the_allocator_before_and_after_cuda_starts(monkeypatch):
+    """hardware.use_allocator_settings: before CUDA's first allocation through the environment
+    (read then), once CUDA is up through the allocator itself (the environment is read no more)."""
+    from titanlite import hardware
+
+    applied = []
+    monkeypatch.setattr(hardware, "set_cuda_allocator_settings", applied.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    hardware.use_allocator_settings("expandable_segments:True")
+    assert __import__("os").environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert applied == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    hardware.use_allocator_settings("expandable_segments:True")
+    assert applied == ["expandable_segments:True"]
+    hardware.use_allocator_settings(None)  # nothing asked: nothing changes
+    assert applied == ["expandable_segments:True"]
+
+
+def test_a_cuda_batch_is_pinned_then_copied_without_waiting():
+    """data/transfer.to_device on CUDA: each tensor pinned (page-locked), then copied with
+    non_blocking=True, so the copy overlaps the compute already queued; elsewhere a plain copy."""
+    from titanlite.data.transfer import to_device
+
+    class Spy:
+        def __init__(self, log, name):
+            self.log, self.name = log, name
+
+        def pin_memory(self):
+            self.log.append((self.name, "pin_memory"))
+            return self
+
+        def to(self, device, non_blocking=False):
+            self.log.append((self.name, "to", str(device), non_blocking))
+            return self
+
+    log = []
+    to_device((Spy(log, "x"), Spy(log, "y")), "cuda:0")
+    assert log == [
+        ("x", "pin_memory"),
+        ("x", "to", "cuda:0", True),
+        ("y", "pin_memory"),
+        ("y", "to", "cuda:0", True),
+    ]
+    log.clear()
+    to_device((Spy(log, "x"),), "mps")
+    assert log == [("x", "to", "mps", False)]
+
+
+def test_an_async_save_of_cuda_state_stages_into_pinned_memory(monkeypatch):
+    """The stager made for CUDA tensors copies into pinned host memory, on its own stream,
+    without blocking (torch's StagingOptions as staging_options says); for CPU tensors, none."""
+    from titanlite.resilience import staging
+
+    made = []
+    monkeypatch.setattr(staging, "DefaultStager", lambda options: made.append(options))
+    monkeypatch.setattr(staging, "HostStager", lambda options: made.append(options))
+    staging.make_stager(staging.staging_options({"cuda", "cpu"}))
+    staging.make_stager(staging.staging_options({"cpu"}))
+    cuda, cpu = made
+    assert cuda.use_pinned_memory and cuda.use_non_blocking_copy and cuda.use_async_staging
+    assert not cpu.use_pinned_memory and not cpu.use_non_blocking_copy
 
 
 # ----- the wiring: what the trainer passes on from each decision --------------------------------
@@ -678,12 +770,12 @@ def test_behind_ddp_real_fp8_makes_mfu_divide_by_bf16(
 def test_the_optimizer_is_fused_where_the_policy_says(data_dir, tmp_path, monkeypatch):
     """use_fused_adamw answers per device type (CUDA: yes); the AdamW the trainer builds must be
     what it answered. Here the policy is asked to say yes for the CPU, which fused AdamW runs on."""
-    import titanlite.train
+    import titanlite.optimizer
     from titanlite.run_record import built
 
-    monkeypatch.setattr(titanlite.train, "use_fused_adamw", lambda device_type: True)
+    monkeypatch.setattr(titanlite.optimizer, "use_fused_adamw", lambda device_type: True)
     assert built(_trainer(data_dir, tmp_path))["fused"] is True
-    monkeypatch.setattr(titanlite.train, "use_fused_adamw", lambda device_type: False)
+    monkeypatch.setattr(titanlite.optimizer, "use_fused_adamw", lambda device_type: False)
     assert built(_trainer(data_dir, tmp_path))["fused"] is False
 
 
@@ -714,3 +806,110 @@ def test_a_cuda_process_sets_the_allocator_before_anything_allocates(monkeypatch
     plan = preflight.preflight(cfg, 1, cfg.data.vocab_size, None)
     preflight.prepare_process(plan, cfg)
     assert applied == ["expandable_segments:True"]
+
+
+# ----- document masks (issue 49): which kernel, one mask a batch, no wait --------------------
+
+
+def test_a_document_mask_trains_through_flex_on_cuda_and_sdpa_on_the_cpu_and_mps(monkeypatch):
+    """`--model.attention auto` under a document mask: FlexAttention where torch has its backward
+    (CUDA), SDPA with the boolean mask elsewhere; no mask: SDPA as always. `flex` asked where torch
+    has no backward is one line (asked of torch: a later torch that has one trains)."""
+    from titanlite.models import flex
+
+    masked = Config()
+    masked.data.document_mask = True
+    assert device_defaults(masked, "cuda", H100, fsdp=False)["model.attention"] == "flex"
+    assert device_defaults(masked, "cpu", None, fsdp=False)["model.attention"] == "sdpa"
+    assert device_defaults(masked, "mps", None, fsdp=False)["model.attention"] == "sdpa"
+    assert device_defaults(Config(), "cuda", H100, fsdp=False)["model.attention"] == "sdpa"
+    assert flex.flex_trains("cuda")
+    assert flex.attention_for("flex", "cuda") == "flex"
+    if not flex.flex_trains("cpu"):  # torch 2.13
+        with pytest.raises(TitanliteError, match="no FlexAttention backward on cpu") as e:
+            flex.attention_for("flex", "cpu")
+        assert "\n" not in str(e.value)
+    monkeypatch.setattr(flex, "flex_trains", lambda device_type: True)
+    assert flex.attention_for("flex", "cpu") == "flex"  # once torch has it
+
+
+def test_the_flex_path_builds_one_block_mask_a_batch_and_calls_flex_in_every_layer_unwaiting(
+    monkeypatch,
+):
+    """The model as the trainer builds it on CUDA (compiled flex), run on the CPU with flex's
+    compiled kernel replaced by a spy that records its BlockMask (and answers with SDPA under the
+    same mask): one BlockMask built per batch, the same one in every layer, and no wait for the
+    device anywhere on titanlite's side of the step."""
+    import torch.nn.attention.flex_attention as flex
+
+    from titanlite.distributed.mesh import ParallelDims
+    from titanlite.distributed.parallelize import Techniques, parallelize
+    from titanlite.labs.nb21_documents_and_masks import documents_of, masked_sdpa
+    from titanlite.models import masked_attention
+    from titanlite.models.llama import ModelArgs
+
+    cfg = Config()
+    cfg.data.document_mask, cfg.model.attention = True, "flex"  # as resolved on CUDA
+    args = ModelArgs.preset("debug", vocab_size=64, max_seq_len=64)
+    model = parallelize(
+        args,
+        ParallelDims.resolve(1, -1, 1),
+        None,
+        torch.device("cpu"),
+        torch.float32,
+        cfg.parallel,
+        Techniques.of(cfg),
+        example_shape=(2, 64),
+    ).parts[0]
+    assert model.masked.kernel == "flex" and model.masked.compiled  # torch.compile'd, once
+    built, calls = [], []
+    real_build = flex.create_block_mask
+    monkeypatch.setattr(
+        flex, "create_block_mask", lambda *a, **k: built.append(1) or real_build(*a, **k)
+    )
+
+    def spy(q, k, v, block_mask, enable_gqa):
+        calls.append(block_mask)
+        return masked_sdpa(q, k, v, documents)
+
+    monkeypatch.setattr(masked_attention, "compiled_flex", lambda: spy)
+    x = torch.randint(3, 64, (2, 64))
+    x[:, [5, 40]] = 1
+    documents = documents_of(x, 1)
+    with HostSyncs() as syncs:
+        model(x, documents)
+    assert syncs.sites == []
+    assert len(built) == 1 and len(calls) == args.n_layers
+    assert all(c is calls[0] for c in calls) and isinstance(calls[0], flex.BlockMask)
+
+
+def test_a_boolean_mask_takes_cuda_attention_off_flash_and_repeats_the_kv_heads(monkeypatch):
+    """Predicted from each GPU's facts by torch's rules: flash takes no mask, so a masked A100
+    trains through the memory-efficient kernel; an H100 with a new cuDNN through cuDNN, which
+    takes one; a T4 through efficient either way. The core hands SDPA the mask in place of
+    is_causal, with the K/V heads repeated (the masked kernels' GQA is not flash's)."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titanlite.labs.nb21_documents_and_masks import cuda_sdpa_choice
+    from titanlite.models.llama import causal_attention
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert [cuda_sdpa_choice(m, bf16, A100) for m in (False, True)] == ["flash", "efficient"]
+    assert [cuda_sdpa_choice(m, bf16, H100) for m in (False, True)] == ["cudnn", "cudnn"]
+    assert [cuda_sdpa_choice(m, fp16, T4) for m in (False, True)] == ["efficient", "efficient"]
+    calls = _spy_on_attention(monkeypatch, run=False)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(major=8, minor=0)
+    )
+    with FakeTensorMode():
+        q = torch.empty(2, 32, 128, 64, device="cuda", dtype=bf16)
+        kv = torch.empty(2, 8, 128, 64, device="cuda", dtype=bf16)
+        mask = torch.empty(2, 1, 128, 128, device="cuda", dtype=torch.bool)
+        causal_attention(q, kv, kv)
+        causal_attention(q, kv, kv, mask=mask)
+    plain, masked = calls
+    assert plain["heads"] == (32, 8) and plain["enable_gqa"] and plain["is_causal"]
+    assert masked["heads"] == (32, 32) and not masked["enable_gqa"] and not masked["is_causal"]
+    assert masked["masked"] and not plain["masked"]

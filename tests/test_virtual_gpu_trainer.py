@@ -27,6 +27,7 @@ H100 = ("NVIDIA H100 80GB HBM3", (9, 0))
 A100 = ("NVIDIA A100-SXM4-80GB", (8, 0))
 RTX4090 = ("NVIDIA GeForce RTX 4090", (8, 9))
 T4 = ("Tesla T4", (7, 5))
+MI300X = ("AMD Instinct MI300X", (9, 4))  # under ROCm, torch reports gfx942 as 9.4
 
 
 @pytest.fixture
@@ -39,6 +40,7 @@ def virtual_gpus(monkeypatch):
 
     def make(gpu, uuids):
         name, capability = gpu
+        monkeypatch.setattr(torch.version, "hip", "6.4" if gpu == MI300X else None)
         memory = 80 * 2**30 if capability >= (8, 0) else 16 * 2**30
         cuda = torch.cuda
         monkeypatch.setattr(cuda, "is_available", lambda: True)
@@ -136,7 +138,7 @@ def _fake_cuda_tensors(monkeypatch):
     monkeypatch.setattr(fsdp, "shard_and_init", shard_and_init)
 
 
-def _build(data_dir, tmp_path, **overrides):
+def _build(data_dir, tmp_path, peaks=True, **overrides):
     from titanlite.config import load_config
     from titanlite.run_record import built
     from titanlite.tools.probe.datasheet import datasheet_peak
@@ -144,7 +146,8 @@ def _build(data_dir, tmp_path, **overrides):
     from titanlite.train import Trainer
 
     o = tiny_overrides(data_dir, tmp_path, **{"metrics.peak": "datasheet", **overrides})
-    trainer = Trainer(load_config(None, o), datasheet=datasheet_peak, peaks=MatmulPeaks())
+    tools = {"datasheet": datasheet_peak, "peaks": MatmulPeaks()} if peaks else {}
+    trainer = Trainer(load_config(None, o), **tools)
     return trainer, built(trainer)
 
 
@@ -235,3 +238,100 @@ def test_slurm_one_gpu_per_task_each_rank_trains_on_its_own_cuda_0(
     assert record["rank"] == 1 and record["device"] == "cuda:0"
     assert record["fsdp"] == {"param_dtype": "torch.bfloat16", "reduce_dtype": "torch.float32"}
     assert record["fused"] is True
+
+
+def test_a_t4_under_fsdp_trains_in_fp32_never_fp16_with_a_scaler(
+    data_dir, tmp_path, monkeypatch, virtual_gpus, no_group_left
+):
+    """ "auto" on a GPU without bf16: fp16 + GradScaler where one process holds the whole model,
+    but under FSDP each rank would see only its shard's overflow (the pair preflight refuses when
+    asked for by name): fp32 there."""
+    virtual_gpus(T4, ["GPU-0", "GPU-1"])
+    join_as_rank(monkeypatch, 1, 1, 2, 2, {0: "HOST/GPU-0"}, fake_group=True)
+    trainer, record = _build(data_dir, tmp_path, peaks=False)
+    assert trainer.dims.strategy == "fsdp"
+    assert record["autocast"] is None and record["grad_scaler"] is False
+
+
+MOE = {"model.n_experts": 4, "model.experts_per_token": 2}
+FP32 = {"training.mixed_precision": "fp32", "parallel.param_dtype": "float32"}  # no 16 bits
+
+
+@pytest.mark.parametrize(
+    "gpu, overrides, attention",
+    [
+        (H100, {}, "cuda_flash"),
+        (A100, {}, "cuda_flash"),
+        (A100, FP32, "cuda_efficient"),  # flash takes no fp32
+        (T4, {}, "cuda_efficient"),  # fp16 autocast; no flash before SM 8.0
+        (MI300X, {}, "math"),
+    ],
+)
+def test_context_parallel_records_the_kernel_each_gpu_runs_its_blocks_in(
+    data_dir, tmp_path, monkeypatch, virtual_gpus, no_group_left, gpu, overrides, attention
+):
+    virtual_gpus(gpu, ["GPU-0", "GPU-1"])
+    join_as_rank(monkeypatch, 1, 1, 2, 2, {0: "HOST/GPU-0"}, fake_group=True)
+    o = {"parallel.cp": 2, "parallel.dp_shard": 1, **overrides}
+    trainer, record = _build(data_dir, tmp_path, peaks=False, **o)
+    assert record["context_parallel"] == {
+        "kernel": attention,
+        "layout": "zigzag",
+        "method": "ring",
+    }
+
+
+@pytest.mark.parametrize(
+    "gpu, kernel, waits",
+    [
+        (H100, "grouped_mm", 0),  # the grouped GEMM reads its group ends on the GPU
+        (A100, "loop", 1),  # torch's grouped GEMM would loop with a host read: ours, once
+        (T4, "loop", 1),  # fp16 autocast: no grouped GEMM
+        (MI300X, "loop", 1),  # ROCm: the same (its 9.4 is not Hopper)
+    ],
+)
+def test_the_experts_record_their_kernel_and_host_waits_per_layer(
+    data_dir, tmp_path, virtual_gpus, gpu, kernel, waits
+):
+    """One process, bf16 autocast where the GPU has it. Expert parallel adds one read of the
+    split sizes a layer and hands them to the loop: one wait, either kernel (models/moe.host_waits;
+    counted on a real 2-rank run in tests/test_moe.py)."""
+    from titanlite.models.moe import host_waits
+
+    virtual_gpus(gpu, ["GPU-0"])
+    trainer, record = _build(data_dir, tmp_path, peaks=False, **MOE)
+    assert record["experts"] == {"kernel": kernel, "host_waits_per_layer": waits}
+    assert host_waits(kernel, ep=2) == 1
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [("adamw8bit", "AdamW8bit"), ("adamw4bit", "AdamW4bit"), ("muon", "MuonWithAdamW")],
+)
+def test_an_h100_steps_each_optimizer_as_the_gpu_would(
+    data_dir, tmp_path, virtual_gpus, name, kind
+):
+    """What the trainer decides on a GPU for an optimizer (optimizer.py, notebook 20's "on a GPU"):
+    torchao's step compiled with the blocks (its fused kernels; eager on a CPU), Muon's AdamW part
+    fused and its Newton-Schulz in bf16 as torch's Muon computes it (fp32 on a CPU)."""
+    virtual_gpus(H100, ["GPU-h100"])
+    trainer, record = _build(data_dir, tmp_path, **{"optimizer.name": name})
+    assert record["optimizer"] == kind and record["fused"] is True
+    assert record["compiled_blocks"] == [True, True]
+    if name == "muon":
+        assert trainer.optimizer.muon.ns_dtype == torch.bfloat16
+        assert trainer.optimizer.adamw.defaults["fused"] is True
+    cpu, cpu_record = _cpu_build(data_dir, tmp_path, name)
+    assert cpu_record["optimizer"] == kind and cpu_record["fused"] is False
+    if name == "muon":
+        assert cpu.optimizer.muon.ns_dtype == torch.float32
+
+
+def _cpu_build(data_dir, tmp_path, name):
+    from titanlite.config import load_config
+    from titanlite.run_record import built
+    from titanlite.train import Trainer
+
+    o = tiny_overrides(data_dir, tmp_path, **{"optimizer.name": name, "training.device": "cpu"})
+    trainer = Trainer(load_config(None, o))
+    return trainer, built(trainer)

@@ -48,6 +48,7 @@ class ModelSection:
     moe_aux_loss_coef: float = ranged(0.01, "[0, inf)")
     moe_bias_update: float = ranged(1e-3, "[0, inf)")  # aux_free: bias step per optimizer step
     moe_capacity_factor: float | None = ranged(None, "(0, inf)")  # None: dropless
+    attention: str = one_of("auto", "sdpa", "flex")  # under a document mask; auto: flex on CUDA
 
 
 @dataclass
@@ -60,18 +61,17 @@ class DataSection:
     )
     path: str | None = None  # local file/folder for dataset="file"
     tokenizer: str | None = None  # None: train (and cache) a BPE tokenizer on the corpus
-    # of the tokenizer we train: 256 bytes + 3 specials at least
-    vocab_size: int = ranged(4096, "[259, 1048576]")
+    vocab_size: int = ranged(4096, "[259, 1048576]")  # ours: 256 bytes + 3 specials at least
     val_fraction: float = ranged(0.05, "(0, 1)")
     data_dir: str | None = None  # caches; None: <repo>/data or ~/.cache/titanlite/data
     max_chars: int | None = ranged(None, "[1, inf)")  # cap on the corpus size (for hf: datasets)
+    document_mask: bool = False  # a token attends only within its own document (block-causal)
 
 
 @dataclass
 class TrainingSection:
     steps: int = ranged(200, "[1, inf)")  # optimizer steps
-    # micro-batch: sequences per forward/backward (per process)
-    batch_size: int = ranged(8, "[1, 1048576]")
+    batch_size: int = ranged(8, "[1, 1048576]")  # micro-batch: sequences a process runs at once
     grad_accum_steps: int = ranged(1, "[1, 1048576]")  # micro-batches per optimizer step
     # alternative: micro × accum × dp; accum derived
     global_batch_size: int | None = ranged(None, "[1, 16777216]")
@@ -84,17 +84,20 @@ class TrainingSection:
     dtype: str = one_of("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
     # autocast dtype: auto (cuda: bf16, fp16 before SM 8.0; cpu/mps: fp32) | fp32 | bf16 | fp16 (+ GradScaler)
     mixed_precision: str = one_of("auto", "fp32", "bf16", "fp16")
-    # CPU intra-op threads; None keeps torch's default
-    threads: int | None = ranged(None, "[1, 4096]")
+    threads: int | None = ranged(None, "[1, 4096]")  # CPU intra-op threads; None: torch's default
 
 
 @dataclass
 class OptimizerSection:
-    lr: float = ranged(3e-3, "(0, inf)")
+    # torch's AdamW | torchao's 8-/4-bit AdamW | torch's Adafactor | Muon + AdamW (optimizer.py)
+    name: str = one_of("adamw", "adamw8bit", "adamw4bit", "adafactor", "muon")
+    lr: float = ranged(3e-3, "(0, inf)")  # the peak; adafactor: its largest relative step
     weight_decay: float = ranged(0.1, "[0, inf)")
     beta1: float = ranged(0.9, "[0, 1)")  # AdamW's moment decays: 1 would never forget
     beta2: float = ranged(0.95, "[0, 1)")
     eps: float = ranged(1e-8, "(0, inf)")
+    muon_momentum: float = ranged(0.95, "[0, 1)")  # muon: its (Nesterov) momentum, torch's default
+    muon_ns_steps: int = ranged(5, "[1, 99]")  # muon: Newton-Schulz iterations (torch's < 100)
 
 
 @dataclass

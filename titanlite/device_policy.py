@@ -129,6 +129,8 @@ def device_defaults(cfg, device_type: str, capability: tuple[int, int] | None, f
         out["parallel.param_dtype"] = "bfloat16" if bf16_fsdp else "float32"
     if cfg.training.mixed_precision == "auto" and out.get("parallel.param_dtype") == "bfloat16":
         out["training.mixed_precision"] = "fp32"  # FSDP's bf16 all-gather is the mixed precision
+    if cfg.model.attention == "auto":  # FlexAttention trains on CUDA (torch 2.13): masks only
+        out["model.attention"] = "flex" if cuda and cfg.data.document_mask else "sdpa"
     if cfg.compile.enable is None:
         out["compile.enable"] = cuda
     if cfg.metrics.log_every is None:
@@ -144,6 +146,10 @@ def resolve_for_device(cfg, device: torch.device, fsdp: bool):
     check_fp8_compiled(
         device.type, capability, cfg.float8.enable, cfg.float8.emulate, cfg.compile.enable
     )
+    if cfg.model.attention == "flex":  # asked where torch may have no backward: asked of torch
+        from .models.flex import attention_for
+
+        attention_for("flex", device.type)
     return cfg
 
 

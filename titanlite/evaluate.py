@@ -24,9 +24,9 @@ def validation_loss(loss_on, batches, device, distributed: bool = False, parts=(
     loss_total, tokens = 0.0, 0
     try:
         for batch in batches:
-            x, y = to_device(batch, device)
+            x, y, *documents = to_device(batch, device)  # documents: under a document mask
             n = max(1, count_targets(batch[1]))  # counted on the host copy
-            loss_total, tokens = loss_total + float(loss_on(x, y)) * n, tokens + n
+            loss_total, tokens = loss_total + float(loss_on(x, y, *documents)) * n, tokens + n
     finally:
         for part in parts:
             part.train()

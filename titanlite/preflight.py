@@ -9,7 +9,7 @@ Run by each torchrun worker as its Trainer starts, and first by `launch`: bad in
 start-up. Each refusal is one line naming the key and the fix. No device or process group is touched."""
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +20,8 @@ from .distributed.parallelize import sequence_parallel_enabled
 from .efficiency.accumulation import resolve_batch
 from .errors import TitanliteError
 from .models.llama import ModelArgs, count
-from .resilience.fault_tolerance_config import check_fault_tolerance
+from .optimizer import check_optimizer
+from .resilience.fault_tolerance_config import replica_group
 from .resilience.faults import check_fault
 
 
@@ -47,9 +48,9 @@ def preflight(cfg: Config, world_size: int, vocab_size: int, start_from=None) ->
     )
     args = model_args_for(cfg, vocab_size, start_from)
     check_parallel_config(cfg, dims, args)
-    if (ft := cfg.fault_tolerance).enable:  # one replica group of several, a data slice its own
-        check_fault_tolerance(ft, t.mixed_precision, args.moe)
-        dims = replace(dims, replica_groups=ft.group_size, replica_group=ft.replica_id)
+    if cfg.fault_tolerance.enable:  # one replica group of several, a data slice its own
+        dims = replica_group(cfg.fault_tolerance, dims, t.mixed_precision, args.moe)
+    check_optimizer(cfg.optimizer, dims, cpu_offload=cfg.parallel.cpu_offload)
     return Plan(dims, micro, accum, global_batch, args)
 
 
@@ -83,8 +84,7 @@ def model_args_for(cfg: Config, vocab_size: int, start_from=None) -> ModelArgs:
             n_layers=m.n_layers,
             n_heads=m.n_heads,
             n_kv_heads=m.n_kv_heads,
-            # Unset: presets sized for training here take the tokenizer's vocabulary; the large
-            # ones keep the published one, so that their parameter counts stay true.
+            # unset: debug and small take the tokenizer's; larger presets keep theirs (true counts)
             vocab_size=m.vocab_size or (vocab_size if m.preset in ("debug", "small") else None),
             max_seq_len=m.max_seq_len,
             tie_embeddings=m.tie_embeddings,
@@ -108,8 +108,7 @@ def model_args_for(cfg: Config, vocab_size: int, start_from=None) -> ModelArgs:
 
 
 def refuse_first(*refusals: tuple[object, str]) -> None:
-    """Each refusal is (what cannot work, the one line that says so and how to fix it): raise
-    the first whose condition holds. The conditions are cheap, so all are worked out at once."""
+    """Raise the first refusal (what cannot work, its one line with the fix) whose condition holds."""
     for broken, message in refusals:
         if broken:
             raise TitanliteError(message)
@@ -192,6 +191,11 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
             f"--parallel.cp {dims.cp} ({p.cp_layout}): use a seq_len that is a multiple of {pieces}",
         ),
         (
+            dims.cp > 1 and p.cp_method == "ring" and cfg.data.document_mask,
+            "--data.document_mask under --parallel.cp needs --parallel.cp_method allgather: a ring "
+            "rank sees one block of keys at a time (Llama 3 paper §3.3.2: why it chose all-gather)",
+        ),
+        (
             dims.ep > 1 and not n_experts,
             f"--parallel.ep {dims.ep} splits the experts of a mixture of experts, and this model "
             f"has none: set --model.n_experts (a multiple of {dims.ep}), or leave ep at 1",
@@ -201,8 +205,7 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
             f"model.n_experts={n_experts} does not divide over --parallel.ep {dims.ep}: "
             f"choose n_experts a multiple of ep",
         ),
-        # torch's pipeline stages run a first forward to learn their shapes, which a router would
-        # count as tokens (its balancing then differs from one process's); tp × ep: not built.
+        # pp: a stage's shape-learning forward would move the router's balance; tp × ep: not built
         (
             n_experts and (dims.pp > 1 or (dims.tp > 1 and dims.ep > 1)),
             "a mixture of experts with pipeline parallelism, or split by tensor and expert "
@@ -229,17 +232,33 @@ def check_parallel_config(cfg: Config, dims: ParallelDims, args: ModelArgs) -> N
         )
 
 
-def check_memory_fits(plan: Plan, cfg: Config, limit: int | None, where: str) -> None:
-    """Refuse sizes that cannot fit in `limit` bytes (memory.memory_limit_bytes) before anything
-    is allocated: a lower bound of what one process holds at once, so it never refuses a run that
-    fits. The logits of one micro-batch and their gradient (in at least 16 bits each), its tokens,
-    and the weights, gradients and AdamW moments of this process's shard."""
+def memory_floor(plan: Plan, cfg: Config) -> tuple[float, float]:
+    """A lower bound of what one process holds at once, in bytes, as (state, per_sequence): its
+    shard of the weights, their gradients and AdamW's two fp32 moments; and what each sequence of
+    its micro-batch adds: its seq_len/cp tokens' logits, vocab/tp wide, and their gradient (in at
+    least 16 bits each), and the tokens. FSDP shards over dp_shard × ep × cp (the experts, which ep
+    has split already, over dp_shard); TP and PP split every weight (notebook 17 writes it out)."""
     args, dims, t = plan.model_args, plan.dims, cfg.training
     _, params = count(args, t.seq_len)  # on the meta device: counted, not allocated
+    moe = args.moe
+    moe_layers = sum((i + 1) % moe.every == 0 for i in range(args.n_layers)) if moe else 0
+    experts = moe_layers * (  # the experts' parameters (none in a dense model)
+        moe.n_experts * 3 * (moe.hidden_dim or args.hidden_dim) * args.dim if moe else 0
+    )
+    fsdp = dims.dp_shard if dims.sharded else 1
+    shard = ((params - experts) / (fsdp * dims.ep * dims.cp) + experts / (fsdp * dims.ep)) / (
+        dims.tp * dims.pp
+    )
     param_bytes = 2 if t.dtype in ("bfloat16", "float16", "bf16", "fp16") else 4
-    # per process: its shard of weights and gradients (2 × param_bytes) and AdamW's two fp32 moments
-    state = params * (2 * param_bytes + 8) / (dims.dp_shard * dims.tp * dims.pp)
-    per_sequence = t.seq_len * (args.vocab_size / dims.tp * 2 * param_bytes + 16)
+    per_sequence = t.seq_len / dims.cp * (args.vocab_size / dims.tp * 2 * param_bytes + 16)
+    return shard * (2 * param_bytes + 8), per_sequence
+
+
+def check_memory_fits(plan: Plan, cfg: Config, limit: int | None, where: str) -> None:
+    """Refuse sizes that cannot fit in `limit` bytes (memory.memory_limit_bytes) before anything
+    is allocated: `memory_floor`, a lower bound, so it never refuses a run that fits."""
+    args, t = plan.model_args, cfg.training
+    state, per_sequence = memory_floor(plan, cfg)
     need = state + plan.micro_batch * per_sequence
     if limit is None or need <= limit:  # None: this machine's memory is unknown
         return
@@ -250,6 +269,7 @@ def check_memory_fits(plan: Plan, cfg: Config, limit: int | None, where: str) ->
         if fits >= 1
         else "choose a smaller model, or shard it over more processes"
     )
+    _, params = count(args, t.seq_len)
     raise TitanliteError(
         f"micro-batch {plan.micro_batch:,} × seq_len {t.seq_len:,} of a {params / 1e6:,.1f}M-"
         f"parameter model needs at least {need / 2**30:,.1f} GiB in one process (logits "

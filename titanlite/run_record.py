@@ -46,7 +46,26 @@ def built(trainer) -> dict:
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "tf32_cudnn": torch.backends.cudnn.allow_tf32,
         "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "context_parallel": _context_parallel(model),
+        "experts": _experts(trainer),
     }
+
+
+def _context_parallel(model) -> dict | None:
+    """The kernel every block of context-parallel attention runs (decided once, by apply_cp)."""
+    cp = getattr(model, "context_parallel", None)
+    return cp and {"kernel": cp.kernel, "layout": cp.layout, "method": cp.method}
+
+
+def _experts(trainer) -> dict | None:
+    """The experts' kernel and host waits a layer (models/moe.py), for a mixture only."""
+    if trainer.model_args.moe is None:
+        return None
+    from .models.moe import experts_record  # a mixture only: a dense run never imports it
+
+    return experts_record(
+        trainer.model_args, trainer.device, trainer.compute_dtype, trainer.dims.ep
+    )
 
 
 def run_record(trainer, per_rank: list[dict] | None = None) -> dict:

@@ -2,7 +2,7 @@
 
     history = Trainer(load_config("configs/debug.toml")).fit()
 
-`fit` is the whole algorithm: micro-batches, forward, cross-entropy, backward, clip, AdamW step,
+`fit` is the whole algorithm: micro-batches, forward, cross-entropy, backward, clip, optimizer step,
 learning-rate schedule. `forward_backward` is one step's forward and backward (through the
 pipeline's stages when there is one, as in torchtitan). Timing, MFU, goodput, checkpoints,
 validation, samples and logging watch from the side (watchers.py); tools are handed to `fit`."""
@@ -19,7 +19,7 @@ from . import hardware
 from .config import Config
 from .data import data_for
 from .data.transfer import MicroBatches, micro_batches_to
-from .device_policy import matmul_dtype, resolve_for_device, use_fused_adamw
+from .device_policy import matmul_dtype, resolve_for_device
 from .distributed import env
 from .distributed.ddp import grad_sync, unwrap
 from .distributed.parallelize import Techniques, loss_context_for, parallelize
@@ -44,7 +44,7 @@ class Trainer:
     3. config     - the config's "auto"s decided by this device's facts (`self.cfg`)
     4. data       - the tokenizer and this rank's slice of every batch
     5. model      - built and parallelized: parallelize's chain of apply_* (distributed/)
-    6. optimizer  - AdamW, its schedule, and mixed precision's step
+    6. optimizer  - [optimizer]'s (AdamW, 8/4-bit, Adafactor, Muon) and its schedule
     7. MFU        - the peak the run's matmuls are measured against, from the tools handed in
 
     Tools handed in (`titanlite train` hands in all three): `peaks`, the peak finder MFU divides
@@ -119,10 +119,9 @@ class Trainer:
         self.loss_context = loss_context_for(cfg.parallel, dims)  # TP's sharded softmax, or nothing
 
     def _build_optimizer(self) -> None:
-        cfg = self.cfg
-        fused = use_fused_adamw(self.device.type)
-        self.optimizer = build_optimizer(self.model_parts, cfg.optimizer, fused=fused)
-        self.scheduler = build_schedule(self.optimizer, cfg.scheduler, cfg.training.steps)
+        # [optimizer]'s name over this rank's parts (optimizer.py: what each takes, fused or not)
+        self.optimizer = build_optimizer(self.model_parts, self.cfg.optimizer, self.device)
+        self.scheduler = build_schedule(self.optimizer, self.cfg.scheduler, self.cfg.training.steps)
 
     def _find_peak(self, datasheet) -> None:
         # MFU against the peak of the dtype the matmuls actually run in
@@ -134,10 +133,10 @@ class Trainer:
             self.device, self.compute_dtype, self.cfg.metrics.peak, self.datasheet_peak, self.dist
         )
 
-    def loss_on(self, x: torch.Tensor, y: torch.Tensor, num_tokens=None) -> torch.Tensor:
-        """Summed cross-entropy over one batch's real target tokens / `num_tokens` (default: their count)."""
+    def loss_on(self, x, y, documents=None, num_tokens=None) -> torch.Tensor:
+        """Summed cross-entropy over real targets / `num_tokens` (default: their count), each within its `documents`."""
         with self.precision.autocast():
-            loss = loss_sum(self.model(x), y)  # under TP, a replicated DTensor
+            loss = loss_sum(self.model(x, documents), y)  # under TP, a replicated DTensor
             loss = loss.to_local() if hasattr(loss, "to_local") else loss
             return loss / (num_tokens if num_tokens is not None else max(1, count_targets(y)))
 
@@ -147,7 +146,7 @@ class Trainer:
         pipeline parallelism the schedule cuts each batch again and interleaves the stages'
         forwards and backwards (distributed/pipeline.py); the loss is on every stage."""
         total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
+        for i, (x, y, *documents) in enumerate(micro_batches):
             # DDP all-reduces only after the last micro-batch (no_sync; the others add into .grad);
             # FSDP reduce-scatters each one, to keep gradients sharded (memory is what FSDP is for).
             last = i == len(micro_batches) - 1
@@ -157,11 +156,11 @@ class Trainer:
             ):
                 if self.pipe is not None:
                     with self.precision.autocast(), record_function("forward_backward"):
-                        total += self.pipe.step(x, y, num_tokens=num_tokens)
+                        total += self.pipe.step(x, y, *documents, num_tokens=num_tokens)
                 else:
                     # record_function: labels a profiler trace shows; nearly free when off
                     with record_function("forward"):
-                        loss = self.loss_on(x, y, num_tokens=num_tokens)
+                        loss = self.loss_on(x, y, *documents, num_tokens=num_tokens)
                     with record_function("backward"):
                         self.precision.backward(loss)
                     total += loss.detach()

@@ -153,3 +153,11 @@ def all_to_all(t: torch.Tensor, out_sizes, in_sizes, group) -> torch.Tensor:
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     return all_to_all_single_autograd(t, out_sizes, in_sizes, group)
+
+
+def muon_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
+    """torch.optim.Muon's lr for a matrix of `shape`: "original" lr·√max(1, A/B) (Keller Jordan's),
+    "match_rms_adamw" lr·0.2·√max(A, B) (Moonshot's), from torch.optim._muon._adjust_lr (2.13)."""
+    from torch.optim._muon import _adjust_lr  # sharded Muon runs only
+
+    return _adjust_lr(lr, adjust_lr_fn, shape)

@@ -59,8 +59,10 @@ def build_data(
     hf_split: str = "train",
     text_column: str | None = None,
     verbose: bool = False,
+    document_mask: bool = False,
 ) -> DataBundle:
-    """Load, tokenize, split, batch. tokenizer: a folder or .json, or None: train (or reuse) a BPE one."""
+    """Load, tokenize, split, batch. tokenizer: a folder or .json, or None: train (or reuse) a BPE one.
+    document_mask: each batch also says which document each token is in (sampler.TokenBatches)."""
     # cheap checks first: a typo fails in ms, not after tokenizing
     _positive_int("seq_len", seq_len, 128)
     _positive_int("batch_size", batch_size)
@@ -113,6 +115,7 @@ def build_data(
             rank=rank,
             world_size=world_size,
             seed=seed,
+            eos_id=tok.eos_token_id if document_mask else None,
         )
         for part in (train_tokens, val_tokens)
     )
@@ -148,6 +151,7 @@ def data_for(cfg, tokenizer: str | None, micro_batch: int, dims, rank: int):
         max_chars=data.max_chars,
         rank=dims.dp_rank(rank),
         world_size=dims.data_slices,
+        document_mask=data.document_mask,
     )
     sequence_part = dims.sequence_part(rank, cfg.parallel.cp_layout)
     bundle.train.part = bundle.val.part = sequence_part

@@ -130,7 +130,8 @@ class StatefulBatchSampler(torch.utils.data.Sampler):
 
 
 class TokenBatches:
-    """(x, y) batches of one split: random windows for training, fixed ones for evaluation."""
+    """(x, y) batches of one split: random windows for training, fixed ones for evaluation. With
+    `eos_id` (a document mask), (x, y, documents): which document each input token belongs to."""
 
     part = None  # what this rank keeps of each sequence (context parallelism); None: all of it
 
@@ -143,8 +144,9 @@ class TokenBatches:
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
+        eos_id: int | None = None,
     ):
-        self.seq_len = _positive_int("seq_len", seq_len, 128)
+        self.seq_len, self.eos_id = _positive_int("seq_len", seq_len, 128), eos_id
         # batch_size before the windows: the first line a bad call gets
         _positive_int("batch_size", batch_size)
         self.num_windows = len(tokens) // (seq_len + 1)
@@ -164,12 +166,17 @@ class TokenBatches:
             self.num_windows, batch_size, rank=rank, world_size=world_size, seed=seed
         )
 
-    def batch_of(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch_of(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
         rows = self.windows[torch.as_tensor(indices, dtype=torch.long)].long()
         x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-        return (x, y) if self.part is None else (self.part(x), self.part(y))
+        # A document starts at each end-of-document token: it opens the next one, as a BOS would.
+        # Numbered over the whole sequence, before context parallelism keeps this rank's part.
+        documents = (
+            () if self.eos_id is None else ((x == self.eos_id).cumsum(1, dtype=torch.int32),)
+        )
+        return (x, y, *documents) if self.part is None else (self.part(x), self.part(y), *documents)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
         """The next training batch: x and y are int64 [batch_size, seq_len], y = x shifted."""
         return self.batch_of(self.sampler.next_indices())
 

@@ -42,6 +42,6 @@ def host_target_count(batches, ignore_index: int = -100) -> int:
     """The real target tokens of `batches`, counted on their host copies: nothing waits for the
     device (the one read in titanlite/data the host-sync counter lets pass, by name)."""
     count = 0
-    for _, y in batches:  # a loop, not a generator: the counter names the function it read in
+    for _, y, *_ in batches:  # a loop, not a generator: the counter names the function it read in
         count += int((y != ignore_index).sum())
     return count

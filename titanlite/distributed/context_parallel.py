@@ -17,28 +17,37 @@ and 2·cp−1−r, so every rank does the same work (Ultra-Scale Playbook; torch
 The backward is written by hand, as flash attention's is: each block's gradients are recomputed
 from the saved merged output and log-sum-exp, and the K/V gradients travel round the ring with
 their K/V until they are home. A block is computed by torch's fused kernel that returns the
-log-sum-exp where there is one (`block_kernel`), else in plain torch ops (`math`)."""
+log-sum-exp where there is one, called as torch's own ring attention calls it, else in plain torch
+ops (`math`): attention_block.py, which `block_kernel` chooses in."""
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..device_policy import capability_of
+from .attention_block import block_backward, block_forward, block_kernel, native_gqa
 
 LAYOUTS = ("zigzag", "contiguous")
 METHODS = ("ring", "allgather")
-aten = torch.ops.aten
 
 
-def apply_cp(model: torch.nn.Module, cp_mesh, layout: str = "zigzag", method: str = "ring"):
+def apply_cp(
+    model: torch.nn.Module, cp_mesh, layout="zigzag", method="ring", device=None, dtype=None
+):
     """Give the model's rotary tables and every attention layer the cp group (models/llama.py
     reads `context_parallel`): RoPE then takes this rank's real positions, attention runs across
     the ranks. The batches arrive cut already: the data loader keeps each rank's part of every
-    sequence (`ParallelDims.sequence_part`, `shard_sequence`)."""
+    sequence (`ParallelDims.sequence_part`, `shard_sequence`). `device` and `dtype`: where and in
+    what attention runs; each block's kernel is decided from them here, once (`block_kernel`), and
+    kept (run.json's `built` shows it); without them, from each call's tensors."""
+    kernel = None
+    if device is not None:
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        rocm = torch.version.hip is not None
+        kernel = block_kernel(device.type, dtype, capability, model.args.head_dim, rocm)
     cp = ContextParallel(
-        cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), layout, method
+        cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), layout, method, kernel
     )
     for module in model.modules():
         if hasattr(type(module), "context_parallel"):
@@ -75,76 +84,6 @@ def blocks(q_rank: int, kv_rank: int, cp: int, local_len: int, layout: str):
         for b, j in enumerate(kv_ids):
             if i >= j:
                 yield slice(a * size, (a + 1) * size), slice(b * size, (b + 1) * size), i == j
-
-
-def block_kernel(device_type: str, dtype: torch.dtype, capability=None) -> str:
-    """The kernel that computes one block and returns its log-sum-exp. CPU: its flash kernel (any
-    float dtype). CUDA: flash attention in bf16/fp16 on SM 8.0+ (as SDPA picks it); the
-    plain-ops `math` elsewhere (fp32 on CUDA, MPS), whose backward is written out below."""
-    if device_type == "cpu":
-        return "cpu_flash"
-    half = dtype in (torch.float16, torch.bfloat16)
-    if device_type == "cuda" and half and capability is not None and tuple(capability) >= (8, 0):
-        return "cuda_flash"
-    return "math"
-
-
-def block_forward(kind: str, q, k, v, causal: bool):
-    """(output, log-sum-exp in fp32 [B, H, Tq]) of softmax(q·kᵀ/√d)·v over one block."""
-    scale = 1 / math.sqrt(q.shape[-1])
-    if kind == "cpu_flash":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    if kind == "cuda_flash":
-        # (output, log-sum-exp, then what only its own backward reads)
-        return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
-    scores = _scores(q, k, causal, scale)
-    lse = scores.logsumexp(-1)
-    return ((scores - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
-
-
-def block_backward(kind: str, dout, q, k, v, out, lse, causal: bool):
-    """Gradients (dq, dk, dv) of one block, given the *merged* output and log-sum-exp of all
-    blocks: softmax probabilities recomputed as exp(s − lse) are then the true ones, and
-    rowsum(dout·out) the true softmax correction (flash attention's backward)."""
-    scale = 1 / math.sqrt(q.shape[-1])
-    if kind == "cpu_flash":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
-        )
-    if kind == "cuda_flash":
-        # Dense batches: no cumulative sequence lengths; dropout 0: no random state to replay.
-        none, rng = torch.empty(0, device=q.device), torch.zeros(2, dtype=torch.int64)
-        return aten._scaled_dot_product_flash_attention_backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            none,
-            none,
-            q.shape[2],
-            k.shape[2],
-            0.0,
-            causal,
-            rng,
-            rng,
-            scale=scale,
-        )
-    probs = (_scores(q, k, causal, scale) - lse[..., None]).exp()
-    dout32 = dout.float()
-    dv = probs.transpose(-2, -1) @ dout32
-    correction = (dout32 * out.float()).sum(-1, keepdim=True)
-    dscores = probs * (dout32 @ v.float().transpose(-2, -1) - correction)
-    return dscores @ k.float() * scale, dscores.transpose(-2, -1) @ q.float() * scale, dv
-
-
-def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
-    if causal:  # square diagonal blocks only: a query sees the keys up to its own position
-        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    return scores
 
 
 def merge(out, lse, block_out, block_lse):
@@ -201,6 +140,20 @@ class ContextParallel:
         dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
         return out.view(self.size, *t.shape)
 
+    def key_positions(self, local_len: int, device=None) -> torch.Tensor:
+        """Every rank's positions, in rank order: where `gather_sequence`'s rows sit in the sequence."""
+        ranks = range(self.size)
+        return torch.cat([positions_of(r, self.size, local_len, self.layout) for r in ranks]).to(
+            device
+        )
+
+    def gather_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's part of `t` [..., T, D], concatenated along T in rank order: a masked
+        attention's keys (models/masked_attention.py). Its backward hands each rank the gradients of
+        its own part, summed over the ranks (a reduce-scatter)."""
+        # Dynamo cannot trace the collectives: compiled blocks call it eagerly.
+        return torch._dynamo.disable(GatherSequence.apply, recursive=True)(t, self)
+
     def visits(self, kv: torch.Tensor):
         """(source rank, its stacked K/V) for every rank of the group, this rank's own first."""
         if self.method == "allgather":
@@ -216,46 +169,58 @@ class ContextParallel:
         yield (self.rank + 1) % self.size, kv  # the last block (the next rank's): nothing to send
 
 
+def kv_block(kv: torch.Tensor, cols: slice, groups: int):
+    """One block's K and V ([2, B, H_kv, T, D] stacked), contiguous as torch's ring hands its
+    kernels K/V; each K/V head repeated for its `groups` query heads where the kernel needs it."""
+    k, v = kv[..., cols, :].contiguous()
+    return (
+        (k, v) if groups == 1 else (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
+    )
+
+
 class ContextAttention(torch.autograd.Function):
     """Causal attention over the whole sequence from this rank's slice of q, k and v [B, H, T, D]."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel):
-        kind = cp.kernel or block_kernel(q.device.type, q.dtype, capability_of(q))
         B, H, T, D = q.shape  # T: this rank's part of the sequence
-        groups = H // k.shape[1]
+        rocm = torch.version.hip is not None
+        kind = cp.kernel or block_kernel(q.device.type, q.dtype, capability_of(q), D, rocm)
+        groups = 1 if native_gqa(kind) else H // k.shape[1]
         # Laid out [B, T, H, D] as SDPA's output is: the caller's transpose(1, 2) is then free.
         out = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+        extra = []  # what the kernel's backward takes from its forward (the same for every block)
         for source, kv_in in cp.visits(torch.stack([k, v])):
             for rows, cols, causal in blocks(cp.rank, source, cp.size, T, cp.layout):
-                # Grouped-query attention: each K/V head ([..., H_kv, T, D]) repeated for its
-                # query heads.
-                k_block, v_block = kv_in[..., cols, :].repeat_interleave(groups, dim=-3)
-                part, part_lse = block_forward(kind, q[:, :, rows], k_block, v_block, causal)
+                k_block, v_block = kv_block(kv_in, cols, groups)
+                part, part_lse = block_forward(
+                    kind, q[:, :, rows], k_block, v_block, causal, keep=extra
+                )
                 out[:, :, rows], lse[:, :, rows] = merge(
                     out[:, :, rows], lse[:, :, rows], part, part_lse
                 )
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.kind = cp, kind
+        ctx.cp, ctx.kind, ctx.groups, ctx.extra = cp, kind, groups, extra
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, kind = ctx.cp, ctx.kind
-        groups, local_len = q.shape[1] // k.shape[1], q.shape[2]
+        cp, kind, groups, local_len = ctx.cp, ctx.kind, ctx.groups, q.shape[2]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
         def add_block_grads(source, kv_in, dkv):
             for rows, cols, causal in blocks(cp.rank, source, cp.size, local_len, cp.layout):
-                k_block, v_block = kv_in[..., cols, :].repeat_interleave(groups, dim=-3)
+                k_block, v_block = kv_block(kv_in, cols, groups)
                 # this rank's rows of each
                 dout_, q_, out_, lse_ = (t[:, :, rows] for t in (dout, q, out, lse))
-                dq_, dk, dv = block_backward(kind, dout_, q_, k_block, v_block, out_, lse_, causal)
+                dq_, dk, dv = block_backward(
+                    kind, dout_, q_, k_block, v_block, out_, lse_, causal, ctx.extra
+                )
                 dq[:, :, rows] += dq_
-                # The repeat's gradient: the query heads' shares summed back onto their K/V head.
+                # A repeat's gradient: the query heads' shares summed back onto their K/V head.
                 dkv[..., cols, :] += (
                     torch.stack([dk, dv]).float().unflatten(-3, (-1, groups)).sum(-3)
                 )
@@ -279,3 +244,20 @@ class ContextAttention(torch.autograd.Function):
                     dkv_wait()
                     dkv = dkv_next
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+class GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence (dim −2), differentiable: the all-gather form of CP's keys."""
+
+    @staticmethod
+    def forward(ctx, t, cp: ContextParallel):
+        ctx.cp = cp
+        return cp.gather(t).movedim(0, -3).flatten(-3, -2)  # [size, ..., T, D] -> [..., size·T, D]
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        parts = grad.unflatten(-2, (cp.size, -1)).movedim(-3, 0).contiguous()
+        mine = parts.new_empty(parts.shape[1:])
+        dist.reduce_scatter_tensor(mine, parts.flatten(0, 1), group=cp.group)
+        return mine, None

@@ -5,8 +5,9 @@
 Each ep rank reads its own slice of the batch, as a data-parallel rank does, and routes its tokens
 (models/moe.py). The dispatch then sends every token choice to the rank that holds its expert with
 one all-to-all (`all_to_all_single`: each rank sends a different number of rows to each, so the
-split sizes are exchanged first - a small all-to-all of counts - and read on the host: the one
-wait for the device an MoE layer costs, as in torchtitan), runs the local experts on what arrived,
+split sizes are exchanged first - a small all-to-all of counts - and read on the host with this
+rank's own, in one copy: the one wait for the device an MoE layer costs under expert parallelism,
+as in torchtitan), runs the local experts on what arrived,
 and sends the outputs back the same way. The backward of an all-to-all is the reverse all-to-all.
 
 The experts' stacked weights become DTensors sharded over ep (Shard(0): rank r holds experts
@@ -49,20 +50,25 @@ class ExpertDispatch:
     def __call__(self, tokens, weights, chosen, experts):
         G, k = self.size, chosen.shape[1]
         local = experts.w_gate.shape[0] // G  # a DTensor's shape is the whole: all E experts
-        order, counts = sort_by_expert(chosen, G * local)  # rank g's experts are contiguous
-        # table[g][e]: how many of rank g's choices go to my local expert e.
+        # counts: on the device (NCCL moves only device tensors), rank g's experts contiguous
+        order, counts = sort_by_expert(chosen, G * local)
+        # counts_in[g][e]: how many of rank g's choices go to my local expert e.
         counts_in = all_to_all(counts, None, None, self.group).view(G, local)
-        table = counts_in.tolist()  # the sizes, on the host: the one wait for the device
-        sent = counts.view(G, local).sum(1).tolist()
-        received = [sum(row) for row in table]
+        # Both tables on the host in one read: the one wait for the device an MoE layer costs
+        # (all_to_all_single takes its split sizes as host integers).
+        on_host = torch.cat([counts.view(G, local), counts_in]).tolist()
+        mine, table = on_host[:G], on_host[G:]  # [rank][local expert]: sent, received
+        sent, received = [sum(row) for row in mine], [sum(row) for row in table]
         arrived = all_to_all(tokens[order // k], received, sent, self.group)
         # Arrived by source rank, then expert; the experts want them by expert: a stable sort on
-        # each row's expert keeps the source ranks in order within an expert.
+        # each row's expert keeps the source ranks in order within an expert. Worked out on the
+        # host (the sizes are there), the index then copied to the device, where it is used.
+        rows = torch.tensor(table).flatten()  # output_size: the length is known, not waited for
         expert_of_row = (
-            torch.arange(local).repeat(G).repeat_interleave(torch.tensor(table).flatten())
+            torch.arange(local).repeat(G).repeat_interleave(rows, output_size=sum(received))
         )
         by_expert = expert_of_row.argsort(stable=True).to(tokens.device)
-        out = experts(arrived[by_expert], counts_in.sum(0))
+        out = experts(arrived[by_expert], counts_in.sum(0), sizes=[sum(e) for e in zip(*table)])
         # The outputs, in arrival order again, back to the ranks their tokens came from
         back = torch.empty_like(out).index_copy(0, by_expert, out)
         return combine(all_to_all(back, sent, received, self.group), order, weights, chosen, tokens)

@@ -11,7 +11,8 @@
 4. FP8      - swaps nn.Linear for Float8Linear: everything later sees the final modules.
 5. AC       - wraps each block, so the wrapper is what compile and FSDP see.
 6. compile  - per block, before FSDP: the hooks FSDP installs stay outside the graphs.
-7. CP       - hands attention the cp group (after compile's trial, which runs one block alone).
+7. CP, mask - hand attention the cp group (after compile's trial, which runs one block alone), and
+              the kernel that takes a document mask.
 8. DDP/FSDP - last: they wrap or shard whatever the model finally is.
 
 Each technique's part of torch (or torchao) is imported only where a run asks for the technique."""
@@ -35,17 +36,18 @@ from .ddp import apply_ddp
 from .mesh import ParallelDims
 
 
+# The config sections the chain of apply_* reads, and nothing else of the config; and the
+# kernel that takes a mask where one is asked for (`masked_kernel`).
 @dataclass(frozen=True)
 class Techniques:
-    """The config sections the chain of apply_* reads, and nothing else of the config."""
-
     float8: Float8Section
     activation_checkpoint: ActivationCheckpointSection
     compile: CompileSection
+    masked_attention: str | None = None  # the kernel under a mask (sdpa, flex); None: no mask
 
     @classmethod
     def of(cls, cfg) -> "Techniques":
-        return cls(cfg.float8, cfg.activation_checkpoint, cfg.compile)
+        return cls(cfg.float8, cfg.activation_checkpoint, cfg.compile, masked_kernel(cfg))
 
 
 @dataclass
@@ -102,7 +104,15 @@ def parallelize(
         if dims.cp > 1:  # after the trial compile, which runs a block alone
             from .context_parallel import apply_cp  # cp > 1 only
 
-            apply_cp(part, mesh["cp"], parallel.cp_layout, parallel.cp_method)
+            # attention runs in autocast's dtype, else in FSDP's gathered one, else the weights'
+            attention_dtype = autocast_dtype or gathered or dtype
+            apply_cp(
+                part, mesh["cp"], parallel.cp_layout, parallel.cp_method, device, attention_dtype
+            )
+        if techniques.masked_attention:
+            from ..models.masked_attention import apply_masked_attention  # masked runs only
+
+            apply_masked_attention(part, techniques.masked_attention)
         return apply_data_parallel(part, args, dims, mesh, parallel, device, dtype, gathered)
 
     model = build(args, device, dtype, on_meta)
@@ -116,6 +126,12 @@ def parallelize(
         stage.submod = part  # the stage runs the parallelized module
     # The schedule is built over the stages' final (parallelized) modules
     return Parallelized(parts, Pipeline(stages, mesh["pp"], parallel, micro_batch=example_shape[0]))
+
+
+def masked_kernel(cfg) -> str | None:
+    """The kernel that takes a document mask where a run asks for one, as [model] attention says
+    (sdpa or flex, once resolved for the device); None without a mask (causal SDPA, as always)."""
+    return cfg.model.attention if cfg.data.document_mask else None
 
 
 def build(args: ModelArgs, device: torch.device, dtype: torch.dtype, on_meta: bool) -> nn.Module:

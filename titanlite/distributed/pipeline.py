@@ -126,17 +126,20 @@ def pipeline_step(
     num_tokens: float | None = None,
     pp_group=None,
     forward_only: bool = False,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Forward + backward of the batch (grads accumulate into the stages); the loss on every pp rank.
     `num_tokens`: the TokenLoss divisor (default: this batch's; under DP the global batch's count / dp).
-    `forward_only`: torch's `schedule.eval` instead of its step (`pipeline_eval`)."""
+    `forward_only`: torch's `schedule.eval` instead of its step (`pipeline_eval`). `documents`: a
+    document mask's, handed to every stage (each cut into the schedule's micro-batches)."""
     # `is not None`, not `or`: the divisor may be a device tensor, whose truth value waits for it
     loss_fn.num_tokens = num_tokens if num_tokens is not None else max(1, count_targets(y))
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     losses = [] if last else None
     # A step without return_outputs would keep every micro-batch's logits alive
     run = schedule.eval if forward_only else partial(schedule.step, return_outputs=False)
-    run(*((x,) if first else ()), target=y if last else None, losses=losses)
+    masks = {} if documents is None else {"documents": documents}
+    run(*((x,) if first else ()), target=y if last else None, losses=losses, **masks)
     total = (
         torch.stack(losses).sum().detach().float()
         if last
@@ -148,7 +151,7 @@ def pipeline_step(
 
 @torch.no_grad()
 def pipeline_eval(
-    schedule, stages: list, x: torch.Tensor, y: torch.Tensor, *, loss_fn: TokenLoss, pp_group=None
+    schedule, stages: list, x, y, documents=None, *, loss_fn: TokenLoss, pp_group=None
 ) -> torch.Tensor:
     """The batch's mean token loss on every pipeline rank, forward only (no gradients or activations kept)."""
     if type(schedule) in {cls for cls, style in SCHEDULES.values() if style == "v"}:
@@ -158,7 +161,14 @@ def pipeline_eval(
             f"the gathered model (gather_state_dict), or train with interleaved_zb"
         )
     return pipeline_step(
-        schedule, stages, x, y, loss_fn=loss_fn, pp_group=pp_group, forward_only=True
+        schedule,
+        stages,
+        x,
+        y,
+        loss_fn=loss_fn,
+        pp_group=pp_group,
+        forward_only=True,
+        documents=documents,
     )
 
 
@@ -210,7 +220,7 @@ class Pipeline:
             batch_size=self.micro_batch,
         )
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, num_tokens: float) -> torch.Tensor:
+    def step(self, x, y, documents=None, num_tokens=None) -> torch.Tensor:
         return pipeline_step(
             self.schedule,
             self.stages,
@@ -219,11 +229,12 @@ class Pipeline:
             loss_fn=self.loss_fn,
             num_tokens=num_tokens,
             pp_group=self.pp_mesh,
+            documents=documents,
         )
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def eval_loss(self, x, y, documents=None) -> float:
         return pipeline_eval(
-            self.schedule, self.stages, x, y, loss_fn=self.loss_fn, pp_group=self.pp_mesh
+            self.schedule, self.stages, x, y, documents, loss_fn=self.loss_fn, pp_group=self.pp_mesh
         ).item()
 
     def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:

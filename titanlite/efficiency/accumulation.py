@@ -58,8 +58,8 @@ def global_tokens_per_rank(
     if distributed:
         # Counted on the device from its own copy of the labels and summed there: a tensor made from a
         # Python number would wait for the GPU every step. The tp × pp ranks of a slice each count it.
-        local = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches).float()
+        local = sum((y != IGNORE_INDEX).sum() for _, y, *_ in micro_batches).float()
         dist.all_reduce(local)  # a sum over every rank (torch, not distributed/: that imports this)
         return local / dims.world_size
     local = getattr(micro_batches, "num_targets", None)  # counted on the host (data/transfer.py)
-    return float(local if local is not None else sum(count_targets(y) for _, y in micro_batches))
+    return float(local if local is not None else sum(count_targets(b[1]) for b in micro_batches))

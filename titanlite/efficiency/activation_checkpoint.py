@@ -37,11 +37,15 @@ _SDPA_OPS = (
     "_scaled_dot_product_fused_attention_overrideable",
 )
 c10d = torch.ops._c10d_functional  # a torch without distributed has no c10d ops
-# FP8 matmuls (torchao's `_scaled_mm`) are matmuls too; with TP + sequence parallel a row-wise Linear
-# ends in a reduce-scatter, which recomputing would repeat (torchtitan's `_save_list` keeps that one).
+# FP8 matmuls (torchao's `_scaled_mm`) and the experts' grouped GEMM are matmuls too. Collectives
+# in a block are kept rather than run again in the backward (torchtitan's `_save_list` keeps the
+# same): TP + sequence parallel's reduce-scatter, and expert parallel's all-to-alls (the tokens
+# out to their experts and back, and the counts before them).
+_COLLECTIVES = ("reduce_scatter_tensor", "all_to_all_single")
 SAVE_OPS = frozenset(
     [aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default]
-    + ([c10d.reduce_scatter_tensor.default] if hasattr(c10d, "reduce_scatter_tensor") else [])
+    + ([aten._grouped_mm.default] if hasattr(aten, "_grouped_mm") else [])
+    + [getattr(c10d, name).default for name in _COLLECTIVES if hasattr(c10d, name)]
     + [getattr(aten, name).default for name in _SDPA_OPS if hasattr(aten, name)]
 )
 

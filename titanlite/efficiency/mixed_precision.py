@@ -108,6 +108,8 @@ class Precision:
         """`scheduler.step()`. A step the fp16 scaler skipped still advances the schedule
         (torchtitan does the same); torch then warns, once, that the schedule moved before the
         optimizer did, which here is no mistake."""
+        if not self.scaler.is_enabled():  # only a scaler skips a step: no warning to expect
+            return scheduler.step()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             scheduler.step()

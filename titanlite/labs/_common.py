@@ -133,3 +133,33 @@ class Progress:
     def done(self, part: str) -> None:
         self.seconds[part] = time.perf_counter() - self.start - sum(self.seconds.values())
         report({"kind": "lab", "done": part, "seconds": self.seconds[part]})
+
+
+def state_against_floor(overrides: dict) -> dict:
+    """Each rank of a trainer built with `overrides`, one optimizer step and one more backward in:
+    the bytes of the weights, gradients and AdamW moments it holds, read off its tensors
+    (tools.predict.zero), and
+    preflight's floor for them (`memory_floor`): what notebooks 17 and 18 check the formula by."""
+    from ..config import load_config
+    from ..preflight import memory_floor
+    from ..tools.predict.zero import measure_state_bytes
+    from ..train import Trainer
+
+    cfg = load_config(None, overrides)
+    trainer = Trainer(cfg)
+    try:
+        trainer.train_step(trainer.next_micro_batches())  # AdamW's moments exist after a step
+        batches = trainer.next_micro_batches()  # and the gradients between backward and step
+        trainer.forward_backward(batches, batches.num_targets)
+        # the optimizer's moments once (it holds every part's), each part's weights and gradients
+        held = [measure_state_bytes(part) for part in trainer.model_parts]
+        moments = measure_state_bytes(trainer.model_parts[0], trainer.optimizer)["optimizer"]
+        state, per_sequence = memory_floor(trainer.plan, cfg)
+        return {
+            "rank": dist.get_rank() if dist.is_initialized() else 0,
+            "held": moments + sum(h["params"] + h["grads"] for h in held),
+            "floor": state,
+            "per_sequence": per_sequence,
+        }
+    finally:
+        trainer.close()

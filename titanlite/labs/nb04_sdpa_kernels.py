@@ -22,8 +22,9 @@ def sdpa_kernel_for(
     deterministic: bool = False,
     cudnn_version: int | None = None,
     cuda_version: str | None = None,
+    masked: bool = False,
 ) -> str:
-    """Which SDPA kernel trains a causal, unmasked attention: "cudnn", "flash", "efficient" or "math".
+    """Which SDPA kernel trains a causal attention: "cudnn", "flash", "efficient" or "math".
 
     expand_kv: did the caller repeat k/v heads (None: what `expand_kv_for_sdpa` decides, i.e.
     what titanlite's attention does). What the kernel keeps for backward differs: cuDNN, flash
@@ -31,7 +32,10 @@ def sdpa_kernel_for(
     CPU: torch's CPU flash kernel (GQA included). MPS: the fused Metal kernel is forward-only,
     so training runs math. CUDA: cuDNN first only where torch's own conditions hold for this GPU,
     `cudnn_version` and `cuda_version` (`device_policy.prefers_cudnn_attention`; unknown: they do
-    not), then flash, efficient, math, each taking what it can (torch's sdp_utils.cpp)."""
+    not), then flash, efficient, math, each taking what it can (torch's sdp_utils.cpp).
+    `masked`: a boolean mask in place of is_causal (a document mask, notebook 21): flash takes no
+    mask (sdp_utils.cpp's check_for_attn_mask), cuDNN and efficient take one, and titanlite
+    repeats the k/v heads under a mask on CUDA (models/llama.py's causal_attention)."""
     if device_type == "cpu":
         return "flash"
     if device_type == "mps":
@@ -43,10 +47,12 @@ def sdpa_kernel_for(
     preferred = prefers_cudnn_attention(capability, cudnn_version, cuda_version)
     if preferred and cudnn_takes(dtype, head_dim, capability, deterministic):
         return "cudnn"
-    if flash_takes(device_type, dtype, head_dim, capability, torch_version):
+    if not masked and flash_takes(device_type, dtype, head_dim, capability, torch_version):
         return "flash"
     if expand_kv is None:
-        expand_kv = expand_kv_for_sdpa(device_type, dtype, head_dim, capability, torch_version)
+        expand_kv = masked or expand_kv_for_sdpa(
+            device_type, dtype, head_dim, capability, torch_version
+        )
     # efficient: fp16/fp32 on any SM 5.0+, bf16 from SM 8.0; head_dim a multiple of 8.
     efficient_dtypes = (torch.float16, torch.float32) + (
         (torch.bfloat16,) if capability and tuple(capability) >= AMPERE else ()

@@ -238,3 +238,18 @@ def model_matches_full(
         grads[name] = ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
     logits = ((got - cp.shard(want)).abs().max() / want.abs().max()).item()
     return {"rank": rank, "logits": logits, "grads": max(grads.values())}
+
+
+# ----- memory before anything allocates: preflight's floor, written out -------------------------
+
+
+def memory_floor_formula(
+    params, bytes_per_param, shards, micro_batch, seq_len, cp, vocab, logit_bytes, tp=1, pp=1
+) -> float:
+    """A floor of one rank's memory, written out as notebook 17 does: its share of the weights,
+    gradients and optimizer moments, bytes_per_param · Ψ / (shards · tp · pp), where FSDP's shards
+    are dp_shard × cp (CP ranks hold the same weights); plus, for each of its micro-batch's
+    sequences, its seq_len / cp tokens' logits and their gradient, vocab / tp wide, and 16 bytes
+    of tokens each. preflight refuses a run above the device's memory by the same floor."""
+    state = bytes_per_param * params / (shards * tp * pp)
+    return state + micro_batch * seq_len / cp * (vocab / tp * 2 * logit_bytes + 16)

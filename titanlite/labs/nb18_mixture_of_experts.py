@@ -182,3 +182,30 @@ def param_bytes(overrides: dict) -> dict:
     rank = dist.get_rank()
     trainer.close()
     return {"rank": rank, "experts": experts, "rest": rest}
+
+
+# ----- what an expert-parallel step costs: exchanges and host waits -----------------------------
+
+
+def ep_step_costs(overrides: dict) -> dict:
+    """One optimizer step of a trainer built with `overrides` (expert parallel), counted on this
+    rank: the all-to-alls it issued (forward, any recompute, backward) and the reads that wait for
+    the device (tools.measure.host_syncs: on a GPU each would stall the queue), per MoE layer."""
+    from ..config import load_config
+    from ..tools.measure.host_syncs import HostSyncs
+    from ..train import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        batches = trainer.next_micro_batches()
+        with CommCounter() as counter, HostSyncs() as syncs:
+            trainer.train_step(batches, read=False)
+        layers = len(routers(trainer.model))
+        return {
+            "rank": dist.get_rank(),
+            "moe_layers": layers,
+            "all_to_all": counter.summary().get("all_to_all", {}).get("calls", 0),
+            "host_reads": [s for s in syncs.sites if "expert" in s or "moe" in s],
+        }
+    finally:
+        trainer.close()

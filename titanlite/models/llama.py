@@ -130,6 +130,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     context_parallel = None  # set by distributed/context_parallel.py: attention across cp ranks
+    masked = None  # set by models/masked_attention.py: the kernel that takes a mask
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -139,7 +140,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):
         B, T, _ = x.shape
         # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
         q, k, v = (
@@ -149,23 +150,27 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cp = self.context_parallel
         attend = causal_attention if cp is None else cp.attention
-        return self.o_proj(attend(q, k, v).transpose(1, 2).reshape(B, T, -1))
+        out = attend(q, k, v) if mask is None else self.masked.attend(q, k, v, mask, cp)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expand_kv: bool | None = None
-) -> torch.Tensor:
+def causal_attention(q, k, v, expand_kv: bool | None = None, mask=None) -> torch.Tensor:
     """Causal SDPA with grouped-query attention: SDPA repeats the KV heads (`enable_gqa`) or we do first.
-    expand_kv None: device_policy decides (on CUDA only flash takes `enable_gqa`; else slow math runs)."""
+    expand_kv None: device_policy decides (on CUDA only flash takes `enable_gqa`; else slow math runs).
+    `mask`: a boolean one (True: attend) in place of causality, itself causal (masked_attention.py)."""
     groups, capability = q.shape[1] // k.shape[1], capability_of(q)
     if expand_kv is None and groups > 1 and capability is not None:
-        expand_kv = expand_kv_for_sdpa("cuda", q.dtype, q.shape[-1], capability)
+        # flash takes no mask: a masked call on CUDA goes to cuDNN or the efficient kernel
+        expand_kv = mask is not None or expand_kv_for_sdpa("cuda", q.dtype, q.shape[-1], capability)
     if expand_kv and groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     priority = sdpa_priority(q.device.type, capability)  # cuDNN first where torch would put it
     gqa = q.shape[1] != k.shape[1]  # not when the KV heads were repeated above
     with sdpa_kernel(priority, set_priority=True) if priority else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        causal = mask is None  # a mask is causal itself
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+        )
 
 
 class TransformerBlock(nn.Module):
@@ -178,13 +183,15 @@ class TransformerBlock(nn.Module):
         moe = args.moe.feed_forward(layer, args.dim, args.hidden_dim) if args.moe else None
         self.feed_forward = moe if moe is not None else FeedForward(args.dim, args.hidden_dim)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None):
+        # mask by keyword: tensor parallelism's plan lays out (x, cos, sin) alone
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
     context_parallel = None  # set by distributed/context_parallel.py: this rank's positions
+    masked = None  # set by models/masked_attention.py: builds each batch's mask
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -216,9 +223,10 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] → logits [B, T, vocab]. A pipeline stage (distributed/pipeline.py) sets parts to
-        None: without `tok_embeddings` it takes hidden states [B, T, dim]; without `output`, returns them."""
+        None: without `tok_embeddings` it takes hidden states [B, T, dim]; without `output`, returns them.
+        `documents` [B, T] (the whole sequence's, under CP): attention within each (masked_attention.py)."""
         T = tokens.shape[1]
         if T > self.args.max_seq_len:
             raise TitanliteError(
@@ -229,8 +237,12 @@ class Transformer(nn.Module):
         cp = self.context_parallel  # a slice of the sequence: its tokens' real positions
         rows = slice(0, T) if cp is None else cp.positions(T, self.rope_cos.device)
         cos, sin = self.rope_cos[rows].to(h.dtype), self.rope_sin[rows].to(h.dtype)
+        # Built once a batch, for every layer. RoPE's positions run on across documents: 0..T-1.
+        if documents is not None and self.masked is None:
+            raise TitanliteError("documents need masked attention: apply_masked_attention first")
+        mask = None if documents is None else self.masked.mask_for(documents, T, h.device, cp)
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

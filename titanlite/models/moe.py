@@ -183,8 +183,9 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n, dim, hidden))
         self.grad_scale = 1.0  # expert parallel: 1/ep (its tokens come from every ep rank)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: tokens grouped by expert, counts[e] of them for local expert e, in order."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes=None) -> torch.Tensor:
+        """x: tokens grouped by expert, counts[e] of them for local expert e, in order (a device
+        tensor); `sizes`: the same counts as host integers, if the caller has them."""
         # Under expert parallelism the stacked weights are DTensors: compute on this rank's experts,
         # their gradient scaled by grad_scale (1/ep there, 1 elsewhere).
         w_gate, w_up, w_down = (
@@ -195,12 +196,14 @@ class Experts(nn.Module):
         # the dtype autocast computes matmuls in (cast here: CPU autocast leaves _grouped_mm be).
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-        if expert_kernel(kind, dtype, capability_of(x)) == "grouped_mm":
+        facts = capability_of(x), torch.version.hip is not None, (x.shape[-1], w_up.shape[-2])
+        if expert_kernel(kind, dtype, *facts) == "grouped_mm":
             return grouped_swiglu(x.to(dtype), w_gate, w_up, w_down, counts.cumsum(0).int())
-        # The loop needs the sizes on the host. xe: expert e's rows of x.
+        # The loop needs the sizes on the host (one wait for the device, unless the caller has
+        # them there already: expert parallel's `sizes`). xe: expert e's rows of x.
         outs = [
             F.linear(F.silu(F.linear(xe, w_gate[e])) * F.linear(xe, w_up[e]), w_down[e])
-            for e, xe in enumerate(x.split(counts.tolist()))
+            for e, xe in enumerate(x.split(sizes if sizes is not None else counts.tolist()))
         ]
         return torch.cat(outs) if outs else x[:0]
 
@@ -217,7 +220,9 @@ def sort_by_expert(chosen: torch.Tensor, n_experts: int):
     """(the token choices' order grouped by expert - stable, so by token within an expert - and
     how many each expert got)."""
     flat = chosen.flatten()
-    return flat.argsort(stable=True), torch.bincount(flat, minlength=n_experts)
+    # ones added up (bincount's length depends on the values: a graph break, no fake shape)
+    counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device)
+    return flat.argsort(stable=True), counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def combine(out, order, weights, chosen, tokens):
@@ -236,11 +241,35 @@ def grouped_swiglu(x, w_gate, w_up, w_down, ends: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1).to(x.dtype), offs=ends)
 
 
-def expert_kernel(device_type: str, dtype: torch.dtype, capability=None) -> str:
-    """Grouped GEMM (torch._grouped_mm) on CUDA SM 9.0+ in bf16; a loop
-    over the experts elsewhere (CPU, MPS, older GPUs, fp32)."""
-    hopper = capability is not None and tuple(capability) >= (9, 0)
-    return "grouped_mm" if device_type == "cuda" and dtype == torch.bfloat16 and hopper else "loop"
+def expert_kernel(
+    device_type: str, dtype: torch.dtype, capability=None, rocm=False, widths=()
+) -> str:
+    """torch._grouped_mm where torch runs its grouped kernel, which reads the group ends on the
+    device: NVIDIA SM 9.x and 10.x in bf16 (aten's GroupedBlas.cpp, _grouped_mm_cuda's fast path,
+    as torchtitan calls it), its rows 16-byte aligned (`widths`, dim and hidden: multiples of 8).
+    Elsewhere torch 2.13 loops over the groups itself, reading their sizes on the host
+    (_grouped_mm_fallback: SM 8.x, SM 12.x, ROCm, whose MI300X reports "9.4"); there, and on the
+    CPU and MPS, the same loop is written out here."""
+    fast = capability is not None and capability[0] in (9, 10) and not rocm
+    aligned = all(w % 8 == 0 for w in widths)
+    grouped = device_type == "cuda" and dtype == torch.bfloat16 and fast and aligned
+    return "grouped_mm" if grouped else "loop"
+
+
+def experts_record(args, device: torch.device, dtype: torch.dtype, ep: int) -> dict:
+    """What run.json records of a mixture: the experts' kernel on this device in the dtype the
+    matmuls run in, and how many times a layer's forward waits for the device with it."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    widths = (args.dim, args.moe.hidden_dim or args.hidden_dim)
+    kernel = expert_kernel(device.type, dtype, capability, torch.version.hip is not None, widths)
+    return {"kernel": kernel, "host_waits_per_layer": host_waits(kernel, ep)}
+
+
+def host_waits(kernel: str, ep: int) -> int:
+    """Times an MoE layer's forward waits for the device: expert parallel reads its split sizes
+    on the host once (and hands them to the loop); alone, the loop reads its group sizes once and
+    the grouped GEMM reads nothing."""
+    return int(ep > 1 or kernel == "loop")
 
 
 class AuxLoss(torch.autograd.Function):

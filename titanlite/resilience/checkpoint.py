@@ -187,8 +187,8 @@ class Checkpointer:
         info = _verified(path, crc) if self.rank == 0 else None
         if isinstance(info := env.broadcast_from_rank0(info), TitanliteError):
             raise info
-        saved = info.get("model_args")
-        here = (state.describe() if hasattr(state, "describe") else self.describe).get("model_args")
+        here_info = state.describe() if hasattr(state, "describe") else self.describe
+        saved, here = info.get("model_args"), here_info.get("model_args")
         if saved and here and saved != here:
             diff = ", ".join(
                 f"{k}: {saved.get(k)} there vs {here.get(k)} here"
@@ -198,6 +198,14 @@ class Checkpointer:
             raise TitanliteError(
                 f"checkpoint '{path}' holds a different model ({diff}): load it with the "
                 f"model settings it was trained with, or start a new checkpoint folder"
+            )
+        # Before 2026-12 every checkpoint was AdamW's: a record without "optimizer" is one.
+        was, now = info.get("optimizer", "adamw"), here_info.get("optimizer")
+        if now and was != now:
+            raise TitanliteError(
+                f"checkpoint '{path}' holds {was}'s optimizer state, and this run asks for "
+                f"--optimizer.name {now}: resume with --optimizer.name {was}, or start a new "
+                f"checkpoint folder"
             )
         sd = state.state_dict() if hasattr(state, "state_dict") else state
         planner = (  # each replicated entry: one reader, then a broadcast

@@ -6,7 +6,7 @@ with torchtitan's names, and what a replica group cannot be, refused before anyt
 Apart from config.py, as torchtitan keeps its own in components/ft/config: the technique itself,
 which imports torchft, is fault_tolerance.py, loaded only by a run that asks for it."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config_fields import one_of, ranged
 from ..errors import TitanliteError
@@ -30,9 +30,10 @@ class FaultToleranceSection:
     process_group_timeout_ms: int = ranged(10_000, "[1, inf)")
 
 
-def check_fault_tolerance(ft: FaultToleranceSection, mixed_precision: str, moe) -> None:
-    """What no replica group can be: outside the groups, waiting for more groups than there are,
-    or holding state the groups would not keep equal (`moe`: the model's MoEArgs, or None)."""
+def replica_group(ft: FaultToleranceSection, dims, mixed_precision: str, moe):
+    """The rank grid `dims` (a ParallelDims) as replica group `ft.replica_id` of `ft.group_size`,
+    after refusing what no replica group can be: outside the groups, waiting for more groups than
+    there are, or holding state the groups would not keep equal (`moe`: the model's MoEArgs)."""
     refusals = (
         (
             ft.replica_id >= ft.group_size,
@@ -61,3 +62,4 @@ def check_fault_tolerance(ft: FaultToleranceSection, mixed_precision: str, moe) 
     for broken, message in refusals:
         if broken:
             raise TitanliteError(message)
+    return replace(dims, replica_groups=ft.group_size, replica_group=ft.replica_id)

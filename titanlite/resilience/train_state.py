@@ -43,8 +43,8 @@ class TrainState(Stateful):
 
     @classmethod
     def of(cls, trainer) -> "TrainState":
-        """A trainer's state as of now, described by what a load must match: the model's shape,
-        and (informative) the layout, world size and global batch it was trained with."""
+        """A trainer's state as of now, described by what a load must match: the model's shape and
+        the optimizer, and (informative) the layout, world size and global batch it was trained with."""
         return cls(
             trainer.model_parts,
             trainer.optimizer,
@@ -53,6 +53,7 @@ class TrainState(Stateful):
             step=trainer.step,
             describe={
                 "model_args": trainer.model_args.to_dict(),
+                "optimizer": trainer.cfg.optimizer.name,  # its state's shape: checked on load
                 "layout": trainer.dims.describe(),
                 "world_size": trainer.dist.world_size,
                 "global_batch": trainer.global_batch,

@@ -4,8 +4,8 @@ when it passes and raises one `ExerciseError` line saying what is wrong when it 
 A failure names its seed: `check(name, student_fn, seed=N)` draws the same inputs again.
 
 One module per group of notebooks (basics: 01-06, parallel: 07-11, resilience: 12-13,
-cpu_and_search: 14-15, capstone: 16, long_context: 17, experts: 18, accelerators: 19,
-replicas: 22); each check is a function
+cpu_and_search: 14-15, capstone: 16, long_context: 17 and 21, experts: 18, accelerators: 19,
+optimizers: 20, replicas: 22); each check is a function
 of a `Check` (the run: name, seed, random generators, the comparisons) and the student's
 function, registered with
 `@exercise(name, title)` under the name the notebook's check cell uses (the notebook number
@@ -56,6 +56,7 @@ from . import (  # noqa: E402,F401  (they register their checks)
     cpu_and_search,
     experts,
     long_context,
+    optimizers,
     parallel,
     replicas,
     resilience,

@@ -1,5 +1,6 @@
 """Checks for notebook 17: merging two partial attentions by their log-sum-exp, and which
-positions of the sequence a rank holds under zig-zag context parallelism."""
+positions of the sequence a rank holds under zig-zag context parallelism; and for notebook 21:
+which query-key blocks a document mask keeps, and the fraction of pairs it attends."""
 
 from __future__ import annotations
 
@@ -97,3 +98,139 @@ def zigzag_positions(c, fn):
             f"the positions rank {rank} of cp={cp} holds of a sequence of {seq_len}",
         )
     c.passed(f"equals positions_of for every rank of {len({(p, t) for _, p, t in cases})} layouts")
+
+
+# ----- notebook 21: document masks --------------------------------------------------------------
+
+
+def _real_block_mask(documents: torch.Tensor, block: int) -> torch.Tensor:
+    from ..nb21_documents_and_masks import block_layout
+
+    return block_layout(documents[None], block)[0] > 0
+
+
+def _documents(rng, length: int) -> torch.Tensor:
+    """One row's document numbers: nondecreasing from 0, a new document at random positions
+    (single-token documents and one starting at position 0 included at times)."""
+    starts = [i for i in range(length) if rng.random() < 0.12]
+    ids = torch.zeros(length, dtype=torch.int64)
+    for s in starts:
+        ids[s:] += 1
+    return ids
+
+
+def _block_mistake(kind):
+    def block_mask(documents, block):
+        T = documents.shape[0]
+        n = T // block
+        q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        same = documents[:, None] == documents[None, :]
+        pairs = {
+            "causal only": q >= k,
+            "documents only": same,
+            "strictly earlier keys": same & (q > k),
+            "transposed": same & (q <= k),
+        }.get(kind, same & (q >= k))
+        counts = pairs.reshape(n, block, n, block).sum((1, 3))
+        if kind == "full blocks only":
+            return counts == block * block
+        if kind == "first tokens of each block":
+            firsts = documents[::block]
+            return (firsts[:, None] == firsts[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+        return counts > 0
+
+    return block_mask
+
+
+BLOCK_MISTAKES = {
+    kind: _block_mistake(kind)
+    for kind in (
+        "causal only",
+        "documents only",
+        "strictly earlier keys",
+        "transposed",
+        "full blocks only",
+        "first tokens of each block",
+    )
+}
+
+
+def _draw_layouts(rng):
+    cases = []
+    for block in (1, 2, 4, 8):
+        for _ in range(2):
+            n = rng.randint(3, 8)
+            cases.append((_documents(rng, n * block), block))
+    return cases
+
+
+def _as_lists(block_mask):
+    return lambda documents, block: block_mask(documents, block).tolist()
+
+
+@exercise("21_block_mask", "which query-key blocks a block-causal document mask keeps")
+def block_mask(c, fn):
+    def real(documents, block):
+        return _real_block_mask(documents, block).tolist()
+
+    wrong = {kind: _as_lists(mistake) for kind, mistake in BLOCK_MISTAKES.items()}
+    cases = c.separating(_draw_layouts, real, wrong)
+    for documents, block in cases:
+        got = c.call(fn, documents.clone(), block)
+        want = _real_block_mask(documents, block)
+        what = f"the kept blocks of documents {documents.tolist()} in blocks of {block}"
+        if isinstance(got, torch.Tensor):
+            got = got.bool()
+        c.same_tensor(got, want, what, exact=True)
+    c.passed(f"equals the block layout of {len(cases)} batches' documents, blocks of 1 to 8")
+
+
+def _fractions(lengths: list[int]) -> tuple[float, float]:
+    """Exactly, in float64: attended pairs over all T² of them, causal and block-causal."""
+    T = sum(lengths)
+    return T * (T + 1) / 2 / T**2, sum(n * (n + 1) / 2 for n in lengths) / T**2
+
+
+ATTENDED_MISTAKES = {
+    "diagonal left out": lambda ls: (
+        (sum(ls) - 1) / 2 / sum(ls),
+        sum(n * (n - 1) / 2 for n in ls) / sum(ls) ** 2,
+    ),
+    "half the square": lambda ls: (0.5, sum(n * n / 2 for n in ls) / sum(ls) ** 2),
+    "no causality within a document": lambda ls: (
+        _fractions(ls)[0],
+        sum(n * n for n in ls) / sum(ls) ** 2,
+    ),
+    "block-causal over causal's pairs": lambda ls: (
+        _fractions(ls)[0],
+        _fractions(ls)[1] / _fractions(ls)[0],
+    ),
+    "swapped": lambda ls: _fractions(ls)[::-1],
+    "integer division": lambda ls: (
+        (sum(ls) * (sum(ls) + 1) // 2) // sum(ls) ** 2,
+        sum(n * (n + 1) // 2 for n in ls) // sum(ls) ** 2,
+    ),
+}
+
+
+def _draw_lengths(rng):
+    return [([rng.randint(1, 40) for _ in range(rng.randint(1, 6))],) for _ in range(6)] + [
+        ([1] * rng.randint(2, 5),),
+        ([rng.randint(2, 9)],),
+    ]
+
+
+@exercise(
+    "21_attended_fraction", "the fraction of query-key pairs a causal and a document mask keep"
+)
+def attended_fraction(c, fn):
+    cases = c.separating(_draw_lengths, _fractions, ATTENDED_MISTAKES)
+    for (lengths,) in cases:
+        got = c.call(fn, list(lengths))
+        c.same_value(
+            got,
+            _fractions(lengths),
+            f"(causal, block-causal) for documents of lengths {lengths}",
+            rel=1e-6,  # float32's rounding passes; every mistake is off by 1/T or more
+        )
+    c.passed(f"equals the exact fractions for {len(cases)} packings, one-token documents included")

@@ -161,6 +161,11 @@ DEPENDS_ON = (
         "--parallel.cp 2 or more",
     ),
     (
+        ("model.attention",),
+        lambda c: c.data.document_mask,
+        "--data.document_mask true",
+    ),
+    (
         tuple(
             f"fault_tolerance.{key}"
             for key in (

@@ -61,7 +61,11 @@ READING_ORDER = [
         "torch.compile, and the trial that decides whether it can run here",
         ["efficiency/compile.py", "efficiency/compile_trial.py"],
     ),
-    ("06", "FP8", ["efficiency/fp8.py", "_compat/torchao_internals.py"]),
+    (
+        "06",
+        "FP8 (and the torchao internals it and the 8-/4-bit AdamW touch)",
+        ["efficiency/fp8.py", "_compat/torchao_internals.py"],
+    ),
     ("07", "joining a job; data parallel", ["distributed/env.py", "distributed/ddp.py"]),
     ("08", "FSDP2 (ZeRO-3)", ["distributed/fsdp.py"]),
     ("09", "tensor, sequence and loss parallel", ["distributed/tensor_parallel.py"]),
@@ -89,12 +93,22 @@ READING_ORDER = [
     (
         "17",
         "context parallel: ring attention across the ranks",
-        ["distributed/context_parallel.py"],
+        ["distributed/context_parallel.py", "distributed/attention_block.py"],
     ),
     (
         "18",
         "mixture of experts: routing, balance, experts split over ranks",
         ["models/moe.py", "distributed/expert_parallel.py"],
+    ),
+    (
+        "20",
+        "Muon on the hidden matrices and AdamW on the rest; its update gathered under FSDP",
+        ["muon.py"],
+    ),
+    (
+        "21",
+        "document masks: SDPA's boolean or FlexAttention's BlockMask, and where flex trains",
+        ["models/masked_attention.py", "models/flex.py"],
     ),
     (
         "22",

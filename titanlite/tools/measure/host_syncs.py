@@ -181,18 +181,18 @@ def train_and_count(overrides: dict, as_on_cuda: bool = True) -> dict[int, tuple
     """Train with `overrides` (in each rank of a `launch_function` job, or alone) with the tools
     `titanlite train` hands in, counting every step's would-be host syncs. `as_on_cuda`: the
     optimizer as CUDA builds it (fused AdamW, which keeps its step counters on the device)."""
-    from ... import train
+    from ... import optimizer, train
     from ...config import load_config
     from .goodput import Goodput
     from .stragglers import Stragglers
 
-    counter, policy = [], train.use_fused_adamw
+    counter, policy = [], optimizer.use_fused_adamw
     if as_on_cuda:
-        train.use_fused_adamw = lambda device_type: True
+        optimizer.use_fused_adamw = lambda device_type: True
     try:
         trainer = train.Trainer(load_config(None, overrides))
     finally:
-        train.use_fused_adamw = policy
+        optimizer.use_fused_adamw = policy
     extra = [Goodput] + ([Stragglers] if trainer.dist.distributed else [])
     # First in the chain: its window opens before every other watcher's step work, closes after.
     trainer.fit(watchers=[lambda run: counter.append(StepSyncs(run)) or counter[-1], *extra])
