@@ -332,6 +332,24 @@ def test_a_run_beating_its_peak_re_measures_it_once(counted_measure, monkeypatch
     assert len(counted_measure) == 2 and len(said) == 1
 
 
+def test_an_mfu_above_one_is_measured_against_a_peak_taken_again_with_its_noise(
+    counted_measure,
+):
+    """notebook 01's claim, MFU <= 1: below its peak a run is measured against it (no noise
+    allowed); beyond it the peak is measured again and the run compared with the better of the
+    two, allowing the new measurement's spread; a datasheet peak is never re-measured."""
+    cached = matmul_peak.matmul_peak("cpu", torch.float32)  # 110 GFLOP/s (the fake's first)
+    mfu, noise, label = matmul_peak.mfu_within_noise(55e9, cached, "cpu", torch.float32)
+    assert mfu == pytest.approx(0.5) and (noise, label) == (0.0, cached.label)
+    assert len(counted_measure) == 1
+    mfu, noise, label = matmul_peak.mfu_within_noise(240e9, cached, "cpu", torch.float32)
+    assert mfu == pytest.approx(240 / 120) and noise == 0.01 and len(counted_measure) == 2
+    assert "measured again" in label and "120 TFLOP/s" not in label and "0.12 TFLOP/s" in label
+    sheet = Peak(1e9, "datasheet", "datasheet: test")
+    assert matmul_peak.mfu_within_noise(2e9, sheet, "cpu", torch.float32)[:2] == (2.0, 0.0)
+    assert len(counted_measure) == 2
+
+
 # ---- datasheet -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "gpu, dtype, tf32, tflops, product",

@@ -11,7 +11,7 @@ from conftest import tiny_overrides
 from titanlite import TitanliteError
 from titanlite.config import load_config
 from titanlite.optimizer import lr_lambda
-from titanlite.tools.probe.matmul_peak import MatmulPeaks
+from titanlite.tools.probe.matmul_peak import MatmulPeaks, mfu_within_noise
 from titanlite.train import Trainer
 from titanlite.weights import load_weights, save_weights
 
@@ -44,8 +44,14 @@ def test_loss_falls_and_metrics_are_logged(data_dir, tmp_path, monkeypatch):
     assert all(r["mfu"] > 0 and r["tokens_per_sec"] > 0 for r in train)
     # MFU is a fraction of the peak measured on this machine. A step can still beat a peak that
     # was measured while the machine was busier (the load here comes and goes): the typical step
-    # does not, and a step that does is never silent.
-    assert statistics.median(r["mfu"] for r in train) < 1
+    # does not, against a peak measured again with its noise, and a step that does is never silent.
+    mfu, noise, _ = mfu_within_noise(
+        statistics.median(r["tokens_per_sec"] for r in train) * trainer.flops_per_token,
+        trainer.peak,
+        trainer.device,
+        trainer.compute_dtype,
+    )
+    assert 0 < mfu <= 1 + noise
     if any(r["mfu"] >= 1 for r in train):
         assert any("peak is too low" in str(w.message) for w in caught), "MFU > 1 said so"
     assert seen == records  # callbacks see exactly what is logged

@@ -244,6 +244,24 @@ def recheck_peak(
     return fresh
 
 
+def mfu_within_noise(achieved_flops_per_s: float, peak: Peak, device, dtype) -> tuple:
+    """(mfu, spread, label): the MFU of `achieved_flops_per_s` FLOP/s against `peak`, a fraction
+    when the peak and the run saw the same machine. A run that beats a measured peak saw a quieter
+    machine than the peak did (on a shared one the load comes and goes): then the peak is measured
+    again, now, and the MFU is taken against the better of the two; `spread` is the new
+    measurement's (best - worst) / best over its rounds, the noise the machine showed meanwhile, so
+    `mfu <= 1 + spread` is what can honestly be claimed (spread 0 when nothing was re-measured)."""
+    if peak.source != "measured" or achieved_flops_per_s <= peak.flops:
+        return achieved_flops_per_s / peak.flops, 0.0, peak.label
+    ((now, spread),) = measure_peaks(device, [dtype]).values()
+    best = max(now.flops, peak.flops)
+    label = (
+        f"a peak measured again after the run beat {peak.flops / 1e12:.3g} TFLOP/s: "
+        f"{now.flops / 1e12:.3g} TFLOP/s, its rounds {spread:.0%} apart"
+    )
+    return achieved_flops_per_s / best, spread, label
+
+
 def _with_datasheet(peak: Peak, sheet: Peak | None) -> Peak:
     if sheet is None:
         return peak
