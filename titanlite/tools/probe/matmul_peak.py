@@ -247,19 +247,28 @@ def recheck_peak(
 def mfu_within_noise(achieved_flops_per_s: float, peak: Peak, device, dtype) -> tuple:
     """(mfu, spread, label): the MFU of `achieved_flops_per_s` FLOP/s against `peak`, a fraction
     when the peak and the run saw the same machine. A run that beats a measured peak saw a quieter
-    machine than the peak did (on a shared one the load comes and goes): then the peak is measured
-    again, now, and the MFU is taken against the better of the two; `spread` is the new
-    measurement's (best - worst) / best over its rounds, the noise the machine showed meanwhile, so
-    `mfu <= 1 + spread` is what can honestly be claimed (spread 0 when nothing was re-measured)."""
+    machine than the peak did (on a shared one the load comes and goes): then the peak in force
+    now (the cache, which the run's own re-check may have raised) is used, and if the run beats
+    that too, the peak is measured again - until its rounds agree within MAX_SPREAD, three tries
+    at most - and the MFU taken against the best of them. `spread` is that measurement's
+    (best - worst) / best over its rounds, at most MAX_SPREAD: `mfu <= 1 + spread` is what can
+    honestly be claimed (spread 0 when nothing was measured again)."""
     if peak.source != "measured" or achieved_flops_per_s <= peak.flops:
         return achieved_flops_per_s / peak.flops, 0.0, peak.label
-    ((now, spread),) = measure_peaks(device, [dtype]).values()
-    best = max(now.flops, peak.flops)
+    cached = matmul_peak(device, dtype)
+    if achieved_flops_per_s <= cached.flops:
+        return achieved_flops_per_s / cached.flops, 0.0, cached.label
+    for _ in range(3):
+        ((now, spread),) = measure_peaks(device, [dtype]).values()
+        if spread <= MAX_SPREAD:
+            break
+    best = max(now.flops, cached.flops)
+    which = "measured again now" if now.flops >= cached.flops else "cached, above the new one"
     label = (
-        f"a peak measured again after the run beat {peak.flops / 1e12:.3g} TFLOP/s: "
-        f"{now.flops / 1e12:.3g} TFLOP/s, its rounds {spread:.0%} apart"
+        f"{best / 1e12:.4g} TFLOP/s ({which}; the run beat {peak.flops / 1e12:.4g}, the new "
+        f"measurement's rounds {spread:.0%} apart)"
     )
-    return achieved_flops_per_s / best, spread, label
+    return achieved_flops_per_s / best, min(spread, MAX_SPREAD), label
 
 
 def _with_datasheet(peak: Peak, sheet: Peak | None) -> Peak:
