@@ -253,6 +253,24 @@ def test_a_t4_under_fsdp_trains_in_fp32_never_fp16_with_a_scaler(
     assert record["autocast"] is None and record["grad_scaler"] is False
 
 
+def test_a_t4_in_a_replica_group_trains_in_fp32_never_fp16_with_a_scaler(
+    data_dir, tmp_path, monkeypatch, virtual_gpus
+):
+    """The same "auto" in one process that is a replica group of a fault-tolerant job: a group
+    that rejoins would start from a fresh loss scale, not its peers' (the pair preflight refuses
+    when fp16 is asked for by name), so fp32 there too. (torchft's Manager is not joined: no
+    lighthouse in this test, and the precision is decided before it.)"""
+    import titanlite.resilience.fault_tolerance as fault_tolerance
+
+    monkeypatch.setattr(fault_tolerance, "apply_ft", lambda trainer: None)
+    virtual_gpus(T4, ["GPU-t4"])
+    trainer, record = _build(data_dir, tmp_path, peaks=False, **{"fault_tolerance.enable": True})
+    assert trainer.dims.strategy == "none" and trainer.dims.replica_groups == 1
+    assert record["autocast"] is None and record["grad_scaler"] is False
+    alone, record = _build(data_dir, tmp_path / "alone", peaks=False)  # the same GPU, alone
+    assert record["autocast"] == "torch.float16" and record["grad_scaler"] is True
+
+
 MOE = {"model.n_experts": 4, "model.experts_per_token": 2}
 FP32 = {"training.mixed_precision": "fp32", "parallel.param_dtype": "float32"}  # no 16 bits
 

@@ -96,8 +96,9 @@ class Trainer:
         cfg, dims = self.cfg, self.dims
         self.dtype = hardware.resolve_dtype(cfg.training.dtype, self.device)
         hardware.seed_everything(cfg.training.seed, cfg.training.deterministic)
-        # FSDP/TP/PP ranks each see only their shard's overflow: "auto" never picks fp16 there.
-        one_copy = not (dims.sharded or dims.tp > 1 or dims.pp > 1)
+        # FSDP/TP/PP ranks each see only their shard's overflow, and a replica group that rejoins
+        # would start from a fresh loss scale: "auto" never picks fp16 (with a scaler) there.
+        one_copy = not (dims.sharded or dims.tp > 1 or dims.pp > 1 or cfg.fault_tolerance.enable)
         self.precision = Precision(
             cfg.training.mixed_precision, self.device, scaler_ok=one_copy, param_dtype=self.dtype
         )
