@@ -97,6 +97,8 @@ def test_diloco_meets_every_h_steps_and_leaves_the_groups_equal(data_dir, tmp_pa
     for g in groups:
         sent = [r["reduced_bytes"] for r in g.records if r.get("kind") == "train"]
         assert sent == [0, 0, weights] * (STEPS // H), sent
+        # both groups in every quorum: the first waits for all, the lighthouse then for both
+        assert {r["quorum"] for r in g.records if r.get("kind") == "train"} == {2}
     ra, rb = ([r["loss"] for r in g.records if r.get("kind") == "train"] for g in groups)
     assert all(x != y for x, y in zip(ra, rb))  # two data slices, two runs between meetings
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

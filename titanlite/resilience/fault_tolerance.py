@@ -204,7 +204,11 @@ class ReplicaWatch(Watcher):
         self.replicas, self.reduced_before = replicas, 0
 
     def on_step_start(self, step: int) -> None:
-        if self.replicas.per_step:
+        # DiLoCo / LocalSGD start their own quorum every H steps; a fresh job's first one is still
+        # this one, which waits for every group: else a group still starting up leaves the other to
+        # sync alone, and each then in a quorum of its own (the lighthouse waits only for the last
+        # quorum's members).
+        if self.replicas.per_step or self.replicas.first_quorum:
             self.replicas.start_quorum()
 
     def on_step_end(self, end) -> None:
