@@ -15,6 +15,13 @@ class TitanliteError(Exception):
     """Bad input or an unavailable resource, explained in one line (problem + fix)."""
 
 
+def refuse_first(*refusals: tuple[object, str]) -> None:
+    """Raise the first refusal (what cannot work, its one line with the fix) whose condition holds."""
+    for broken, message in refusals:
+        if broken:
+            raise TitanliteError(message)
+
+
 class WriteFailed(TitanliteError):
     """A write the disk refused (full, over quota, read-only, not ours). What was on disk before is
     intact (written aside, renamed only when whole). `exit_code`: 1 for a disk that filled up while

@@ -18,7 +18,7 @@ from .data.tokenizer import load_tokenizer
 from .distributed.mesh import ParallelDims
 from .distributed.parallelize import sequence_parallel_enabled
 from .efficiency.accumulation import resolve_batch
-from .errors import TitanliteError
+from .errors import TitanliteError, refuse_first
 from .models.llama import ModelArgs, count
 from .optimizer import check_optimizer
 from .resilience.fault_tolerance_config import replica_group
@@ -105,13 +105,6 @@ def model_args_for(cfg: Config, vocab_size: int, start_from=None) -> ModelArgs:
         ),
     )
     return args
-
-
-def refuse_first(*refusals: tuple[object, str]) -> None:
-    """Raise the first refusal (what cannot work, its one line with the fix) whose condition holds."""
-    for broken, message in refusals:
-        if broken:
-            raise TitanliteError(message)
 
 
 def moe_args_of(m):

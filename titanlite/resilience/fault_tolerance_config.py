@@ -9,7 +9,7 @@ which imports torchft, is fault_tolerance.py, loaded only by a run that asks for
 from dataclasses import dataclass, replace
 
 from ..config_fields import one_of, ranged
-from ..errors import TitanliteError
+from ..errors import refuse_first
 
 
 @dataclass
@@ -34,7 +34,7 @@ def replica_group(ft: FaultToleranceSection, dims, mixed_precision: str, moe):
     """The rank grid `dims` (a ParallelDims) as replica group `ft.replica_id` of `ft.group_size`,
     after refusing what no replica group can be: outside the groups, waiting for more groups than
     there are, or holding state the groups would not keep equal (`moe`: the model's MoEArgs)."""
-    refusals = (
+    refuse_first(
         (
             ft.replica_id >= ft.group_size,
             f"fault_tolerance.replica_id={ft.replica_id} is outside the {ft.group_size} replica "
@@ -59,7 +59,4 @@ def replica_group(ft: FaultToleranceSection, dims, mixed_precision: str, moe):
             "--training.mixed_precision bf16",
         ),
     )
-    for broken, message in refusals:
-        if broken:
-            raise TitanliteError(message)
     return replace(dims, replica_groups=ft.group_size, replica_group=ft.replica_id)
