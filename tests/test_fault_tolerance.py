@@ -35,6 +35,16 @@ def _cfg(data_dir, tmp_path, **extra):
     return load_config(None, o)
 
 
+def _final_states(groups):
+    """Each group's one committed checkpoint: (its folder's name, the whole state it holds)."""
+    from titanlite._compat.torch_tools import load_whole_dcp_state
+    from titanlite.resilience.checkpoint_files import RawReader, committed
+
+    paths = [committed(g.run_dir / "checkpoints") for g in groups]
+    assert [len(p) for p in paths] == [1] * len(groups)
+    return [(p.name, load_whole_dcp_state(RawReader(p))) for (p,) in paths]
+
+
 def test_each_replica_group_reads_its_own_slice_of_the_data():
     """Replica groups are one more data-parallel axis: group g's ranks read slices g·dp .. g·dp+dp-1
     of the g·dp data slices, the global batch of each group staying the group's own."""
@@ -85,11 +95,7 @@ def test_diloco_meets_every_h_steps_and_leaves_the_groups_equal(data_dir, tmp_pa
     )
     with Lighthouse() as lighthouse:
         groups = launch_replica_groups(cfg, 2, lighthouse=lighthouse, timeout_s=300)
-    from titanlite._compat.torch_tools import load_whole_dcp_state
-    from titanlite.resilience.checkpoint_files import RawReader, committed
-
-    (a,), (b,) = (committed(g.run_dir / "checkpoints") for g in groups)
-    a, b = (load_whole_dcp_state(RawReader(p)) for p in (a, b))
+    (_, a), (_, b) = _final_states(groups)
     # every parameter's bytes: as many as AdamW's first moments (the rotary tables are buffers)
     weights = sum(
         v.numel() * v.element_size() for k, v in a["optimizer"].items() if k.endswith(".exp_avg")
@@ -138,15 +144,8 @@ def test_a_killed_group_heals_from_a_live_peer_bit_for_bit(data_dir, tmp_path):
     # No checkpoint was read: no restore in its goodput timeline, none committed before the end.
     events = [json.loads(x) for x in (healed.run_dir / "goodput.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["event"] == "restore"]
-    from titanlite._compat.torch_tools import load_whole_dcp_state
-    from titanlite.resilience.checkpoint_files import RawReader, committed
-
-    (a,), (b,) = (
-        committed(survivor.run_dir / "checkpoints"),
-        committed(healed.run_dir / "checkpoints"),
-    )
-    assert a.name == b.name == f"step-{LONG:08d}"
-    a, b = (load_whole_dcp_state(RawReader(p)) for p in (a, b))
+    (name_a, a), (name_b, b) = _final_states([survivor, healed])
+    assert name_a == name_b == f"step-{LONG:08d}"
     assert a.keys() == b.keys() and a["model"].keys() == b["model"].keys()
     for part in ("model", "optimizer"):
         for key, value in a[part].items():
