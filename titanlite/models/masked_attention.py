@@ -58,13 +58,11 @@ class MaskedAttention:
         rank's queries; Tk: every rank's keys, in rank order."""
         total = local_len * (cp.size if cp is not None else 1)
         documents = documents.to(device)
-        q_pos = (
-            torch.arange(total, device=device) if cp is None else cp.positions(local_len, device)
-        )
-        k_pos = (
-            torch.arange(total, device=device)
+        # each query's and key's position in the whole sequence (under CP: this rank's queries)
+        q_pos, k_pos = (
+            (torch.arange(total, device=device),) * 2
             if cp is None
-            else cp.key_positions(local_len, device)
+            else (cp.positions(local_len, device), cp.key_positions(local_len, device))
         )
         if self.kernel == "sdpa":
             same = documents[:, q_pos, None] == documents[:, None, k_pos]
